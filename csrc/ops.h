@@ -1,0 +1,35 @@
+// C++ declarations of every op's backend implementations. Schemas live in torch_bindings.cpp;
+// each backend file registers its own implementations with TORCH_LIBRARY_IMPL at its bottom.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <tuple>
+
+namespace fasttrain {
+
+// ---- nf4 (issue 2) ------------------------------------------------------------------
+// w: any shape, float32/float16/bfloat16, contiguous. Returns (packed uint8 [ceil(n/2)],
+// absmax float32 [ceil(n/blocksize)]).
+std::tuple<at::Tensor, at::Tensor> nf4_quantize_cpu(const at::Tensor& w, int64_t blocksize);
+std::tuple<at::Tensor, at::Tensor> nf4_quantize_cuda(const at::Tensor& w, int64_t blocksize);
+// Returns a flat [numel] tensor of `dtype`.
+at::Tensor nf4_dequantize_cpu(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
+                              int64_t numel, at::ScalarType dtype);
+at::Tensor nf4_dequantize_cuda(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
+                               int64_t numel, at::ScalarType dtype);
+// 8-bit blockwise quantization against a sorted 256-entry code (double quantization of absmax).
+std::tuple<at::Tensor, at::Tensor> blockwise8_quantize_cpu(const at::Tensor& x, const at::Tensor& code,
+                                                           int64_t blocksize);
+std::tuple<at::Tensor, at::Tensor> blockwise8_quantize_cuda(const at::Tensor& x, const at::Tensor& code,
+                                                            int64_t blocksize);
+at::Tensor blockwise8_dequantize_cpu(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code,
+                                     int64_t blocksize);
+at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code,
+                                      int64_t blocksize);
+
+// ---- fused_logprob (issue 3) ----------------------------------------------------------
+
+// ---- policy_loss (issue 4) ------------------------------------------------------------
+
+// ---- nf4_linear (issue 5) -------------------------------------------------------------
+
+}  // namespace fasttrain

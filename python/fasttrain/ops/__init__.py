@@ -1,0 +1,18 @@
+"""fasttrain's fused ops, importable by any trainer: `import fasttrain.ops`.
+
+Each op is a schema in the `torch.ops.fasttrain` namespace with CPU and (when built) CUDA kernels,
+a fake (meta) kernel for torch.compile, and, where it has a backward, a registered autograd formula
+whose backward is itself an op.
+"""
+from fasttrain._native import build_info, load as _load
+
+_load()
+
+from fasttrain.ops.nf4 import NF4State, nf4_dequantize, nf4_quantize, dynamic_map  # noqa: E402
+from fasttrain.ops.logprob import *  # noqa: E402,F401,F403
+from fasttrain.ops.policy_loss import *  # noqa: E402,F401,F403
+from fasttrain.ops.nf4_linear import *  # noqa: E402,F401,F403
+
+__all__ = ["build_info", "NF4State", "nf4_quantize", "nf4_dequantize", "dynamic_map"]
+for _m in ("logprob", "policy_loss", "nf4_linear"):
+    __all__ += getattr(__import__(f"fasttrain.ops.{_m}", fromlist=["__all__"]), "__all__", [])

@@ -1,0 +1,2 @@
+"""Placeholder: lands with its issue."""
+__all__: list[str] = []

@@ -1,0 +1,136 @@
+"""NF4 quantization in the exact bitsandbytes format.
+
+Layout (bitsandbytes `quantize_4bit(quant_type="nf4")`): the weight is flattened row-major and cut
+into blocks of `blocksize` (default 64) values; each block stores its float32 absmax, and each
+value the 4-bit index of the nearest NF4 level of value/absmax, two per byte with element 2j in the
+high nibble. Double quantization (QLoRA) stores the absmax vector itself in 8 bits: its mean is
+subtracted and the rest is quantized blockwise (256 per block) against the signed dynamic map.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from fasttrain._native import load as _load
+
+_load()
+_ops = torch.ops.fasttrain
+
+ABSMAX_BLOCKSIZE = 256  # blocksize of the double-quantized absmax, as bitsandbytes
+
+
+def dynamic_map() -> torch.Tensor:
+    """The signed 8-bit dynamic code of Dettmers (2015, arXiv:1511.04561), sorted, 256 float32.
+
+    One sign bit; for exponent level e = 0..6 the fraction levels are the midpoints of 2**e + 1
+    evenly spaced points on [0.1, 1], scaled by 10**(e - 6), mirrored for negatives; plus 0 and 1.
+    That is 2 * 127 + 2 = 256 codes.
+    """
+    values: list[float] = [0.0, 1.0]
+    for e in range(7):
+        edges = torch.linspace(0.1, 1.0, 2**e + 1, dtype=torch.float32)
+        mids = (edges[:-1] + edges[1:]) / 2.0
+        scale = 10.0 ** (e - 6)  # products taken in float32, as the format's reference does
+        values += (scale * mids).tolist() + ((-scale) * mids).tolist()
+    assert len(values) == 256
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+_DYNAMIC_MAP: dict[torch.device, torch.Tensor] = {}
+
+
+def _dynamic_map_on(device: torch.device) -> torch.Tensor:
+    if device not in _DYNAMIC_MAP:
+        _DYNAMIC_MAP[device] = dynamic_map().to(device)
+    return _DYNAMIC_MAP[device]
+
+
+@dataclass
+class NF4State:
+    """What is needed to decode a packed NF4 weight: shape, dtype, blocksize and the scales.
+
+    Plain: `absmax` float32 [n_blocks]. Double-quantized: `qabsmax` uint8 [n_blocks], its float32
+    scales `absmax2` [ceil(n_blocks/256)], the 256-entry `code` and the subtracted `offset`.
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    blocksize: int
+    absmax: torch.Tensor | None = None
+    qabsmax: torch.Tensor | None = None
+    absmax2: torch.Tensor | None = None
+    code: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def double_quant(self) -> bool:
+        return self.qabsmax is not None
+
+    def absmax_fp32(self) -> torch.Tensor:
+        """The per-block float32 absmax (decoded from 8 bits when double-quantized)."""
+        if not self.double_quant:
+            return self.absmax
+        return _ops.blockwise8_dequantize(self.qabsmax, self.absmax2, self.code, ABSMAX_BLOCKSIZE) + self.offset
+
+    def to(self, device) -> "NF4State":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return NF4State(self.shape, self.dtype, self.blocksize, mv(self.absmax), mv(self.qabsmax),
+                        mv(self.absmax2), mv(self.code), mv(self.offset))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.absmax, self.qabsmax, self.absmax2, self.code, self.offset) if t is not None)
+
+
+def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -> tuple[torch.Tensor, NF4State]:
+    """Quantize `w` (fp32/fp16/bf16, any shape) to NF4. Returns (packed uint8 [ceil(n/2)], state)."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"nf4_quantize: w must be a torch.Tensor, got {type(w).__name__}")
+    if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"nf4_quantize: w must be float32, float16 or bfloat16, got {w.dtype}")
+    if w.numel() == 0:
+        raise ValueError("nf4_quantize: w is empty")
+    packed, absmax = _ops.nf4_quantize(w.detach(), blocksize)
+    state = NF4State(shape=w.shape, dtype=w.dtype, blocksize=blocksize)
+    if double_quant:
+        offset = absmax.mean()
+        q, a2 = _ops.blockwise8_quantize(absmax - offset, _dynamic_map_on(w.device), ABSMAX_BLOCKSIZE)
+        state.qabsmax, state.absmax2, state.code, state.offset = q, a2, _dynamic_map_on(w.device), offset
+    else:
+        state.absmax = absmax
+    return packed, state
+
+
+def nf4_dequantize(packed: torch.Tensor, state: NF4State, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Decode to a tensor of `state.shape` in `dtype` (default: the quantized weight's dtype)."""
+    out = _ops.nf4_dequantize(packed, state.absmax_fp32(), state.blocksize, state.numel, dtype or state.dtype)
+    return out.view(state.shape)
+
+
+@torch.library.register_fake("fasttrain::nf4_quantize")
+def _(w, blocksize):
+    n = w.numel()
+    return w.new_empty(((n + 1) // 2,), dtype=torch.uint8), w.new_empty(((n + blocksize - 1) // blocksize,),
+                                                                         dtype=torch.float32)
+
+
+@torch.library.register_fake("fasttrain::nf4_dequantize")
+def _(packed, absmax, blocksize, numel, dtype):
+    return packed.new_empty((numel,), dtype=dtype)
+
+
+@torch.library.register_fake("fasttrain::blockwise8_quantize")
+def _(x, code, blocksize):
+    n = x.numel()
+    return x.new_empty((n,), dtype=torch.uint8), x.new_empty(((n + blocksize - 1) // blocksize,))
+
+
+@torch.library.register_fake("fasttrain::blockwise8_dequantize")
+def _(q, absmax, code, blocksize):
+    return absmax.new_empty((q.numel(),))

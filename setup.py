@@ -1,0 +1,122 @@
+"""Build driver: setup.py runs CMake (CMakeLists.txt is the one build truth, as in vLLM).
+
+FASTTRAIN_CUDA=auto|0|1 decides whether CUDA kernels are compiled. "auto" compiles them when an
+nvcc toolkit and a CUDA build of torch are both present; it never asks torch.cuda.is_available(),
+because build machines have no GPU. The build folder (build/cmake) is kept, so a rebuild after one
+edit recompiles only that file.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+VERSION = "0.1.0"
+
+
+def find_cuda_home() -> Path | None:
+    """The CUDA toolkit folder itself (not a wrapper's folder: torch guesses wrong on such hosts)."""
+    candidates = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent)
+    candidates.append(Path("/usr/local/cuda"))
+    candidates += [Path(p) for p in sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+    for c in candidates:
+        if (c / "bin" / "nvcc").exists() and (c / "include" / "cuda_runtime.h").exists():
+            return c
+    return None
+
+
+def want_cuda() -> tuple[bool, Path | None]:
+    mode = os.environ.get("FASTTRAIN_CUDA", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"FASTTRAIN_CUDA must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        return False, None
+    import torch
+
+    cuda_home = find_cuda_home()
+    have = cuda_home is not None and torch.version.cuda is not None
+    if mode == "1" and not have:
+        raise SystemExit(
+            "FASTTRAIN_CUDA=1 but "
+            + ("no CUDA toolkit (nvcc + include/cuda_runtime.h) was found; set CUDA_HOME"
+               if cuda_home is None else f"torch {torch.__version__} is a CPU build")
+        )
+    return have, cuda_home
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        import torch
+        import torch.utils.cpp_extension as cpp
+
+        with_cuda, cuda_home = want_cuda()
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(os.environ.get("FASTTRAIN_BUILD_DIR", ROOT / "build" / "cmake"))
+        build_dir.mkdir(parents=True, exist_ok=True)
+
+        includes = cpp.include_paths(device_type="cuda" if with_cuda else "cpu")
+        libdirs = cpp.library_paths(device_type="cuda" if with_cuda else "cpu")
+        env = dict(os.environ)
+        if with_cuda:
+            includes = [p for p in includes if not p.startswith("/usr/local/include")]
+            includes.append(str(cuda_home / "include"))
+            # torch's CUDA headers include cusparse.h etc., shipped by the nvidia cu13 wheels.
+            for mod in ("nvidia/cu13/include", "nvidia/cusparse/include", "nvidia/cublas/include"):
+                for sp in sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]:
+                    p = Path(sp) / mod
+                    if p.is_dir() and str(p) not in includes:
+                        includes.append(str(p))
+            libdirs = [str(cuda_home / "lib64")] + [p for p in libdirs if p != "/usr/local/lib"]
+            env["CUDA_HOME"] = str(cuda_home)
+            env["CUDACXX"] = str(cuda_home / "bin" / "nvcc")
+
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        cfg = [
+            "cmake", "-S", str(ROOT), "-B", str(build_dir), *generator,
+            f"-DFASTTRAIN_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
+            f"-DTORCH_INCLUDE_DIRS={';'.join(includes)}",
+            f"-DTORCH_LIBRARY_DIRS={';'.join(libdirs)}",
+            f"-DPYTHON_INCLUDE_DIR={sysconfig.get_paths()['include']}",
+            f"-DFASTTRAIN_EXT_SUFFIX={sysconfig.get_config_var('EXT_SUFFIX')}",
+            f"-DFASTTRAIN_OUTPUT_DIR={out_dir}",
+            f"-DFASTTRAIN_GLIBCXX_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-DFASTTRAIN_VERSION={VERSION}",
+        ]
+        if with_cuda:
+            cfg.append(f"-DCMAKE_CUDA_COMPILER={cuda_home / 'bin' / 'nvcc'}")
+        if os.environ.get("FASTTRAIN_CUDA_ARCHS"):
+            cfg.append(f"-DFASTTRAIN_CUDA_ARCHS={os.environ['FASTTRAIN_CUDA_ARCHS']}")
+        if os.environ.get("FASTTRAIN_NATIVE_ARCH") == "0":
+            cfg.append("-DFASTTRAIN_NATIVE_ARCH=OFF")
+        print("fasttrain build:", "CPU + CUDA" if with_cuda else "CPU only", f"({build_dir})", flush=True)
+        subprocess.run(cfg, check=True, env=env, stdout=subprocess.DEVNULL if not self.verbose else None)
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+        subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs], check=True, env=env)
+        # CMake wrote the module where setuptools expects it; `--inplace` then copies it into
+        # python/fasttrain.
+
+
+setup(
+    version=VERSION,
+    ext_modules=[CMakeExtension("fasttrain._C")],
+    cmdclass={"build_ext": CMakeBuild},
+)
