@@ -162,7 +162,8 @@ class SignalEnvironment:
     """World A (`signal-a`) or B (`signal-b`) of the built-in environment; see module doc."""
 
     def __init__(self, variant: str = "a", train_slice: str | None = None,
-                 holdout_slice: str | None = None, limits: Limits = DEFAULT_LIMITS):
+                 holdout_slice: str | None = None, limits: Limits = DEFAULT_LIMITS,
+                 fee_bp: float | None = None):
         if variant not in ("a", "b"):
             raise ValueError("variant must be 'a' or 'b'")
         self.variant = variant
@@ -180,6 +181,8 @@ class SignalEnvironment:
             edges = np.linspace(WARMUP, T, 5).astype(int)
             self._bounds = tuple((f"slice{i}", int(edges[i]), int(edges[i + 1])) for i in range(4))
             self._alias = {"train": train_slice or "slice0", "holdout": holdout_slice or "slice3"}
+        if fee_bp is not None:                       # override (tests, what-if studies)
+            self.fee_bp = float(fee_bp)
         self.data_slices = tuple(b[0] for b in self._bounds)
         for alias, target in self._alias.items():
             if target not in self.data_slices:
