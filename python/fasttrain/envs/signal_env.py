@@ -32,7 +32,6 @@ prompt's field list, or is flat on more than half of the scored days.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -47,7 +46,7 @@ from .signal_prompts import HORIZONS, make_prompts
 
 ANSWER_FORMAT = ("Answer with one expression inside <signal>...</signal>, for example "
                  "<signal>rank(ts_mean(volume, 10))</signal>.")
-_TAG = re.compile(r"<signal>(.*?)</signal>", re.DOTALL)
+OPEN_TAG, CLOSE_TAG = "<signal>", "</signal>"
 WARMUP = DEFAULT_LIMITS.max_lookback      # history rows before each slice's first scored day
 N_FOLDS = 4
 BASELINES = ("returns", "-ts_delta(close, 5)", "ts_delta(close, 60)", "volume",
@@ -137,10 +136,15 @@ def pattern_penalty(tree: Node) -> float:
         return -1.0
     pen = 0.0
     node = tree
-    while node.kind in ("neg", "call") and (node.kind == "neg" or node.name in _MONOTONE):
-        node = node.args[0]
-    while node.kind == "bin" and node.name in "*/" and node.args[1].kind == "num":
-        node = node.args[0]                                          # scaling by a constant
+    while True:                          # peel monotone wrappers and scaling by constants
+        if node.kind == "neg" or (node.kind == "call" and node.name in _MONOTONE):
+            node = node.args[0]
+        elif node.kind == "bin" and node.name in "*/" and node.args[1].kind == "num":
+            node = node.args[0]
+        elif node.kind == "bin" and node.name == "*" and node.args[0].kind == "num":
+            node = node.args[1]
+        else:
+            break
     if node.kind == "field":
         pen -= 0.5
 
@@ -262,12 +266,14 @@ class SignalEnvironment:
     def _score_one(self, prompt: Prompt, text: str, sl: Slice) -> tuple[Score, np.ndarray | None]:
         if not isinstance(text, str):
             return self._invalid("answer is not text")
-        m = _TAG.search(text)
-        if m is None:
-            fmt = 0.5 if ("<signal>" in text or "</signal>" in text) else 0.0
+        # str.find, not a lazy regex: '<signal>' x 5000 would make a regex scan quadratic
+        i = text.find(OPEN_TAG)
+        j = text.find(CLOSE_TAG, i + len(OPEN_TAG)) if i >= 0 else -1
+        if j < 0:
+            fmt = 0.5 if (i >= 0 or CLOSE_TAG in text) else 0.0
             return self._invalid("no <signal>...</signal> block", format=fmt)
         try:
-            tree = parse(m.group(1).strip(), self.limits)
+            tree = parse(text[i + len(OPEN_TAG):j].strip(), self.limits)
         except SignalError as e:
             syn = {"tokenize": 0.0, "parse": 0.25, "limits": 0.5}[e.stage]
             return self._invalid(f"{e.stage}: {e}", format=1.0, syntax=syn)
