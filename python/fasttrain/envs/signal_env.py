@@ -52,7 +52,7 @@ N_FOLDS = 4
 BASELINES = ("returns", "-ts_delta(close, 5)", "ts_delta(close, 60)", "volume",
              "ts_std(returns, 20)", "(close - low) / (high - low)")
 ARCHIVE_SIZE = 256
-CACHE_ENTRIES = 48                         # memoised subtrees per slice (~1.1 MB each)
+CACHE_ENTRIES = 32                         # memoised subtrees per slice (~1.1 MB each; cleared when full)
 
 
 def signal_channels(stress_on: bool = True) -> list[Channel]:
