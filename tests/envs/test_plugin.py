@@ -1,0 +1,61 @@
+import math
+import os
+
+import pytest
+
+from fasttrain.envs import GuardedEnvironment, INVALID_CORE, Score, load_env
+
+
+@pytest.fixture(autouse=True)
+def _plugin_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+
+
+def test_plugin_loads_and_scores():
+    env = load_env("toy_plugin:make_env")
+    assert isinstance(env, GuardedEnvironment)
+    assert [c.name for c in env.channels] == ["core", "format"]
+    p = env.prompts("train")[0]
+    s = env.score(p, "6")
+    assert s.valid and s.success and math.isclose(s.core, 1 - 1 / 7)
+    assert s.channels == {"core": pytest.approx(6 / 7), "format": 1.0}
+    # the verifier's own invalid verdict passes through unchanged
+    bad = env.score(p, "seven")
+    assert not bad.valid and bad.reason == "not an integer"
+
+
+@pytest.mark.parametrize("mode,needle", [
+    ("raise", "RuntimeError: verifier exploded"),
+    ("missing", "missing ['format']"),
+    ("extra", "unknown ['bonus']"),
+    ("nan", "non-finite"),
+    ("wrongtype", "not Score"),
+])
+def test_broken_verifier_becomes_invalid_answer(mode, needle):
+    env = load_env("toy_plugin:make_env", mode=mode)
+    p = env.prompts("train")[0]
+    for s in [env.score(p, "7"), *env.score_many([p, p], ["7", "3"])]:
+        assert isinstance(s, Score)
+        assert not s.valid and not s.success
+        assert s.core == INVALID_CORE and needle in s.reason
+        assert set(s.channels) == {"core", "format"}
+        assert all(math.isfinite(v) for v in s.channels.values())
+
+
+def test_one_raising_answer_spoils_only_itself_in_a_batch():
+    env = load_env("toy_plugin:make_env", mode="raise_on_boom")
+    p = env.prompts("train")[0]
+    out = env.score_many([p, p, p], ["7", "boom", "5"])
+    assert [s.valid for s in out] == [True, False, True]
+    assert out[0].core == 1.0 and out[2].core == pytest.approx(5 / 7)
+
+
+def test_bad_specs_fail_loudly_at_load_time():
+    with pytest.raises(ValueError):
+        load_env("no_colon_here")
+    with pytest.raises(ModuleNotFoundError):
+        load_env("surely_missing_module_xyz:make")
+    with pytest.raises(AttributeError):
+        load_env("toy_plugin:nope")
+    with pytest.raises(TypeError):
+        load_env("toy_plugin:broken_factory")
