@@ -61,7 +61,7 @@ def policy_loss(logp, old_logp, advantages, mask, *, loss="cispo", ref_logp=None
     n = m.sum()
     if loss == "grpo":
         seq = (per * m).sum(1) / m.sum(1).clamp_min(1)
-        total = seq.mean()
+        total = seq.sum() / (token_normalizer if token_normalizer is not None else (m.sum(1) > 0).sum().clamp_min(1))
     else:
         total = (per * m).sum() / (token_normalizer if token_normalizer is not None else n.clamp_min(1))
     nn_ = n.clamp_min(1)

@@ -4,7 +4,7 @@ step per pass.
 
 Forward never materialises logits: the decoder's last hidden states at the answer positions go
 through fasttrain.ops.fused_logprob with the lm_head weight. Every micro-batch's loss is divided
-by the whole batch's active token count (token_normalizer), so the sum of micro-batch gradients
+by the whole batch's active token count (token_normalizer; GRPO: its count of sequences), so the sum of micro-batch gradients
 is the gradient of the one-batch loss.
 """
 from __future__ import annotations
@@ -91,8 +91,12 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
     from fasttrain.ops import policy_loss
 
     B = roll.completion_ids.shape[0]
-    active = loss_mask.sum()
-    normalizer = active.to(torch.float32).clamp_min(1)
+    # The whole batch's denominator, so micro-batch gradients add up to the one-batch gradient:
+    # active tokens (CISPO, DAPO) or sequences with an active token (GRPO's mean of means).
+    if loss_cfg.kind == "grpo":
+        normalizer = loss_mask.any(dim=1).sum().to(torch.float32).clamp_min(1)
+    else:
+        normalizer = loss_mask.sum().to(torch.float32).clamp_min(1)
     model.train()
     out = []
     for _ in range(loss_cfg.passes):
@@ -109,12 +113,10 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
                 logp, scores.old_logp[sl], advantages[sl], m, loss=loss_cfg.kind,
                 ref_logp=None if scores.ref_logp is None else scores.ref_logp[sl], beta=loss_cfg.beta,
                 eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high, cispo_cap=loss_cfg.cispo_cap,
-                zeta=zeta, token_normalizer=None if loss_cfg.kind == "grpo" else normalizer)
-            if loss_cfg.kind == "grpo":                 # per-sequence mean, then mean over the batch
-                loss = loss * ((sl.stop - sl.start) / B)
+                zeta=zeta, token_normalizer=normalizer)
             loss.backward()
             total += loss.detach().double().cpu()
-            w = float(m.sum()) / float(normalizer)
+            w = float(m.sum()) / float(loss_mask.sum())      # stats: token-weighted over the batch
             for k, v in stats.items():
                 if k != "active_tokens":
                     acc[k] = acc.get(k, 0.0) + w * float(v)

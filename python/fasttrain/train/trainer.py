@@ -244,9 +244,9 @@ class Trainer:
         t = time.perf_counter()
         res = run_probe(self.model, self.tokenizer, self.env, self.probe_prompts, self.cfg, step)
         save_adapter(self.model, self.dir / "probes" / f"step_{step:06d}" / "adapter", base_model=self.cfg.policy.model)
+        res["seconds_with_save"] = time.perf_counter() - t
         self.probes.append(res)
         append_jsonl(self.dir / "probes.jsonl", res)
-        res["seconds_total"] = time.perf_counter() - t
         return res
 
     def _state(self) -> dict[str, Any]:
@@ -316,11 +316,11 @@ class Trainer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._setup()
         resume_from = getattr(self, "_resume_from", None)
+        from fasttrain.train.run_files import write_text
+        write_text(self.dir / "config.toml", config_to_toml(cfg))   # resumed: with its overrides
         if resume_from is not None:
             self._restore(resume_from)
         else:
-            from fasttrain.train.run_files import write_text
-            write_text(self.dir / "config.toml", config_to_toml(cfg))
             for f in ("metrics.jsonl", "samples.jsonl", "probes.jsonl"):
                 (self.dir / f).write_text("")
         write_json(self.dir / "run.json", {"run_id": self.run_id, "device": str(self.device),
