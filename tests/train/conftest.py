@@ -23,7 +23,7 @@ def tiny_recipe():
 def make_tiny_recipe(out: Path, **over) -> dict:
     r = {
         "run": {"name": "tiny", "seed": 7, "steps": 4, "out": str(out), "device": "cpu", "threads": 1},
-        "policy": {"model": "tiny_world:tiny_policy", "dtype": "float32", "quantize": "none",
+        "policy": {"model": "tiny_world:tiny_policy", "dtype": "float32", "quantize": "nf4",
                    "rank": 4, "alpha": 8.0, "gradient_checkpointing": True},
         "env": {"name": "tiny_world:make_env"},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},

@@ -45,7 +45,7 @@ class RunSection:
 class PolicySection:
     model: str = "smollm2-135m"             # fasttrain.models.load_policy spec, or "module:factory"
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    quantize: Literal["nf4", "none"] = "nf4"
+    quantize: Literal["nf4"] = "nf4"          # fasttrain.nn adapters sit on NF4 layers
     adapter: Literal["lora", "dora"] = "lora"
     rank: int = 32
     alpha: float = 64.0
