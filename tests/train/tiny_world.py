@@ -19,6 +19,9 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([self.bos_token_id] if add_special_tokens else []) + [b + 3 for b in text.encode()]
 
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
@@ -29,7 +32,7 @@ def tiny_policy(dtype: str = "float32"):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     return model, ByteTokenizer()
