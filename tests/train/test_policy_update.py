@@ -20,11 +20,12 @@ class RecordingSGD(torch.optim.SGD):
 
 def _setup(tiny):
     import tiny_world
-    from fasttrain.nn import attach_adapters
+    from fasttrain.nn import attach_adapters, quantize_model
     from fasttrain.train.answers import sample_answers
     model, tok = tiny_world.tiny_policy("float32")
     for p in model.parameters():
         p.requires_grad_(False)
+    quantize_model(model)
     torch.manual_seed(3)
     params = attach_adapters(model, kind="lora", r=4, alpha=8)
     with torch.no_grad():           # non-zero B so the adapters matter for log p
