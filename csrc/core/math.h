@@ -134,7 +134,9 @@ enum PolicyLossKind : int { kCispo = 0, kDapo = 1, kGrpo = 2 };
 // flips. A = 0 gets factor 1 (A' = 0 either way). zeta = 0 gives exactly 1.
 FT_HD float repo_r_factor(float adv, float logp, float zeta) {
   const float lp = logp < -20.0f ? -20.0f : logp;
-  const float f = adv > 0.0f ? 1.0f - zeta * lp : (adv < 0.0f ? 1.0f + zeta * lp : 1.0f);
+  // sign(-A) as arithmetic, not nested selects: GCC keeps this vectorizable when A is loop-invariant.
+  const float s = static_cast<float>(adv < 0.0f) - static_cast<float>(adv > 0.0f);
+  const float f = 1.0f + s * zeta * lp;
   return f < 0.0f ? 0.0f : f;
 }
 
@@ -168,7 +170,7 @@ FT_HD PolicyToken policy_token(float logp, float old_logp, float adv, float ref_
     const float w = r < cispo_cap ? r : cispo_cap;
     t.loss = -w * a * logp;
     t.grad = -w * a;
-    t.capped = r > cispo_cap ? 1.0f : 0.0f;
+    t.capped = static_cast<float>(r > cispo_cap);
     t.clip_low = 0.0f;
     t.clip_high = 0.0f;
   } else {
@@ -176,12 +178,11 @@ FT_HD PolicyToken policy_token(float logp, float old_logp, float adv, float ref_
     const float rc = r < lo ? lo : (r > hi ? hi : r);
     const float u1 = r * a, u2 = rc * a;
     t.loss = -(u1 < u2 ? u1 : u2);
-    const bool high = (a > 0.0f) & (r > hi);
-    const bool low = (a < 0.0f) & (r < lo);
-    t.clip_high = high ? 1.0f : 0.0f;
-    t.clip_low = low ? 1.0f : 0.0f;
+    // Indicators as float products, not bool selects: GCC vectorizes this when A is loop-invariant.
+    t.clip_high = static_cast<float>(a > 0.0f) * static_cast<float>(r > hi);
+    t.clip_low = static_cast<float>(a < 0.0f) * static_cast<float>(r < lo);
     t.capped = 0.0f;
-    t.grad = (high | low) ? 0.0f : -a * r;
+    t.grad = -a * r * (1.0f - t.clip_high - t.clip_low);  // the two are exclusive
   }
   if (kHasKl) {
     const float d = ref_logp - logp;
