@@ -53,6 +53,17 @@ def eager_policy_loss(logp, old_logp, adv, mask, *, loss, ref_logp, beta, eps_lo
     return out, stats
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def make_inputs(B, T, device):
     g = torch.Generator().manual_seed(0)
     logp = (-torch.rand(B, T, generator=g) * 5).to(device)
@@ -85,8 +96,8 @@ def main():
     p.add_argument("--csv", default="bench/results/policy_loss.csv")
     args = p.parse_args()
     dev = args.device
-    name = torch.cuda.get_device_name() if dev == "cuda" else f"{platform.processor() or platform.machine()} " \
-                                                               f"x{torch.get_num_threads()} threads (shared)"
+    name = (torch.cuda.get_device_name() if dev == "cuda"
+            else f"{cpu_name()}, {torch.get_num_threads()} threads (shared machine)")
     print(f"policy_loss fwd+bwd, fused vs eager, device: {name}, torch {torch.__version__}")
     print(f"{'loss':6} {'tokens':>10} {'B x T':>12} {'eager ms':>9} {'fused ms':>9} {'ratio':>6}")
     rows = []
