@@ -6,7 +6,7 @@ one process (both sides see the same machine load). Prints the median times and 
 Floor: the fused op moves ~24 B/token forward (logp, old, ref, mask, adv in fp32 + coef out) and 8
 backward; at the ~10 GB/s two shared cores stream, 1M tokens is ~3 ms.
 
-  python bench/bench_policy_loss.py [--device cpu|cuda] [--repeats 20] [--csv bench/results/policy_loss.csv]
+  python bench/bench_policy_loss.py [--device cpu|cuda] [--threads N] [--repeats 20] [--csv bench/results/policy_loss.csv]
 """
 from __future__ import annotations
 
@@ -94,7 +94,12 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--csv", default="bench/results/policy_loss.csv")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for both sides (0: torch's default). On a loaded machine eager's many small "
+                        "multi-threaded ops stall at OpenMP barriers; 1 thread is the fairer comparison there")
     args = p.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     dev = args.device
     name = (torch.cuda.get_device_name() if dev == "cuda"
             else f"{cpu_name()}, {torch.get_num_threads()} threads (shared machine)")
