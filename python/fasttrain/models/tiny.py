@@ -20,16 +20,18 @@ def tiny_llama(vocab_size: int = 49152, hidden: int = 64, layers: int = 2, heads
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    # HF's init (std 0.02) makes a tiny model's logits nearly flat, so greedy ties would be
-    # decided by rounding; a wider embedding spreads the logits and keeps argmax well separated.
+    # HF's init (std 0.02) makes a tiny model's logits nearly flat (greedy ties decided by
+    # rounding, sampling close to uniform); unit-scale embeddings and an untied lm_head of
+    # std 1/sqrt(hidden) give logits of std ~1, so runs differ by prompt and argmax is separated.
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(seed + 1)
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        model.lm_head.weight.normal_(0.0, 2.0 / hidden ** 0.5)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model.to(dtype).eval()
