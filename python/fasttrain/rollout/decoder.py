@@ -29,6 +29,8 @@ class LlamaFamilyDecoder:
     """Forward passes of `model` (a *ForCausalLM of a Llama-family architecture) on a static cache."""
 
     def __init__(self, model):
+        if hasattr(model, "get_base_model"):  # a PEFT wrapper: its adapters live in the modules
+            model = model.get_base_model()
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
             raise ValueError(f"sample: model {type(model).__name__} is not a Llama-family causal LM "
