@@ -72,7 +72,10 @@ class NF4Linear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The base weight W [out, in] as stored (NF4-rounded), in `dtype` (default: the original dtype)."""
-        return nf4_dequantize(self.qweight, self.state, dtype or self.weight_dtype)
+        dtype = dtype or self.weight_dtype
+        if dtype == torch.float64:  # decoded values are exact in fp32
+            return nf4_dequantize(self.qweight, self.state, torch.float32).double()
+        return nf4_dequantize(self.qweight, self.state, dtype)
 
     # ---- adapters ------------------------------------------------------------------------------
     def attach_adapter(self, kind: str = "lora", r: int = 32, alpha: float = 64, rslora: bool = False,
