@@ -49,12 +49,13 @@ class NF4Linear(nn.Module):
         w = linear.weight.detach()
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, blocksize=blocksize,
                     double_quant=double_quant, dtype=w.dtype, device=w.device)
-        packed, state = nf4_quantize(w.contiguous(), blocksize=blocksize, double_quant=double_quant)
+        wq = w.float() if w.dtype == torch.float64 else w  # NF4 is defined on fp32/fp16/bf16 values
+        packed, state = nf4_quantize(wq.contiguous(), blocksize=blocksize, double_quant=double_quant)
         layer.qweight.copy_(packed)
         if double_quant:
             layer.qabsmax.copy_(state.qabsmax)
             layer.absmax2.copy_(state.absmax2)
-            layer.absmax_code.copy_(state.code)
+            layer.absmax_code = state.code  # the one shared 256-entry dynamic map (not a copy per layer)
             layer.absmax_offset.copy_(state.offset)
         else:
             layer.absmax.copy_(state.absmax)
@@ -99,7 +100,10 @@ class NF4Linear(nn.Module):
         self.weight_sq_norm = None
         if kind == "dora":
             # ‖W‖² once per layer (a buffer, not a parameter); m starts at ‖W + s·B·A‖ = ‖W‖ (B = 0).
-            self.weight_sq_norm = nf4_weight_sq_norm(self.qweight, self.state)
+            if self.weight_dtype == torch.float64:  # an fp64 model (tests) keeps the exact fp64 sum
+                self.weight_sq_norm = self.dequantized_weight(torch.float64).square().sum(1)
+            else:
+                self.weight_sq_norm = nf4_weight_sq_norm(self.qweight, self.state)
             self.lora_magnitude = nn.Parameter(self.weight_sq_norm.double().sqrt().float())
             params.append(self.lora_magnitude)
         return params

@@ -104,10 +104,18 @@ def resident_bytes(model: nn.Module) -> dict:
     "total" (all layers, the quantised ones' bits per weight, and "other": every other tensor)."""
     out: dict = {}
     seen: set[int] = set()
+    counted: set[int] = set()  # storages shared between layers (the double-quant code) count once
+
+    def once(t: torch.Tensor) -> int:
+        key = t.untyped_storage().data_ptr()
+        if key in counted:
+            return 0
+        counted.add(key)
+        return t.numel() * t.element_size()
+
     base_sum = adapter_sum = weights_sum = 0
     for name, layer in nf4_layers(model):
-        base = sum(t.numel() * t.element_size() for n, t in layer.named_buffers(recurse=False)
-                   if n != "weight_sq_norm" and t is not None)
+        base = sum(once(t) for n, t in layer.named_buffers(recurse=False) if n != "weight_sq_norm" and t is not None)
         if layer.bias is not None:
             base += layer.bias.numel() * layer.bias.element_size()
         adapter = sum(p.numel() * p.element_size() for p in layer.adapter_parameters())
