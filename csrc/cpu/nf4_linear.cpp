@@ -119,6 +119,33 @@ at::Tensor dequant_weight(const at::Tensor& packed, const at::Tensor& absmax, in
   return w;
 }
 
+// Decode shapes (M ≤ 64): dequantise W a tile of rows at a time into a cache-resident buffer and
+// multiply it right away, so the decoded weight never leaves L2 (whole-W dequantisation writes and
+// re-reads N·K·4 bytes through memory: ~40% of the op at M = 16 for a 1536×576 weight).
+constexpr int64_t kDecodeMaxM = 64;
+at::Tensor decode_tiled(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, int64_t bs,
+                        int64_t N, int64_t K) {
+  const at::ScalarType ct = x.scalar_type();
+  const int64_t esz = at::elementSize(ct);
+  const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(N, (128 * 1024) / (K * esz)));
+  const int64_t ntiles = (N + tile - 1) / tile;
+  at::Tensor out = at::empty({N, x.size(0)}, x.options());  // yᵀ: each tile writes contiguous rows
+  const uint8_t* q = packed.const_data_ptr<uint8_t>();
+  const float* am = absmax.const_data_ptr<float>();
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    at::Tensor buf = at::empty({tile, K}, x.options());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
+      AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, ct, "nf4_linear_decode_tile", [&] {
+        decode_range<scalar_t>(q, am, bs, n0 * K, (n0 + rows) * K, buf.data_ptr<scalar_t>());
+      });
+      at::Tensor o = out.narrow(0, n0, rows);
+      at::mm_out(o, buf.narrow(0, 0, rows), x.t());  // [rows, M] = W_tile · xᵀ
+    }
+  });
+  return out.t();  // [M, N] view; callers add into it / cast it
+}
+
 bool cpu_has_avx512_bf16() {
 #if defined(__GNUC__) && !defined(__clang__) && (__GNUC__ >= 11)
   static const bool has = __builtin_cpu_supports("avx512bf16");
@@ -226,9 +253,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cpu(
   const at::ScalarType ct = compute_dtype(x_);
   const at::Tensor packed = packed_.contiguous(), absmax = absmax_.contiguous();
   const at::Tensor x = x_.to(ct).contiguous();
-  const at::Tensor w = dequant_weight(packed, absmax, blocksize, a.N, a.K, ct);  // scratch [N, K]
-
-  at::Tensor z = at::mm(x, w.t());  // [M, N]
+  at::Tensor z, w;
+  if (a.M <= kDecodeMaxM && !a.dora) {
+    z = decode_tiled(x, packed, absmax, blocksize, a.N, a.K);
+  } else {
+    w = dequant_weight(packed, absmax, blocksize, a.N, a.K, ct);  // scratch [N, K]
+    z = at::mm(x, w.t());                                        // [M, N]
+  }
   at::Tensor xa = at::empty({0}, x.options());
   at::Tensor rnorm = at::empty({0}, x.options().dtype(ct == at::kDouble ? at::kDouble : at::kFloat));
   if (a.lora) {
@@ -242,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cpu(
     const at::Tensor g = (dora_m->to(rnorm.scalar_type()) * rnorm).to(ct);  // m / ‖W + sBA‖
     y = (z * g).to(x_.scalar_type());
   } else {
-    y = z.to(x_.scalar_type());
+    y = z.to(x_.scalar_type()).contiguous();
     z = at::empty({0}, x.options());  // LoRA needs no z in backward
   }
   return {y, xa, rnorm, z};

@@ -71,9 +71,12 @@ def _(x, packed, absmax, blocksize, out_features, lora_a, lora_b, scale, dora_m,
     ct = torch.float64 if x.dtype == torch.float64 else (x.dtype if x.is_cuda else torch.float32)
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
         ct = torch.bfloat16 if _cpu_bf16_compute() else torch.float32
-    xa = x.new_empty((m, lora_a.shape[0]), dtype=ct) if lora_a is not None else x.new_empty((0,), dtype=ct)
+    xa_dt = torch.float32 if x.is_cuda else ct  # CUDA keeps x·Aᵀ in fp32
+    xa = x.new_empty((m, lora_a.shape[0]), dtype=xa_dt) if lora_a is not None else x.new_empty((0,), dtype=xa_dt)
     dora = dora_m is not None
     rnorm = x.new_empty((out_features,) if dora else (0,), dtype=_stat_dtype(x))
+    if x.is_cuda:
+        rnorm = x.new_empty(rnorm.shape, dtype=torch.float32)
     z = x.new_empty((m, out_features) if dora else (0,), dtype=ct)
     return y, xa, rnorm, z
 
