@@ -124,6 +124,15 @@ def test_adapters_disabled_is_the_base_and_merge_exports_plain_model():
         assert (adapted - base_logits).abs().max() > 1e-3
         with adapters_disabled(model):
             assert torch.equal(model(ids).logits, base_logits)
+        with torch.enable_grad():  # the training path (norm recomputed in the op) equals the cached one
+            torch.testing.assert_close(model(ids).logits.detach(), adapted, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():  # the cache follows an in-place update of B
+            q = model.model.layers[0].self_attn.q_proj
+            q.lora_B.mul_(2.0)
+            moved = model(ids).logits
+            with torch.enable_grad():
+                torch.testing.assert_close(model(ids).logits.detach(), moved, rtol=1e-5, atol=1e-5)
+            q.lora_B.mul_(0.5)
         torch.testing.assert_close(model(ids).logits, adapted, rtol=0, atol=0)
         merged = merge_adapters(copy.deepcopy(model), dtype=torch.float32)
         assert not any(isinstance(m, NF4Linear) for m in merged.modules())

@@ -113,8 +113,18 @@ class NF4Linear(nn.Module):
 
     def dora_norm(self) -> torch.Tensor:
         """‖W + s·B·A‖ per output row (detached), from the factorised form."""
-        return nf4_dora_norm(self.qweight, self.state, self.lora_A.detach(), self.lora_B.detach(), self.scale,
-                             self.weight_sq_norm)
+        a, b = self.lora_A.detach(), self.lora_B.detach()
+        if self.weight_dtype == torch.float64:  # an fp64 model computes its norm in fp64, as the op does
+            a, b = a.double(), b.double()
+        return nf4_dora_norm(self.qweight, self.state, a, b, self.scale, self.weight_sq_norm)
+
+    def _cached_dora_norm(self) -> torch.Tensor:
+        key = (self.lora_A._version, self.lora_B._version, self.lora_A.data_ptr(), self.lora_B.data_ptr(), self.scale)
+        cache = getattr(self, "_dora_norm_cache", None)
+        if cache is None or cache[0] != key:
+            cache = (key, self.dora_norm())
+            self._dora_norm_cache = cache
+        return cache[1]
 
     def merged_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """W + s·B·A (LoRA) or m/‖W + s·B·A‖ ⊙ (W + s·B·A) (DoRA), computed in fp32, returned in dtype."""
@@ -129,6 +139,12 @@ class NF4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.adapter is None or not self.adapters_enabled:
             y = nf4_linear(x, self.qweight, self.state)
+        elif self.adapter == "dora" and not torch.is_grad_enabled():
+            # Rollout/decode: the adapter is fixed between optimizer steps, so DoRA's row norm (one
+            # pass over W with A) is cached until A or B change (their version counters), and the
+            # m/‖·‖ scale is applied to the LoRA output.
+            g = (self.lora_magnitude / self._cached_dora_norm()).to(x.dtype)
+            y = nf4_linear(x, self.qweight, self.state, self.lora_A, self.lora_B, self.scale) * g
         else:
             y = nf4_linear(x, self.qweight, self.state, self.lora_A, self.lora_B, self.scale, self.lora_magnitude,
                            self.weight_sq_norm)
