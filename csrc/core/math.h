@@ -235,4 +235,12 @@ FT_HD void policy_stats(const double* sums, float* stats) {
 // nf4_linear (issue 5): LoRA / DoRA helpers.
 // =====================================================================================
 
+// DoRA's row norm ‖W_n + s·B_n·A‖ from its factorised parts (Liu et al. 2024 "DoRA"; the expansion
+// is ours): ‖W_n‖² + 2s·B_n·(A·W_nᵀ) + s²·B_n·(A·Aᵀ)·B_nᵀ. Clamped at 0 against rounding.
+template <typename T>
+FT_HD T dora_row_norm(T w_sq, T b_dot_aw, T b_aat_b, T s) {
+  const T n2 = w_sq + T(2) * s * b_dot_aw + s * s * b_aat_b;
+  return n2 > T(0) ? sqrt(n2) : T(0);
+}
+
 }  // namespace fasttrain::math
