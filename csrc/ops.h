@@ -2,6 +2,8 @@
 // each backend file registers its own implementations with TORCH_LIBRARY_IMPL at its bottom.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <array>
+#include <optional>
 #include <tuple>
 
 namespace fasttrain {
@@ -29,7 +31,44 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& abs
 // ---- fused_logprob (issue 3) ----------------------------------------------------------
 
 // ---- policy_loss (issue 4) ------------------------------------------------------------
+// Returns (loss fp32 [], stats fp32 [7], coef fp32 [B,T], rowscale fp32 [B]); see torch_bindings.cpp.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
+    const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
+    const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& token_normalizer,
+    int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
+    double token_normalizer_value);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
+    const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
+    const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& token_normalizer,
+    int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
+    double token_normalizer_value);
+// grad_logp [B,T] of `dtype` = grad_loss * coef * rowscale[row].
+at::Tensor policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& coef, const at::Tensor& rowscale,
+                                    at::ScalarType dtype);
+at::Tensor policy_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& coef, const at::Tensor& rowscale,
+                                     at::ScalarType dtype);
 
 // ---- nf4_linear (issue 5) -------------------------------------------------------------
+// x [M, K]; W NF4 [out_features, K]; lora_a [r, K]; lora_b [out_features, r]; dora_m [out_features].
+using OptTensor = std::optional<at::Tensor>;
+using NF4LinearOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+#define FT_NF4_LINEAR_DECLS(dev)                                                                          \
+  NF4LinearOut nf4_linear_##dev(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,   \
+                                int64_t blocksize, int64_t out_features, const OptTensor& lora_a,          \
+                                const OptTensor& lora_b, double scale, const OptTensor& dora_m,            \
+                                const OptTensor& weight_sq_norm);                                          \
+  NF4LinearOut nf4_linear_backward_##dev(                                                                  \
+      const at::Tensor& dy, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,       \
+      int64_t blocksize, int64_t out_features, const OptTensor& lora_a, const OptTensor& lora_b,           \
+      double scale, const OptTensor& dora_m, const at::Tensor& xa, const at::Tensor& rnorm,                \
+      const at::Tensor& z, std::array<bool, 4> output_mask);                                               \
+  at::Tensor nf4_dora_norm_##dev(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,   \
+                                 int64_t out_features, const at::Tensor& lora_a, const at::Tensor& lora_b, \
+                                 double scale, const OptTensor& weight_sq_norm);                           \
+  at::Tensor nf4_weight_sq_norm_##dev(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize, \
+                                      int64_t out_features, int64_t in_features);
+FT_NF4_LINEAR_DECLS(cpu)
+FT_NF4_LINEAR_DECLS(cuda)
+#undef FT_NF4_LINEAR_DECLS
 
 }  // namespace fasttrain

@@ -20,8 +20,35 @@ TORCH_LIBRARY(fasttrain, m) {
   // ---- fused_logprob (issue 3) --------------------------------------------------------
 
   // ---- policy_loss (issue 4) ----------------------------------------------------------
+  // logp, old_logp, ref_logp [B,T] fp32|fp16|bf16 (one dtype); advantages fp32 [B] or [B,T]; mask fp32 [B,T]
+  // (0 = inactive, else the token's weight); token_normalizer fp32 [] or [1] (or the float value, used
+  // when > 0): the divisor of the token-level loss (GRPO: the number of sequences).
+  // loss_type 0 cispo, 1 dapo, 2 grpo. Returns loss fp32 [], stats fp32 [7] (ratio_mean, clip_low_frac,
+  // clip_high_frac, cap_frac, kl_mean, repo_r_factor_mean, active_tokens), and for backward the
+  // per-token gradient coefficient fp32 [B,T] and per-row scale fp32 [B].
+  m.def("policy_loss(Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask, Tensor? ref_logp, "
+        "Tensor? token_normalizer, int loss_type, float beta, float eps_low, float eps_high, float cispo_cap, "
+        "float zeta, float token_normalizer_value) -> (Tensor, Tensor, Tensor, Tensor)");
+  // grad_loss fp32 [], coef fp32 [B,T], rowscale fp32 [B] -> grad_logp [B,T] of dtype
+  m.def("policy_loss_backward(Tensor grad_loss, Tensor coef, Tensor rowscale, ScalarType dtype) -> Tensor");
 
   // ---- nf4_linear (issue 5) -----------------------------------------------------------
+  // y = g ⊙ (x·Wᵀ + scale·(x·Aᵀ)·Bᵀ), W NF4 [N=out_features, K] (packed uint8 [ceil(NK/2)], absmax
+  // fp32 [ceil(NK/bs)]), A [r, K], B [N, r] (fp32 masters), g = m / ‖W + scale·B·A‖_row (DoRA) or 1.
+  // x [M, K] fp32|bf16|fp16 (fp64 on CPU) -> y [M, N] x.dtype, xa [M, r] (or [0]), rnorm [N] fp32
+  // 1/‖W + sBA‖ (or [0]), z [M, N] pre-scale output (DoRA only, else [0]); the last three are saved
+  // for the backward. weight_sq_norm [N] fp32 ‖W‖² per row (computed once; optional).
+  m.def("nf4_linear(Tensor x, Tensor packed, Tensor absmax, int blocksize, int out_features, Tensor? lora_a, "
+        "Tensor? lora_b, float scale, Tensor? dora_m, Tensor? weight_sq_norm) -> (Tensor, Tensor, Tensor, Tensor)");
+  // dy [M, N] -> (dx [M, K] x.dtype, dA [r, K], dB [N, r], dm [N]); an output whose mask bit is off is [0].
+  m.def("nf4_linear_backward(Tensor dy, Tensor x, Tensor packed, Tensor absmax, int blocksize, int out_features, "
+        "Tensor? lora_a, Tensor? lora_b, float scale, Tensor? dora_m, Tensor xa, Tensor rnorm, Tensor z, "
+        "bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  // ‖W + scale·B·A‖ per row [N] (fp32; fp64 for fp64 A) from the factorised form, for tests and merges.
+  m.def("nf4_dora_norm(Tensor packed, Tensor absmax, int blocksize, int out_features, Tensor lora_a, "
+        "Tensor lora_b, float scale, Tensor? weight_sq_norm) -> Tensor");
+  // ‖W‖² per row [N] fp32 (accumulated in fp64), computed once per layer.
+  m.def("nf4_weight_sq_norm(Tensor packed, Tensor absmax, int blocksize, int out_features, int in_features) -> Tensor");
 }
 
 namespace {

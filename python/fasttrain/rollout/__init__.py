@@ -1,0 +1,7 @@
+"""Rollout: G sampled completions per prompt on a static KV cache (token ids, masks, lengths,
+behaviour log-probs)."""
+
+from .decoder import LlamaFamilyDecoder
+from .sampling import Rollout, sample
+
+__all__ = ["LlamaFamilyDecoder", "Rollout", "sample"]

@@ -1,0 +1,124 @@
+"""Rollout throughput: fasttrain.rollout.sample against transformers `generate`, same model, same
+batch (n prompts x G completions), same number of new tokens, same dtype, side by side in one run.
+
+What it measures: wall time of one full rollout (prefill + decode) and new tokens per second.
+Both sides sample at temperature 1 with no top-k/top-p and never stop early (generate gets
+min_new_tokens = max_new_tokens, sample gets no EOS ids), so both produce exactly n*G*T tokens.
+What it is not: a decode-only kernel bench. Two effects add up in the ratio and are reported
+apart: (1) sample prefills each distinct prompt once and shares its KV cache across the group
+(generate prefills all n*G rows); (2) the per-step decode cost (ms/step, against the floor of one
+plain forward of n*G single tokens).
+
+Run: python bench/bench_rollout.py [--dtype fp32|bf16] [--prompts 4] [--group 12] [--new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from fasttrain.envs import load_env  # noqa: E402
+from fasttrain.models import chat_prompt_ids, load_policy  # noqa: E402
+from fasttrain.rollout import sample  # noqa: E402
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                flags = open("/proc/cpuinfo").read()
+                return f"{os.cpu_count()}-core {name}" + (" (avx512_bf16)" if "avx512_bf16" in flags else "")
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group", type=int, default=12)
+    ap.add_argument("--new", type=int, default=32, help="max_new_tokens (both sides)")
+    ap.add_argument("--csv", default=str(Path(__file__).parent / "results" / "bench_rollout.csv"))
+    args = ap.parse_args()
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+
+    model, tok = load_policy(dtype=dtype)
+    env = load_env("signal-a")
+    prompts = [chat_prompt_ids(tok, p.spec, env.answer_format)
+               for p in env.prompts("train")[:args.prompts]]
+    n, G, T = len(prompts), args.group, args.new
+    B = n * G
+    pad = tok.pad_token_id
+    P = max(map(len, prompts))
+    print(f"SmolLM2-135M-Instruct {args.dtype}, {n} prompts x {G} = batch {B}, prompt len ~{P}, "
+          f"{T} new tokens, {torch.get_num_threads()} threads, {cpu_name()}; machine shared")
+
+    with torch.inference_mode():
+        # warm-up both paths on a short run (allocator, SDPA kernel selection)
+        sample(model, prompts[:1], group_size=2, max_new_tokens=2, eos_token_ids=[], seed=0)
+
+        t0 = time.perf_counter()
+        r = sample(model, prompts, group_size=G, max_new_tokens=T, temperature=1.0,
+                   eos_token_ids=[], seed=0, pad_token_id=pad)
+        ours = time.perf_counter() - t0
+        assert r.completion_ids.shape == (B, T)
+
+        # our prefill alone (n distinct prompts) -> decode ms/step by difference
+        t0 = time.perf_counter()
+        sample(model, prompts, group_size=G, max_new_tokens=1, temperature=1.0,
+               eos_token_ids=[], seed=0, pad_token_id=pad)
+        ours_prefill = time.perf_counter() - t0
+        ours_step = (ours - ours_prefill) / max(T - 1, 1)
+
+        # floor of one decode step: a plain forward of B single tokens, no cache
+        one = torch.full((B, 1), 42, dtype=torch.long)
+        t0 = time.perf_counter()
+        model(one)
+        floor = time.perf_counter() - t0
+
+        enc = torch.full((n, P), pad, dtype=torch.long)
+        am = torch.zeros((n, P), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            enc[i, P - len(p):] = torch.tensor(p)
+            am[i, P - len(p):] = 1
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        out = model.generate(enc, attention_mask=am, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, num_return_sequences=G, max_new_tokens=T,
+                             min_new_tokens=T, pad_token_id=pad, eos_token_id=tok.eos_token_id)
+        hf = time.perf_counter() - t0
+        assert out.shape == (B, P + T), out.shape
+
+    toks = B * T
+    ratio = hf / ours
+    print(f"{'':28s}{'wall s':>9s}{'new tok/s':>11s}")
+    print(f"{'transformers generate':28s}{hf:9.2f}{toks / hf:11.1f}   ({hf / T * 1e3:.0f} ms per new token incl. prefill)")
+    print(f"{'fasttrain.rollout.sample':28s}{ours:9.2f}{toks / ours:11.1f}   (prefill {ours_prefill:.2f} s, decode {ours_step * 1e3:.0f} ms/step)")
+    print(f"ratio sample / generate: {ratio:.2f}x   decode floor (plain forward of {B} tokens): {floor * 1e3:.0f} ms")
+
+    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+    new = not Path(args.csv).exists()
+    with open(args.csv, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["when", "machine", "torch", "dtype", "prompts", "group", "prompt_len", "new_tokens",
+                        "generate_s", "generate_tok_s", "sample_s", "sample_tok_s", "ratio",
+                        "sample_prefill_s", "sample_decode_ms_step", "plain_forward_ms"])
+        w.writerow([time.strftime("%Y-%m-%d %H:%M"), cpu_name() + " (shared)", torch.__version__, args.dtype,
+                    n, G, P, T, f"{hf:.3f}", f"{toks / hf:.1f}", f"{ours:.3f}", f"{toks / ours:.1f}",
+                    f"{ratio:.2f}", f"{ours_prefill:.3f}", f"{ours_step * 1e3:.1f}", f"{floor * 1e3:.1f}"])
+
+
+if __name__ == "__main__":
+    main()

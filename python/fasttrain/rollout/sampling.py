@@ -1,0 +1,165 @@
+"""sample(): G completions per prompt from a Llama-family policy, on a static KV cache.
+
+The loop: left-pad the distinct prompts to P, prefill each distinct prompt once (a group's G
+rows share it: the prefill is G times cheaper than expanding first, as `generate` does), copy
+its cache columns into the G rows, then decode one token per row per step with per-row stopping
+at EOS, leaving early when every row has stopped. Sampling is Gumbel-max on fp32 log-probs
+(argmax(log p - log E), E ~ Exp(1), the trick gpt-fast uses to sample without a host sync),
+seeded by a torch.Generator; temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .decoder import LlamaFamilyDecoder
+
+
+@dataclass
+class Rollout:
+    """A batch of B = n_prompts * group_size sampled completions; row b answers prompt
+    b // group_size. T is the number of decode steps actually run (<= max_new_tokens)."""
+
+    input_ids: Tensor        # [B, P+T] long: left-padded prompt, then completion (pad after EOS)
+    attention_mask: Tensor   # [B, P+T] long: 1 on real prompt tokens and on completion tokens
+    position_ids: Tensor     # [B, P+T] long: cumsum(attention_mask) - 1, clamped at 0 (pass it to
+                             # the model's forward: HF does not derive positions from the mask)
+    prompt_len: int          # P
+    completion_ids: Tensor   # [B, T] long, pad_token_id after EOS
+    completion_mask: Tensor  # [B, T] bool: True up to and including EOS
+    lengths: Tensor          # [B] long: completion tokens per row (incl. EOS)
+    prompt_index: Tensor     # [B] long: b // group_size
+    logprobs: Tensor         # [B, T] fp32: behaviour log-probs of the sampled tokens under
+                             # softmax(logits / temperature) (temperature 1 when greedy); 0 off-mask
+    finished: Tensor         # [B] bool: the row ended with an EOS token
+    group_size: int
+
+    def completion_texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
+        """Decoded completions (masked tokens only)."""
+        out = []
+        for ids, n in zip(self.completion_ids.tolist(), self.lengths.tolist()):
+            out.append(tokenizer.decode(ids[:n], skip_special_tokens=skip_special_tokens))
+        return out
+
+
+def _check(prompt_ids, group_size, max_new_tokens, temperature, vocab):
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        raise ValueError("sample: prompt_ids must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ValueError(f"sample: prompt_ids[{i}] is empty")
+        if min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"sample: prompt_ids[{i}] has ids outside [0, {vocab})")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"sample: group_size must be an int >= 1, got {group_size!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"sample: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not (temperature >= 0.0) or temperature == float("inf"):
+        raise ValueError(f"sample: temperature must be finite and >= 0, got {temperature!r}")
+
+
+def _default_pad(model, eos: list[int]) -> int:
+    for src in (getattr(getattr(model, "generation_config", None), "pad_token_id", None),
+                getattr(model.config, "pad_token_id", None)):
+        if isinstance(src, int):
+            return src
+    return eos[0] if eos else 0
+
+
+@torch.no_grad()
+def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int,
+           temperature: float = 1.0, eos_token_ids: Sequence[int] | int | None, seed: int,
+           pad_token_id: int | None = None) -> Rollout:
+    """Sample `group_size` completions of at most `max_new_tokens` for each prompt.
+
+    eos_token_ids: ids that end a row (included in its completion); [] or None never stops
+    early. The computation runs in the model's parameter dtype; log-probs and sampling in fp32.
+    Plain temperature sampling: no top-k/top-p (the behaviour policy is exactly the model's).
+    """
+    dec = LlamaFamilyDecoder(model)
+    vocab = model.config.vocab_size
+    _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
+    eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
+    pad = _default_pad(model, eos) if pad_token_id is None else int(pad_token_id)
+    device = dec.device
+    n, G = len(prompt_ids), group_size
+    B = n * G
+    P = max(len(p) for p in prompt_ids)
+    S = P + max_new_tokens
+    if dec.sliding_window is not None and S > dec.sliding_window:
+        raise ValueError(f"sample: prompt + completion length {S} exceeds the model's sliding "
+                         f"window {dec.sliding_window}, which this decoder does not implement")
+
+    # Left-padded distinct prompts [n, P] and their positions.
+    ids = torch.full((n, P), pad, dtype=torch.long)
+    valid = torch.zeros((n, P), dtype=torch.bool)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        valid[i, P - len(p):] = True
+    ids, valid = ids.to(device), valid.to(device)
+    prompt_lens = valid.sum(1)  # [n]
+    # Positions of every column of every row: prompt tokens 0..len-1, then len, len+1, ...
+    pos = (valid.long().cumsum(1) - 1).clamp_(min=0)
+    pos_all = torch.cat([pos, prompt_lens[:, None] + torch.arange(max_new_tokens, device=device)], 1)
+    cos, sin = dec.rotary_table(pos_all)  # [n, S, D]
+
+    # Prefill each distinct prompt once, then give its G rows the same cache columns.
+    cache = dec.new_cache(B, S)
+    small = dec.new_cache(n, P)
+    h_last = dec.prefill(ids, valid, cos[:, :P], sin[:, :P], small)  # [n, H]
+    cache[:, :, :, :, :P].unflatten(2, (n, G)).copy_(small.unsqueeze(3))
+    del small
+    logits = dec.lm_head(h_last).float().repeat_interleave(G, dim=0)  # [B, V]
+    cos, sin = cos.repeat_interleave(G, 0), sin.repeat_interleave(G, 0)
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+    key_valid = torch.zeros(B, S, dtype=torch.bool, device=device)
+    key_valid[:, :P] = valid.repeat_interleave(G, 0)
+    tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
+    logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    live = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    steps = 0
+    for t in range(max_new_tokens):
+        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+        if temperature > 0:
+            noise = torch.empty_like(logp).exponential_(generator=gen)
+            tok = (logp - noise.log_()).argmax(-1)
+        else:
+            tok = logp.argmax(-1)
+        active = ~done
+        tokens[:, t] = torch.where(active, tok, pad)
+        logps[:, t] = torch.where(active, logp.gather(1, tok[:, None])[:, 0], 0.0)
+        live[:, t] = active
+        if eos_t.numel():
+            done = done | (active & torch.isin(tok, eos_t))
+        steps = t + 1
+        if t + 1 == max_new_tokens or bool(done.all()):
+            break
+        col = P + t
+        key_valid[:, col] = True  # finished rows keep decoding pads; their outputs are unused
+        h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col)
+        logits = dec.lm_head(h).float()
+
+    T = steps
+    completion_ids = tokens[:, :T].contiguous()
+    completion_mask = live[:, :T].contiguous()
+    input_ids = torch.cat([ids.repeat_interleave(G, 0), completion_ids], 1)
+    attention_mask = torch.cat([valid.repeat_interleave(G, 0), completion_mask], 1).long()
+    position_ids = (attention_mask.cumsum(1) - 1).clamp_(min=0)
+    lengths = completion_mask.sum(1)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    if eos_t.numel():
+        last = completion_ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
+        finished = torch.isin(last, eos_t) & (lengths > 0)
+    return Rollout(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        prompt_len=P, completion_ids=completion_ids, completion_mask=completion_mask,
+        lengths=lengths, prompt_index=torch.arange(B, device=device) // G,
+        logprobs=logps[:, :T].contiguous(), finished=finished, group_size=G)
