@@ -2,6 +2,7 @@
 // each backend file registers its own implementations with TORCH_LIBRARY_IMPL at its bottom.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <optional>
 #include <tuple>
 
 namespace fasttrain {
@@ -27,6 +28,28 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& abs
                                       int64_t blocksize);
 
 // ---- fused_logprob (issue 3) ----------------------------------------------------------
+// Argument checks shared by both backends (defined in cpu/fused_logprob.cpp).
+void fused_logprob_check_args(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                              const at::Tensor& targets, const std::optional<at::Tensor>& bias,
+                              double temperature);
+// See the schemas in torch_bindings.cpp. Returns (logp, entropy, lse, grad_vec).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
+    int64_t chunk_bytes);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cuda(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
+    int64_t chunk_bytes);
+// Returns (grad_weight, grad_bias).
+std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
+    const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, const at::Tensor& lse, double temperature, int64_t ignore_index,
+    int64_t chunk_bytes);
+std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cuda(
+    const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, const at::Tensor& lse, double temperature, int64_t ignore_index,
+    int64_t chunk_bytes);
 
 // ---- policy_loss (issue 4) ------------------------------------------------------------
 
