@@ -179,6 +179,12 @@ FT_HD LseState<T> lse_merge(LseState<T> a, LseState<T> b) {
 template <typename T>
 FT_HD T lse_value(const LseState<T>& st) { return st.ref + ft_log(st.s); }
 
+// log p of an entry as (z - r) - log s, not z - (r + log s): z - r is exact when z is near the max
+// (Sterbenz), as in log_softmax, so |z| ~ 1e4 does not cost 1e4 * eps of absolute error. The
+// backward keeps (r, log s) for the same reason instead of their rounded sum lse.
+template <typename T>
+FT_HD T lse_logprob(T z, T ref, T log_s) { return (z - ref) - log_s; }
+
 // Entropy of the distribution: lse - sum p z = log s - u / s (>= 0 up to rounding; clamped).
 template <typename T>
 FT_HD T lse_entropy(const LseState<T>& st) {
@@ -186,9 +192,9 @@ FT_HD T lse_entropy(const LseState<T>& st) {
   return h > T(0) ? h : T(0);
 }
 
-// Probability of an entry from the final lse (backward recompute): p = exp(z - lse).
+// Probability of an entry from the saved statistics (backward recompute).
 template <typename T>
-FT_HD T softmax_prob(T z, T lse) { return ft_exp(z - lse); }
+FT_HD T softmax_prob(T z, T ref, T log_s) { return ft_exp(lse_logprob(z, ref, log_s)); }
 
 // d log p(t) / d z_v = 1[v == t] - p_v, scaled by the upstream gradient g and by 1/T for the
 // logits before temperature: the coefficient of w_v (for dH) and of h (for dW) and of dbias.

@@ -183,7 +183,7 @@ static void check_targets_cpu(const char* op, const at::Tensor& targets, int64_t
 template <typename acc_t>
 static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const int64_t* tg, const acc_t* bias,
                          acc_t inv_temp, int64_t ignore_index, bool compute_grad, int64_t chunk_bytes,
-                         acc_t* logp, acc_t* ent, acc_t* lse, at::Tensor& grad_vec) {
+                         acc_t* logp, acc_t* ent, acc_t* stats, at::Tensor& grad_vec) {
   const int64_t N = hid.size(0), H = hid.size(1), V = weight.size(0);
   const at::ScalarType acc_dt = hid.scalar_type();
   const int64_t nthreads = at::get_num_threads();
@@ -238,19 +238,20 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
     });
   }
 
-  // finalize: lse, log p, entropy; grad_vec = (W[t] - acc / s) / T
+  // finalize: stats (ref, log s), log p, entropy; grad_vec = (W[t] - acc / s) / T
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t t = tg[n];
       acc_t* g = compute_grad ? grad_vec.data_ptr<acc_t>() + n * H : nullptr;
       if (t == ignore_index) {
-        logp[n] = ent[n] = lse[n] = acc_t(0);
+        logp[n] = ent[n] = stats[n] = stats[N + n] = acc_t(0);
         if (g) std::fill(g, g + H, acc_t(0));
         continue;
       }
-      const acc_t l = fm::lse_value(st[n]);
-      lse[n] = l;
-      logp[n] = zt[n] - l;
+      const acc_t log_s = std::log(st[n].s);
+      stats[n] = st[n].ref;
+      stats[N + n] = log_s;
+      logp[n] = fm::lse_logprob(zt[n], st[n].ref, log_s);
       ent[n] = fm::lse_entropy(st[n]);
       if (g) {
         const acc_t inv_s = acc_t(1) / st[n].s;
@@ -276,26 +277,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward
   check_targets_cpu(op, tg, V, ignore_index);
   const at::ScalarType acc_dt = acc_type_of(hidden.scalar_type());
   const at::TensorOptions ao = hidden.options().dtype(acc_dt);
-  at::Tensor logp = at::empty({N}, ao), ent = at::empty({N}, ao), lse = at::empty({N}, ao);
+  at::Tensor logp = at::empty({N}, ao), ent = at::empty({N}, ao), stats = at::empty({2, N}, ao);
   at::Tensor grad_vec = compute_grad ? at::zeros({N, H}, ao) : at::empty({0, H}, ao);
-  if (N == 0) return {logp, ent, lse, grad_vec};
+  if (N == 0) return {logp, ent, stats, grad_vec};
   const at::Tensor hid = hidden.to(acc_dt).contiguous();  // a no-op for fp32 / fp64 contiguous input
   const at::Tensor b = bias.has_value() ? bias->to(acc_dt).contiguous() : at::Tensor();
   if (acc_dt == at::kDouble) {
     forward_impl<double>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<double>() : nullptr,
                          1.0 / temperature, ignore_index, compute_grad, chunk_bytes, logp.data_ptr<double>(),
-                         ent.data_ptr<double>(), lse.data_ptr<double>(), grad_vec);
+                         ent.data_ptr<double>(), stats.data_ptr<double>(), grad_vec);
   } else {
     forward_impl<float>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
                         static_cast<float>(1.0 / temperature), ignore_index, compute_grad, chunk_bytes,
-                        logp.data_ptr<float>(), ent.data_ptr<float>(), lse.data_ptr<float>(), grad_vec);
+                        logp.data_ptr<float>(), ent.data_ptr<float>(), stats.data_ptr<float>(), grad_vec);
   }
-  return {logp, ent, lse, grad_vec};
+  return {logp, ent, stats, grad_vec};
 }
 
 template <typename acc_t>
 static void backward_weight_impl(const acc_t* g, const at::Tensor& hid, const at::Tensor& weight,
-                                 const int64_t* tg, const acc_t* bias, const acc_t* lse, acc_t inv_temp,
+                                 const int64_t* tg, const acc_t* bias, const acc_t* stats, acc_t inv_temp,
                                  int64_t ignore_index, int64_t chunk_bytes, at::Tensor& grad_weight,
                                  acc_t* grad_bias) {
   const int64_t N = hid.size(0), H = hid.size(1), V = weight.size(0);
@@ -332,10 +333,10 @@ static void backward_weight_impl(const acc_t* g, const at::Tensor& hid, const at
             std::fill(zr, zr + cs, acc_t(0));
             continue;
           }
-          const acc_t gn = g[n], l = lse[n];
+          const acc_t gn = g[n], ref = stats[n], log_s = stats[N + n];
           for (int64_t j = 0; j < cs; ++j) {
             const acc_t zz = (zr[j] + (bias ? bias[v0 + j] : acc_t(0))) * inv_temp;
-            const acc_t d = fm::logprob_dlogit(gn, v0 + j == t, fm::softmax_prob(zz, l), inv_temp);
+            const acc_t d = fm::logprob_dlogit(gn, v0 + j == t, fm::softmax_prob(zz, ref, log_s), inv_temp);
             zr[j] = d;
             db[j] += d;
           }
@@ -349,7 +350,7 @@ static void backward_weight_impl(const acc_t* g, const at::Tensor& hid, const at
 
 std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
     const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-    const std::optional<at::Tensor>& bias, const at::Tensor& lse, double temperature, int64_t ignore_index,
+    const std::optional<at::Tensor>& bias, const at::Tensor& stats, double temperature, int64_t ignore_index,
     int64_t chunk_bytes) {
   constexpr const char* op = "fasttrain::fused_logprob_backward_weight";
   FT_CHECK_DEVICE_TYPE(op, hidden, at::kCPU);
@@ -358,15 +359,15 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
   const int64_t N = hidden.size(0), V = weight.size(0);
   FT_CHECK_ARG(grad_logp.dim() == 1 && grad_logp.size(0) == N, op, "grad_logp", "must be [N] with N = ", N,
                ", got shape ", grad_logp.sizes());
-  FT_CHECK_ARG(lse.dim() == 1 && lse.size(0) == N, op, "lse", "must be [N] with N = ", N, ", got shape ",
-               lse.sizes());
-  FT_CHECK_DTYPE(op, lse, acc_dt);
+  FT_CHECK_ARG(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N, op, "stats",
+               "must be [2, N] with N = ", N, " (the forward's third output), got shape ", stats.sizes());
+  FT_CHECK_DTYPE(op, stats, acc_dt);
   const at::Tensor w = weight.contiguous(), tg = targets.contiguous();
   check_targets_cpu(op, tg, V, ignore_index);
   at::Tensor grad_weight = at::empty_like(w, at::MemoryFormat::Contiguous);
   at::Tensor grad_bias = at::empty({V}, hidden.options().dtype(acc_dt));
   const at::Tensor hid = hidden.to(acc_dt).contiguous();
-  const at::Tensor g = grad_logp.to(acc_dt).contiguous(), l = lse.contiguous();
+  const at::Tensor g = grad_logp.to(acc_dt).contiguous(), l = stats.contiguous();
   const at::Tensor b = bias.has_value() ? bias->to(acc_dt).contiguous() : at::Tensor();
   if (acc_dt == at::kDouble) {
     backward_weight_impl<double>(g.const_data_ptr<double>(), hid, w, tg.const_data_ptr<int64_t>(),

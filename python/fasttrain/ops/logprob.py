@@ -75,7 +75,7 @@ def fused_logprob(
 
 
 def _FusedLogprob(hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes):
-    logp, entropy, _lse, _gv = _ops.fused_logprob_forward(hidden, weight, targets, bias, temperature,
+    logp, entropy, _stats, _gv = _ops.fused_logprob_forward(hidden, weight, targets, bias, temperature,
                                                           ignore_index, compute_grad, chunk_bytes)
     return logp, entropy
 
@@ -86,31 +86,31 @@ def _(hidden, weight, targets, bias, temperature, ignore_index, compute_grad, ch
     acc = _acc_dtype(hidden.dtype)
     vec = hidden.new_empty((n, h) if compute_grad else (0, h), dtype=acc)
     return (hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc),
-            hidden.new_empty((n,), dtype=acc), vec)
+            hidden.new_empty((2, n), dtype=acc), vec)
 
 
 @torch.library.register_fake("fasttrain::fused_logprob_backward_weight")
-def _(grad_logp, hidden, weight, targets, bias, lse, temperature, ignore_index, chunk_bytes):
+def _(grad_logp, hidden, weight, targets, bias, stats, temperature, ignore_index, chunk_bytes):
     return (torch.empty_like(weight, memory_format=torch.contiguous_format),
             weight.new_empty((weight.shape[0],), dtype=_acc_dtype(hidden.dtype)))
 
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes = inputs
-    logp, entropy, lse, grad_vec = output
-    ctx.mark_non_differentiable(entropy, lse, grad_vec)
+    logp, entropy, stats, grad_vec = output
+    ctx.mark_non_differentiable(entropy, stats, grad_vec)
     ctx.hidden_dtype = hidden.dtype
     ctx.compute_grad = compute_grad
     ctx.args = (temperature, ignore_index, chunk_bytes)
-    # Only what the backward needs: grad_vec for hidden; hidden, weight, bias, lse for weight/bias.
+    # Only what the backward needs: grad_vec for hidden; hidden, weight, bias, stats for weight/bias.
     need_w = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
     ctx.need_w = need_w
     ctx.save_for_backward(grad_vec, hidden if need_w else None, weight if need_w else None, targets,
-                          bias if need_w else None, lse if need_w else None)
+                          bias if need_w else None, stats if need_w else None)
 
 
-def _backward(ctx, grad_logp, grad_entropy, grad_lse, grad_vec_out):
-    grad_vec, hidden, weight, targets, bias, lse = ctx.saved_tensors
+def _backward(ctx, grad_logp, grad_entropy, grad_stats, grad_vec_out):
+    grad_vec, hidden, weight, targets, bias, stats = ctx.saved_tensors
     temperature, ignore_index, chunk_bytes = ctx.args
     d_hidden = d_weight = d_bias = None
     if ctx.needs_input_grad[0]:
@@ -119,8 +119,8 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lse, grad_vec_out):
                                "in the forward (was the forward run under torch.no_grad()?)")
         d_hidden = (grad_vec * grad_logp.to(grad_vec.dtype).unsqueeze(1)).to(ctx.hidden_dtype)
     if ctx.need_w:
-        gw, gb = _ops.fused_logprob_backward_weight(grad_logp.to(lse.dtype).contiguous(), hidden, weight, targets,
-                                                    bias, lse, temperature, ignore_index, chunk_bytes)
+        gw, gb = _ops.fused_logprob_backward_weight(grad_logp.to(stats.dtype).contiguous(), hidden, weight, targets,
+                                                    bias, stats, temperature, ignore_index, chunk_bytes)
         if ctx.needs_input_grad[1]:
             d_weight = gw
         if bias is not None and ctx.needs_input_grad[3]:
