@@ -1,8 +1,8 @@
 // fused_logprob, CPU: per-token log p(target) and entropy of softmax(hidden . weight^T / T), and the
 // per-token gradient vector (W[t] - p.W) / T, without ever holding the [N, V] logits.
 //
-// What it is: the vocabulary is walked in chunks of C rows of W; for each chunk, token blocks of B
-// rows run in parallel (at::parallel_for, one block per task), and each task does
+// What it is: threads take groups of token blocks (B rows each) from a shared counter and walk the
+// vocabulary in chunks of C rows of W for them; per (block, chunk) a thread does
 //   1. one GEMM  Z = h_blk . W_c^T           into a thread-local [B, C] scratch (fits L2),
 //   2. one fused pass over Z: z = (Z + b) / T, chunk max, lazy rebase of the running
 //      (ref, s, u) state (core/math.h), p~ = exp(z - ref) written back over Z, target logit,
@@ -14,8 +14,8 @@
 // at::mm called inside at::parallel_for runs single-threaded, which is what we want here.
 // bf16/fp16 inputs are widened to fp32 per chunk: this CPU (AMD EPYC, AVX2, no avx512_bf16) runs a
 // bf16 at::mm several times slower than fp32, and fp32 logits are also more exact.
-// Chunk order: vocabulary outer, tokens inner, so a W chunk is widened once and the accumulator
-// rows (the grad_vec output itself) are revisited once per chunk: B*H floats against B*C*H FMAs.
+// The accumulator rows (the grad_vec output itself) are revisited once per chunk: B*H floats
+// against B*C*H FMAs. A widened W chunk (bf16/fp16 inputs) is made once per thread per chunk.
 //
 // Backward for W (only when W requires grad): chunks of the vocabulary in parallel (disjoint rows of
 // dW, no reduction), token blocks inside: Z recomputed, D = g (onehot - exp(z - lse)) / T,
@@ -41,6 +41,7 @@
 #pragma GCC diagnostic pop
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <vector>
@@ -194,30 +195,39 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   std::vector<fm::LseState<acc_t>> st(N, fm::lse_init<acc_t>());
   std::vector<acc_t> zt(N, acc_t(0));
   std::vector<at::Tensor> scratch(nthreads);
-  for (auto& s : scratch) s = at::empty({B, C}, hid.options());
+  for (auto& s : scratch) s = at::empty({B * C}, hid.options());
   std::vector<acc_t> alpha_all(N, acc_t(1));
   const bool widen = weight.scalar_type() != acc_dt;
 
-  for (int64_t v0 = 0; v0 < V; v0 += C) {
-    const int64_t cs = std::min(C, V - v0);
-    // the W chunk as the GEMM dtype (a view when no widening is needed)
-    const at::Tensor wc = widen ? weight.narrow(0, v0, cs).to(acc_dt) : weight.narrow(0, v0, cs);
-    const acc_t* bc = bias ? bias + v0 : nullptr;
-    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-      at::Tensor& zbuf = scratch[at::get_thread_num()];
+  // One parallel region: each thread owns a contiguous range of token blocks and walks the whole
+  // vocabulary for it (one barrier in all; a barrier per chunk costs seconds on an oversubscribed
+  // machine). A widened W chunk is made once per thread per chunk and reused by all its blocks.
+  // Groups of blocks are handed out dynamically (an atomic counter), not statically: on a shared,
+  // oversubscribed machine a static split waits for the most-descheduled thread.
+  const int64_t group = std::max<int64_t>(1, nblocks / (4 * nthreads));
+  const int64_t ngroups = (nblocks + group - 1) / group;
+  std::atomic<int64_t> next_group{0};
+  at::parallel_for(0, std::min(nthreads, ngroups), 1, [&](int64_t, int64_t) {
+   at::Tensor& zbuf = scratch[at::get_thread_num()];
+   for (int64_t gi = next_group.fetch_add(1); gi < ngroups; gi = next_group.fetch_add(1)) {
+    const int64_t b0 = gi * group, b1 = std::min(nblocks, b0 + group);
+    for (int64_t v0 = 0; v0 < V; v0 += C) {
+      const int64_t cs = std::min(C, V - v0);
+      // the W chunk as the GEMM dtype (a view when no widening is needed)
+      const at::Tensor wc = widen ? weight.narrow(0, v0, cs).to(acc_dt) : weight.narrow(0, v0, cs);
+      const acc_t* bc = bias ? bias + v0 : nullptr;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * B, nb = std::min(B, N - n0);
-        at::Tensor z = zbuf.narrow(0, 0, nb).narrow(1, 0, cs);
-        if (cs != C) z = at::empty({nb, cs}, hid.options());  // last, shorter chunk: contiguous rows
+        // [nb, cs] with contiguous rows (leading dimension cs) inside the thread's scratch
+        at::Tensor z = zbuf.narrow(0, 0, nb * cs).view({nb, cs});
         at::mm_out(z, hid.narrow(0, n0, nb), wc.t());
         acc_t* zp = z.data_ptr<acc_t>();
-        const int64_t ld = z.stride(0);
         bool any_rescale = false;
         for (int64_t i = 0; i < nb; ++i) {
           const int64_t n = n0 + i, t = tg[n];
           if (t == ignore_index) continue;
           const int64_t t_local = (t >= v0 && t < v0 + cs) ? t - v0 : -1;
-          const acc_t a = fused_row_pass<acc_t>(zp + i * ld, cs, bc, inv_temp, t_local, st[n], zt[n]);
+          const acc_t a = fused_row_pass<acc_t>(zp + i * cs, cs, bc, inv_temp, t_local, st[n], zt[n]);
           alpha_all[n] = a;
           any_rescale |= (a != acc_t(1));
         }
@@ -235,8 +245,9 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
           at::addmm_out(acc, acc, z, wc);
         }
       }
-    });
-  }
+    }
+   }
+  });
 
   // finalize: stats (ref, log s), log p, entropy; grad_vec = (W[t] - acc / s) / T
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
