@@ -7,7 +7,7 @@ Compares, side by side in one run (forward + backward to hidden, lm_head frozen,
   floor  the two matrix products the op must do: torch.matmul(hidden, weight.T) [N, V] and
          torch.matmul(P [N, V], weight), timed in the same run
 Time: median of --repeats, methods interleaved so all see the same load. Peak extra memory: each
-method once in a fresh subprocess, peak RSS (ru_maxrss) minus RSS after the inputs exist (CPU);
+method once in a fresh subprocess, peak RSS (VmHWM) minus RSS after the inputs exist (CPU);
 torch.cuda.max_memory_allocated minus the inputs (GPU).
 Run: PYTHONPATH=python python bench/bench_logprob.py [--repeats 3] [--dtype float32] [--csv out.csv]
 """
@@ -18,7 +18,6 @@ import csv
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -96,9 +95,14 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def proc_status_bytes(key: str) -> int:
+    """VmRSS / VmHWM of this process. (ru_maxrss is not used: Linux carries it over fork+exec from
+    the parent, so a child would report the parent's peak.)"""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def peak_child(method, N, H, V, dtype, device):
@@ -112,9 +116,9 @@ def peak_child(method, N, H, V, dtype, device):
         torch.cuda.synchronize()
         print(json.dumps({"peak": torch.cuda.max_memory_allocated() - base}))
     else:
-        base = rss_bytes()
+        base = proc_status_bytes("VmRSS")
         METHODS[method](h, w, t)
-        print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base}))
+        print(json.dumps({"peak": proc_status_bytes("VmHWM") - base}))
 
 
 def peak_extra(method, N, H, V, dtype, device):
