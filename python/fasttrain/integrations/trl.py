@@ -132,8 +132,7 @@ def _install(model: torch.nn.Module, *, temperature: float, cast_lm_head_to_fp32
     if "_fasttrain_trl_forward" in model.__dict__:
         return
     trl_forward = model.__dict__.get("forward")
-    code = getattr(getattr(trl_forward, "__func__", None), "__code__", None)  # functools.wraps hides __name__
-    if code is None or code.co_name != "_fused_forward":
+    if not _reaches_trl_fused_forward(trl_forward):
         raise RuntimeError(
             f"patch: {type(model).__name__} carries no TRL fused LM head (trl.trainer.utils.add_fused_lm_head); "
             "this integration expects GRPOTrainer from trl 1.16 to have installed one"
@@ -184,6 +183,21 @@ def _install(model: torch.nn.Module, *, temperature: float, cast_lm_head_to_fp32
 
     model.forward = types.MethodType(fasttrain_fused_forward, model)
     model.__dict__["_fasttrain_trl_forward"] = trl_forward
+
+
+def _reaches_trl_fused_forward(forward) -> bool:
+    # TRL installs `_fused_forward` as the instance's forward; accelerate may wrap it (mixed precision:
+    # autocast + fp32 outputs). Walk the wrappers; functools.wraps hides the name but not the code object.
+    for _ in range(8):
+        if forward is None:
+            return False
+        code = getattr(forward, "__code__", None)
+        if code is not None and code.co_name == "_fused_forward" and code.co_filename.endswith(
+                ("trl/trainer/utils.py", "trl\\trainer\\utils.py")):
+            return True
+        forward = (getattr(forward, "__func__", None) or getattr(forward, "__wrapped__", None)
+                   or getattr(forward, "model_forward", None))
+    return False
 
 
 def score_tokens(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Linear, *, temperature: float,
