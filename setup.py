@@ -105,6 +105,8 @@ class CMakeBuild(build_ext):
             cfg.append(f"-DCMAKE_CUDA_COMPILER={cuda_home / 'bin' / 'nvcc'}")
         if os.environ.get("FASTTRAIN_CUDA_ARCHS"):
             cfg.append(f"-DFASTTRAIN_CUDA_ARCHS={os.environ['FASTTRAIN_CUDA_ARCHS']}")
+        if os.environ.get("FASTTRAIN_PTXAS_VERBOSE"):
+            cfg.append(f"-DFASTTRAIN_PTXAS_VERBOSE={'ON' if os.environ['FASTTRAIN_PTXAS_VERBOSE'] == '1' else 'OFF'}")
         if os.environ.get("FASTTRAIN_NATIVE_ARCH") == "0":
             cfg.append("-DFASTTRAIN_NATIVE_ARCH=OFF")
         print("fasttrain build:", "CPU + CUDA" if with_cuda else "CPU only", f"({build_dir})", flush=True)

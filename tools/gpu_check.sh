@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The one-call GPU check for a lent H200 (see /work/.library/device): builds the extension from
+# source for sm_90a, prints `fasttrain info`, runs the CUDA tests and the kernel benchmarks, writes
+# logs and CSV under $OUT and prints a short table last. Budget: under 8 minutes.
+# Run on the device machine from the repository root:  bash tools/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+start=$(date +%s)
+elapsed() { echo $(( $(date +%s) - start )); }
+status=()
+
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
+  > "$OUT/env.txt" 2>&1
+
+# 1. Build (sm_90a only: the card in hand; CI builds sm_80 + sm_90a).
+if FASTTRAIN_CUDA=1 FASTTRAIN_CUDA_ARCHS=90a FASTTRAIN_NATIVE_ARCH=0 MAX_JOBS=16 \
+   timeout 240 "$PY" setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+  status+=("build: ok ($(elapsed) s)")
+else
+  tail -40 "$OUT/build.log"; echo "BUILD FAILED after $(elapsed) s (log in \$OUT/build.log)"; exit 1
+fi
+PYTHONPATH=python "$PY" -m fasttrain.cli info > "$OUT/info.txt" 2>&1
+
+# 2. CUDA tests.
+PYTHONPATH=python timeout 180 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests \
+  --junitxml="$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1
+status+=("cuda tests: $(tail -1 "$OUT/pytest_cuda.log") ($(elapsed) s)")
+
+# 3. Kernel benchmarks (each bounded; the step/rollout benchmarks are skipped when their peers are
+#    missing on the image).
+for b in bench/bench_nf4.py bench/bench_logprob.py bench/bench_policy_loss.py bench/bench_nf4_linear.py \
+         bench/bench_rollout.py; do
+  [ -f "$b" ] || continue
+  left=$(( 450 - $(elapsed) ))
+  [ "$left" -gt 20 ] || { status+=("$(basename "$b"): skipped, out of time"); continue; }
+  t=$(( left < 90 ? left : 90 ))
+  if (cd bench && PYTHONPATH=../python timeout "$t" "$PY" "$(basename "$b")" --csv "$OUT/bench.csv") \
+      > "$OUT/$(basename "$b" .py).log" 2>&1; then
+    status+=("$(basename "$b"): ok")
+  else
+    status+=("$(basename "$b"): FAILED rc=$? (see log)")
+  fi
+done
+
+echo "== fasttrain GPU check: $(head -1 "$OUT/env.txt") =="
+cat "$OUT/info.txt" | head -30
+for s in "${status[@]}"; do echo "  $s"; done
+for f in "$OUT"/bench_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f")"; tail -8 "$f"; }; done
+echo "total $(elapsed) s"
