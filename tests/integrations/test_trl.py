@@ -113,9 +113,10 @@ def assert_no_worse_than_trl(results, key, mask=None):
     return err_ft, err_trl
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "grpo"])
-def test_patched_step_matches_trl_with_peft_and_entropy_mask(tmp_path, monkeypatch, loss_type):
-    trainer = make_trainer(tmp_path, loss_type=loss_type)
+@pytest.mark.parametrize("loss_type,bf16", [("dapo", True), ("cispo", True), ("grpo", True), ("dapo", False)])
+def test_patched_step_matches_trl_with_peft_and_entropy_mask(tmp_path, monkeypatch, loss_type, bf16):
+    # bf16=True is TRL's default (autocast on CPU too); bf16=False runs every head in fp32.
+    trainer = make_trainer(tmp_path, loss_type=loss_type, bf16=bf16)
     inputs = generated_batch(trainer)
     params = trainable(trainer)
     w_old = perturbed(params, 0.5, seed=1)  # adapters away from zero: reference != policy, KL > 0
@@ -136,6 +137,30 @@ def test_patched_step_matches_trl_with_peft_and_entropy_mask(tmp_path, monkeypat
     assert results["float64"]["grads"].abs().max() > 1e-3
     for key in ("entropy", "kl"):  # TRL's logged metrics (from the patched entropies and log-probs)
         assert_no_worse_than_trl(results, f"metric/{key}")
+
+
+def test_one_trainer_train_step_with_and_without_patch(tmp_path, monkeypatch):
+    # The literal A/B: trainer.train() for one optimizer step (generation, old-policy and reference passes,
+    # loss, backward, AdamW), same seed, fresh trainer each time; TRL's logged numbers are compared.
+    logs, completions = {}, {}
+    for head in ("trl", "fasttrain", "float64"):
+        trainer = make_trainer(tmp_path / head, loss_type="dapo")
+        params = trainable(trainer)
+        load(params, perturbed(params, 0.5, seed=1))  # adapters away from zero: KL > 0
+        if head != "trl":
+            fasttrain_trl.patch(trainer)
+        with monkeypatch.context() as m:
+            if head == "float64":
+                m.setattr(fasttrain_trl, "fused_logprob", reference_logprob_float64)
+            trainer.train()
+        logs[head] = {k: torch.tensor(v) for k, v in trainer.state.log_history[0].items()
+                      if k in ("loss", "entropy", "kl", "reward", "num_tokens")}
+        completions[head] = trainer._buffered_inputs[0]["completion_ids"]
+    assert torch.equal(completions["trl"], completions["fasttrain"])  # generation is untouched
+    assert logs["trl"]["reward"] == logs["fasttrain"]["reward"]
+    assert logs["float64"]["kl"] > 1e-3
+    for key in ("loss", "entropy", "kl"):
+        assert_no_worse_than_trl(logs, key)
 
 
 def test_full_finetune_patches_reference_model_and_lm_head_grad(tmp_path, monkeypatch):
