@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import types
-from contextlib import nullcontext
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -88,9 +87,7 @@ def patch(trainer: GRPOTrainer) -> GRPOTrainer:
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"patch(trainer): expected a trl.GRPOTrainer, got {type(trainer).__name__}")
     for model, entropy_needs_grad in _scored_models(trainer):
-        _install(model, temperature=float(trainer.temperature),
-                 cast_lm_head_to_fp32=bool(trainer.args.cast_lm_head_to_fp32),
-                 entropy_needs_grad=entropy_needs_grad)
+        _install(model, temperature=float(trainer.temperature), entropy_needs_grad=entropy_needs_grad)
     return trainer
 
 
@@ -127,8 +124,7 @@ def _scored_models(trainer: GRPOTrainer) -> list[tuple[torch.nn.Module, bool]]:
     return models
 
 
-def _install(model: torch.nn.Module, *, temperature: float, cast_lm_head_to_fp32: bool,
-             entropy_needs_grad: bool) -> None:
+def _install(model: torch.nn.Module, *, temperature: float, entropy_needs_grad: bool) -> None:
     if "_fasttrain_trl_forward" in model.__dict__:
         return
     trl_forward = model.__dict__.get("forward")
@@ -174,9 +170,7 @@ def _install(model: torch.nn.Module, *, temperature: float, cast_lm_head_to_fp32
         else:
             labels = shift_labels  # already shifted (context parallelism)
         log_probs, entropy, scored = score_tokens(
-            hidden, labels, self.get_output_embeddings(), temperature=temperature,
-            cast_lm_head_to_fp32=cast_lm_head_to_fp32,
-        )
+            hidden, labels, self.get_output_embeddings(), temperature=temperature)
         denominator = scored.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedCausalLMOutput(loss=-log_probs.sum() / denominator, log_probs=log_probs, entropy=entropy,
                                    label_mask=scored)
@@ -200,8 +194,8 @@ def _reaches_trl_fused_forward(forward) -> bool:
     return False
 
 
-def score_tokens(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Linear, *, temperature: float,
-                 cast_lm_head_to_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def score_tokens(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Linear, *,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of each labelled position; zero where the label is -100.
 
     hidden: [B, T, H] (already aligned with labels), labels: [B, T] int64 -> (log_probs [B, T] fp32,
@@ -210,24 +204,18 @@ def score_tokens(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.L
     weight, bias = lm_head.weight, lm_head.bias
     hidden, labels = hidden.to(weight.device), labels.to(weight.device)
     scored = labels != -100  # [B, T]
-    device_type = hidden.device.type
-    if cast_lm_head_to_fp32:
-        dtype = torch.float32
-    elif torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)  # what the model's own lm_head would run in
-    else:
-        dtype = hidden.dtype
-    # The op is not an autocast op: hand it one dtype explicitly. (Casting the weight copies [V, H] once per
-    # call, in dtype; for the bf16-autocast CPU path this is what F.linear under autocast does too.)
-    with torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext():
-        rows = hidden[scored].to(dtype)  # [N, H], N = scored tokens
+    # The op takes one dtype and is not an autocast op. It runs in the lm_head weight's own dtype: under
+    # autocast with fp32 weights (TRL's CPU default, bf16=True) the hidden states are widened ([N, H], small)
+    # rather than the weight narrowed (a [V, H] copy per call: 175 MB at V=151,936, H=576), and a bf16 model
+    # runs in bf16. cast_lm_head_to_fp32 has already made the weight fp32, so it needs nothing more here.
+    with torch.autocast(hidden.device.type, enabled=False):
+        rows = hidden[scored].to(weight.dtype)  # [N, H], N = scored tokens
         targets = labels[scored]
         if rows.shape[0] == 0:  # nothing to score: a zero that stays connected to the graph
             logp = rows.sum(-1).float()
             ent = logp.detach()
         else:
-            logp, ent = fused_logprob(rows, weight.to(dtype), targets, temperature=temperature,
-                                      bias=None if bias is None else bias.to(dtype))
+            logp, ent = fused_logprob(rows, weight, targets, temperature=temperature, bias=bias)
     log_probs = logp.new_zeros(scored.shape).masked_scatter(scored, logp)
     entropy = ent.new_zeros(scored.shape).masked_scatter(scored, ent)
     return log_probs, entropy, scored
