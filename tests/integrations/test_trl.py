@@ -1,7 +1,7 @@
 """fasttrain.integrations.trl against TRL's own head, both measured against a float64 head.
 
-For each head ("trl" = unpatched TRL 1.16, "fasttrain" = patched, "float64" = patched with an exact float64
-head) we compute, on the same generated batch: the old-policy and reference log-probs (no grad), the policy's
+For each head ("trl" = unpatched TRL 1.16, "fasttrain" = patched, "float64" = unpatched TRL whose chunked
+head is replaced by an exact float64 one, so the reference shares no code with the patch) we compute, on the same generated batch: the old-policy and reference log-probs (no grad), the policy's
 entropies, TRL's loss and the trainable gradients. Tolerance, derived: fasttrain's error against float64 is at
 most twice TRL's own error against float64, plus a floor of 8 fp32 ulps at the quantity's scale (two fp32
 computations that only reassociate sums already differ by a few ulps; the floor matters only where TRL is exact
@@ -90,15 +90,33 @@ def run_head(trainer, inputs, w_old, w_new) -> dict:
     return out
 
 
+class Float64Head:
+    """Stands in for TRL's chunked head inside TRL's own (unpatched) plumbing: the reference shares nothing with
+    the integration under test (shift, temperature, masking all stay TRL's), only the arithmetic is exact."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+        assert softcap is None and logit_scale == 1.0
+        with torch.autocast(hidden.device.type, enabled=False):
+            logp, entropy = reference_logprob_float64(hidden, weight, targets, temperature, bias=bias)
+        return logp, entropy if "entropy" in outputs else None, None, None, None
+
+
+def float64_head(monkeypatch):
+    import trl.trainer.utils
+
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", Float64Head)
+
+
 def three_heads(trainer, monkeypatch, w_old, w_new, inputs) -> dict[str, dict]:
     results = {}
     fasttrain_trl.unpatch(trainer)
     results["trl"] = run_head(trainer, inputs, w_old, w_new)
+    with monkeypatch.context() as m:
+        float64_head(m)
+        results["float64"] = run_head(trainer, inputs, w_old, w_new)
     fasttrain_trl.patch(trainer)
     results["fasttrain"] = run_head(trainer, inputs, w_old, w_new)
-    with monkeypatch.context() as m:
-        m.setattr(fasttrain_trl, "fused_logprob", reference_logprob_float64)
-        results["float64"] = run_head(trainer, inputs, w_old, w_new)
     return results
 
 
@@ -147,11 +165,11 @@ def test_one_trainer_train_step_with_and_without_patch(tmp_path, monkeypatch):
         trainer = make_trainer(tmp_path / head, loss_type="dapo")
         params = trainable(trainer)
         load(params, perturbed(params, 0.5, seed=1))  # adapters away from zero: KL > 0
-        if head != "trl":
+        if head == "fasttrain":
             fasttrain_trl.patch(trainer)
         with monkeypatch.context() as m:
             if head == "float64":
-                m.setattr(fasttrain_trl, "fused_logprob", reference_logprob_float64)
+                float64_head(m)
             trainer.train()
         logs[head] = {k: torch.tensor(v) for k, v in trainer.state.log_history[0].items()
                       if k in ("loss", "entropy", "kl", "reward", "num_tokens")}
