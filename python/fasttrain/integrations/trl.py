@@ -163,6 +163,8 @@ def _install(model: torch.nn.Module, *, temperature: float, entropy_needs_grad: 
         if keep_trl_head:
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
+        # Replacing `model.forward` also sets aside accelerate's mixed-precision wrapper (when it wrapped TRL's
+        # head) for these calls only; TRL makes every fused call inside `accelerator.autocast()`, the same autocast.
         kwargs["use_cache"] = False
         hidden = self.base_model(*args, **kwargs).last_hidden_state  # [B, L, H]
         if shift_labels is None:
