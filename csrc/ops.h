@@ -2,6 +2,7 @@
 // each backend file registers its own implementations with TORCH_LIBRARY_IMPL at its bottom.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <optional>
 #include <tuple>
 
 namespace fasttrain {
@@ -29,6 +30,22 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& abs
 // ---- fused_logprob (issue 3) ----------------------------------------------------------
 
 // ---- policy_loss (issue 4) ------------------------------------------------------------
+// Returns (loss fp32 [], stats fp32 [7], coef fp32 [B,T], rowscale fp32 [B]); see torch_bindings.cpp.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
+    const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
+    const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& token_normalizer,
+    int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
+    double token_normalizer_value);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
+    const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
+    const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& token_normalizer,
+    int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
+    double token_normalizer_value);
+// grad_logp [B,T] of `dtype` = grad_loss * coef * rowscale[row].
+at::Tensor policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& coef, const at::Tensor& rowscale,
+                                    at::ScalarType dtype);
+at::Tensor policy_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& coef, const at::Tensor& rowscale,
+                                     at::ScalarType dtype);
 
 // ---- nf4_linear (issue 5) -------------------------------------------------------------
 

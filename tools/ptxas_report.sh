@@ -27,7 +27,7 @@ for ln in lines:
 names = subprocess.run(["c++filt"], input="\n".join(r[0] for r in rows), capture_output=True, text=True).stdout.splitlines() if rows else []
 print(f"{'kernel':70s} {'arch':7s} {'regs':>4s} {'smem':>6s} {'stack':>5s} {'spill st/ld':>11s}")
 for r, name in zip(rows, names or [r[0] for r in rows]):
-    short = re.sub(r"\(.*", "", name)[:70]
+    short = re.sub(r"\(.*", "", name.replace("(anonymous namespace)::", ""))[:70]
     print(f"{short:70s} {r[1]:7s} {r[2]:>4s} {r[3]:>6s} {r[4]:>5s} {r[5]:>11s}")
 if not rows:
     print("no kernels found in", sys.argv[1]); sys.exit(1)

@@ -217,10 +217,8 @@ def test_determinism_across_processes():
     assert outs[0] == outs[1] and len(outs[0]) > 64
 
 
-def test_data_generation_is_fast_and_planted():
-    t = time.perf_counter()
-    p = generate_panel(World(seed=123))                  # a fresh world: not in the cache
-    assert time.perf_counter() - t < 3.0                 # target < 2 s; slack for a shared box
+def test_data_generation_is_planted():
+    p = generate_panel(World(seed=123))                  # a fresh world (speed: bench/bench_env.py)
     r = p["returns"].astype(np.float64)
     assert p["close"].shape == (2000, 200) and np.isfinite(r).all()
     assert 0.012 < r.std() < 0.04
@@ -237,13 +235,7 @@ def test_hostile_answers_are_fast_and_invalid(env_a):
                "<signal>\u00e9\u4e2d</signal>", "<signal></signal>", "", "<signal>" * 5000]
     t = time.perf_counter()
     out = env_a.score_many([OPEN] * len(hostile), hostile, record=False)
-    assert time.perf_counter() - t < 0.5
+    # Bounded, not benchmarked: a parser that recursed per parenthesis or backtracked would take
+    # seconds to minutes here (or crash); the limits reject these in milliseconds.
+    assert time.perf_counter() - t < 5.0
     assert not any(s.valid for s in out) and all(s.reason for s in out)
-
-
-def test_group_scoring_speed(env_a):
-    answers = [f"<signal>{e}</signal>" for e in _random_exprs(48, seed=3)]
-    env_a.score_many([OPEN] * 48, answers, record=False)          # warm
-    t = time.perf_counter()
-    env_a.score_many([OPEN] * 48, answers, record=False)
-    assert time.perf_counter() - t < 1.0   # bench/bench_env.py measures the 0.25 s target

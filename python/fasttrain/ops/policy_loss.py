@@ -1,2 +1,113 @@
-"""Placeholder: lands with its issue."""
-__all__: list[str] = []
+"""Fused policy loss: CISPO, DAPO or GRPO with k3 KL, REPO-R advantage rescaling and a token mask.
+
+Per token (shared/DESIGN.md section 5), with r = exp(logp - old_logp):
+  A'    = A * (1 - zeta * log p) if A > 0, A * (1 + zeta * log p) if A < 0   (REPO-R; log p detached,
+          clamped at -20; the factor never goes below 0, so A' never changes sign)
+  CISPO   -sg(min(r, cispo_cap)) * A' * logp                       (MiniMax-M1, 2025)
+  DAPO    -min(r A', clip(r, 1 - eps_low, 1 + eps_high) A')         (Yu et al. 2025, clip-higher)
+  GRPO    as DAPO with eps_high = eps_low, per-sequence mean, then mean over sequences
+  KL      beta * (exp(ref - logp) - (ref - logp) - 1)              (k3, Schulman 2020)
+Aggregation (CISPO, DAPO): sum over active tokens of mask * loss / normalizer, normalizer = the
+active tokens of this batch, or `token_normalizer` (the whole batch's count, so micro-batches
+accumulate to the big batch's gradient). GRPO: `token_normalizer` replaces the number of sequences.
+
+One registered op computes the loss, the stats and each token's gradient coefficient in one pass;
+a second registered op (backward) scales the saved coefficients. Nothing syncs with the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from fasttrain._native import load as _load
+
+_load()
+_ops = torch.ops.fasttrain
+
+__all__ = ["policy_loss", "POLICY_LOSS_STATS", "POLICY_LOSSES"]
+
+POLICY_LOSSES = {"cispo": 0, "dapo": 1, "grpo": 2}
+# Order of the op's stats vector (core/math.h PolicyStat).
+POLICY_LOSS_STATS = ("ratio_mean", "clip_low_frac", "clip_high_frac", "cap_frac", "kl_mean",
+                     "repo_r_factor_mean", "active_tokens")
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                loss: str = "cispo", ref_logp: torch.Tensor | None = None, beta: float = 0.0,
+                eps_low: float = 0.2, eps_high: float = 0.28, cispo_cap: float = 1.2, zeta: float = 0.0,
+                token_normalizer: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy-gradient loss of a batch and its statistics.
+
+    logp [B, T] (requires grad), old_logp [B, T], ref_logp [B, T] or None, mask [B, T] bool or float
+    (float values weight the tokens), advantages [B], [B, 1] or [B, T]. Returns (loss fp32 [],
+    stats: dict of fp32 [] tensors named in POLICY_LOSS_STATS); stats are over this batch's active tokens
+    (KL without beta; the REPO-R factor over tokens with A != 0) and carry no gradient.
+    """
+    if loss not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss: loss must be one of {sorted(POLICY_LOSSES)}, got {loss!r}")
+    for name, t in (("logp", logp), ("old_logp", old_logp)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"policy_loss: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"policy_loss: {name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if logp.dim() != 2:
+        raise ValueError(f"policy_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
+    if not isinstance(mask, torch.Tensor) or mask.shape != logp.shape:
+        raise ValueError(f"policy_loss: mask must be a tensor of logp's shape {tuple(logp.shape)}, "
+                         f"got {getattr(mask, 'shape', type(mask).__name__)}")
+    if not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"policy_loss: advantages must be a torch.Tensor, got {type(advantages).__name__}")
+    if advantages.dim() == 2 and advantages.shape[1] == 1 and logp.shape[1] != 1:
+        advantages = advantages.reshape(-1)
+    if eps_low < 0 or eps_high < 0 or cispo_cap <= 0:
+        raise ValueError(f"policy_loss: eps_low, eps_high must be >= 0 and cispo_cap > 0, got "
+                         f"{eps_low}, {eps_high}, {cispo_cap}")
+    if zeta < 0:
+        raise ValueError(f"policy_loss: zeta must be >= 0, got {zeta}")
+    # One dtype for the log-probs: the widest of the three (a bf16 old_logp against an fp32 logp
+    # would otherwise round the fp32 side).
+    dtype = logp.dtype if ref_logp is None else torch.promote_types(logp.dtype, ref_logp.dtype)
+    dtype = torch.promote_types(dtype, old_logp.dtype)
+    norm_tensor, norm_value = None, 0.0
+    if isinstance(token_normalizer, torch.Tensor):
+        norm_tensor = token_normalizer.detach().reshape(()).to(device=logp.device, dtype=torch.float32)
+    elif token_normalizer is not None:
+        if not token_normalizer > 0:
+            raise ValueError(f"policy_loss: token_normalizer must be > 0, got {token_normalizer}")
+        norm_value = float(token_normalizer)
+    out, stats, _, _ = _ops.policy_loss(
+        logp.to(dtype), old_logp.detach().to(dtype), advantages.detach().float(), mask.detach().float(),
+        None if ref_logp is None else ref_logp.detach().to(dtype), norm_tensor, POLICY_LOSSES[loss], float(beta),
+        float(eps_low), float(eps_high), float(cispo_cap), float(zeta), norm_value)
+    return out, dict(zip(POLICY_LOSS_STATS, stats.detach().unbind()))  # views: one op, no copies
+
+
+@torch.library.register_fake("fasttrain::policy_loss")
+def _(logp, old_logp, advantages, mask, ref_logp, token_normalizer, loss_type, beta, eps_low, eps_high, cispo_cap,
+      zeta, token_normalizer_value):
+    B = logp.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return (logp.new_empty((), **f32), logp.new_empty((len(POLICY_LOSS_STATS),), **f32),
+            logp.new_empty(logp.shape, **f32), logp.new_empty((B,), **f32))
+
+
+@torch.library.register_fake("fasttrain::policy_loss_backward")
+def _(grad_loss, coef, rowscale, dtype):
+    return coef.new_empty(coef.shape, dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, coef, rowscale = output
+    ctx.save_for_backward(coef, rowscale)
+    ctx.logp_dtype = inputs[0].dtype
+
+
+def _backward(ctx, grad_loss, grad_stats, grad_coef, grad_rowscale):
+    coef, rowscale = ctx.saved_tensors
+    grad_logp = None
+    if ctx.needs_input_grad[0]:
+        grad_logp = _ops.policy_loss_backward(grad_loss.float(), coef, rowscale, ctx.logp_dtype)
+    return (grad_logp,) + (None,) * 12
+
+
+torch.library.register_autograd("fasttrain::policy_loss", _backward, setup_context=_setup_context)

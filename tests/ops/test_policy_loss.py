@@ -1,0 +1,343 @@
+"""fasttrain.ops.policy_loss against a float64 eager reference written from shared/DESIGN.md section 5,
+hand-computed cases that tell the losses apart, invariants (REPO-R identity at zeta=0, no sign flip,
+micro-batch accumulation), opcheck and torch.compile."""
+import math
+
+import pytest
+import torch
+
+import fasttrain.ops as ops
+from fasttrain.ops.policy_loss import POLICY_LOSS_STATS
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+LOSSES = ["cispo", "dapo", "grpo"]
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def reference(logp, old, adv, mask, *, loss="cispo", ref=None, beta=0.0, eps_low=0.2, eps_high=0.28, cap=1.2,
+              zeta=0.0, token_normalizer=None):
+    """The recipe, op by op, in the dtype of its inputs (float64 for the reference). Returns (loss, stats)."""
+    mask = mask.to(logp.dtype)
+    if adv.dim() == 1:
+        adv = adv[:, None].expand_as(logp)
+    adv = adv.to(logp.dtype)
+    lp_d = logp.detach().clamp(min=-20.0)
+    factor = torch.where(adv > 0, 1 - zeta * lp_d, torch.where(adv < 0, 1 + zeta * lp_d, torch.ones_like(lp_d)))
+    factor = factor.clamp(min=0.0)
+    a = adv * factor
+    r = torch.exp(logp - old)
+    if loss == "cispo":
+        per_tok = -torch.clamp(r, max=cap).detach() * a * logp
+    else:
+        hi = eps_low if loss == "grpo" else eps_high
+        per_tok = -torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + hi) * a)
+    kl = torch.zeros_like(logp)
+    if ref is not None and beta != 0.0:
+        d = ref - logp
+        kl = torch.exp(d) - d - 1
+        per_tok = per_tok + beta * kl
+    per_tok = torch.where(mask != 0, per_tok * mask, torch.zeros_like(per_tok))
+    abs_scale = per_tok.detach().abs().sum() / mask.sum()  # what a float32 sum's error scales with
+    if loss == "grpo":
+        row_w = mask.sum(-1)
+        n_seq = token_normalizer if token_normalizer is not None else (row_w > 0).sum()
+        out = (per_tok.sum(-1) / row_w.clamp(min=1e-30)).where(row_w > 0, torch.zeros_like(row_w)).sum() / n_seq
+    else:
+        n = token_normalizer if token_normalizer is not None else mask.sum()
+        out = per_tok.sum() / n
+    w = mask.sum()
+    on = mask != 0
+    hi = eps_low if loss == "grpo" else eps_high
+    nz = on & (adv != 0)
+    stats = {
+        "ratio_mean": (r.detach() * mask).sum() / w,
+        "clip_low_frac": (((r < 1 - eps_low) & (a < 0) & on).to(mask.dtype) * mask).sum() / w if loss != "cispo" else w * 0,
+        "clip_high_frac": (((r > 1 + hi) & (a > 0) & on).to(mask.dtype) * mask).sum() / w if loss != "cispo" else w * 0,
+        "cap_frac": (((r > cap) & on).to(mask.dtype) * mask).sum() / w if loss == "cispo" else w * 0,
+        "kl_mean": (kl.detach() * mask).sum() / w,
+        "repo_r_factor_mean": (factor * mask * nz).sum() / (mask * nz).sum(),
+        "active_tokens": w,
+        "_loss_abs_scale": abs_scale,
+    }
+    return out, stats
+
+
+def make_batch(B=6, T=37, *, seed=0, per_token_adv=False, with_ref=True):
+    """Random log-probs with log-ratios kept 1e-3 away from every clip/cap edge, so float32 and float64
+    agree on which branch each token takes (an edge token's gradient jumps by A r)."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 6 - 0.01
+    log_ratio = (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 1.4
+    for edge in (math.log(0.8), math.log(1.28), math.log(1.2)):
+        near = (log_ratio - edge).abs() < 1e-3
+        log_ratio = torch.where(near, log_ratio + 3e-3, log_ratio)
+    old = logp - log_ratio
+    ref = logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) if with_ref else None
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64) if per_token_adv else torch.randn(B, generator=g, dtype=torch.float64)
+    adv = torch.where(adv.abs() < 0.05, torch.zeros_like(adv), adv)  # some exact zeros
+    mask = torch.rand(B, T, generator=g) < 0.8
+    mask[0, :] = True
+    return logp, old, adv, mask, ref
+
+
+def run(op_or_ref, logp, old, adv, mask, ref, dtype, device="cpu", **kw):
+    lp = logp.to(device=device, dtype=dtype).detach().requires_grad_()
+    args = (lp, old.to(device=device, dtype=dtype), adv.to(device=device, dtype=dtype if op_or_ref is reference else torch.float32),
+            mask.to(device))
+    r = None if ref is None else ref.to(device=device, dtype=dtype)
+    if op_or_ref is reference:
+        out, stats = reference(*args, ref=r, **kw)
+    else:
+        kw = dict(kw)
+        if "cap" in kw:
+            kw["cispo_cap"] = kw.pop("cap")
+        out, stats = ops.policy_loss(*args, ref_logp=r, **kw)
+    out.backward()
+    return out.detach().double().cpu(), lp.grad.double().cpu(), {k: v.double().cpu() for k, v in stats.items()}
+
+
+def max_err(a, b):
+    return (a - b).abs().max().item()
+
+
+def assert_derived_close(ours, ref64, eager32, what, scale=None):
+    """Error against float64 at most 2x eager float32's own error, plus 2 float32 ulps of the value's
+    scale (eager's error can be exactly 0 on a tensor by luck). A sum's scale is the sum of its terms'
+    magnitudes, not its (possibly cancelled) value."""
+    scale = ref64.abs().max().item() if scale is None else scale
+    tol = 2 * max_err(eager32, ref64) + 2 * EPS32 * max(scale, 1e-30)
+    err = max_err(ours, ref64)
+    assert err <= tol, f"{what}: error {err:.3g} > derived tolerance {tol:.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("per_token_adv", [False, True])
+@pytest.mark.parametrize("beta,zeta", [(0.0, 0.0), (0.04, 0.0), (0.04, 0.03)])
+def test_matches_float64_reference(loss, per_token_adv, beta, zeta, device):
+    logp, old, adv, mask, ref = make_batch(per_token_adv=per_token_adv, seed=2 * LOSSES.index(loss) + per_token_adv)
+    kw = dict(loss=loss, beta=beta, zeta=zeta)
+    l64, g64, s64 = run(reference, logp, old, adv, mask, ref, torch.float64, **kw)
+    l32, g32, s32 = run(reference, logp, old, adv, mask, ref, torch.float32, **kw)
+    lo, go, so = run(ops, logp, old, adv, mask, ref, torch.float32, device, **kw)
+    assert_derived_close(lo, l64, l32, "loss", s64["_loss_abs_scale"].item())
+    assert_derived_close(go, g64, g32, "grad")
+    for k in POLICY_LOSS_STATS:
+        assert_derived_close(so[k], s64[k], s32[k], k)
+    assert go[~mask].abs().max() == 0, "masked tokens must get exactly zero gradient"
+
+
+def one_token(loss, r, A, **kw):
+    logp = torch.tensor([[-0.7]], dtype=torch.float64)
+    old = logp - math.log(r)
+    lp = logp.float().requires_grad_()
+    out, stats = ops.policy_loss(lp, old.float(), torch.tensor([A]), torch.ones(1, 1), loss=loss, **kw)
+    out.backward()
+    return out.item(), lp.grad.item(), {k: v.item() for k, v in stats.items()}
+
+
+def test_hand_cases_tell_the_losses_apart():
+    # r = 1.5, A = +1: CISPO's weight is capped at 1.2 and its gradient stays -1.2; DAPO is clipped (grad 0).
+    l, g, s = one_token("cispo", 1.5, 1.0)
+    assert l == pytest.approx(-1.2 * -0.7, rel=1e-6) and g == pytest.approx(-1.2, rel=1e-6)
+    assert s["cap_frac"] == 1.0 and s["ratio_mean"] == pytest.approx(1.5, rel=1e-6)
+    l, g, s = one_token("dapo", 1.5, 1.0)
+    assert l == pytest.approx(-1.28, rel=1e-6) and g == 0.0
+    assert s["clip_high_frac"] == 1.0 and s["clip_low_frac"] == 0.0
+    # GRPO clips symmetrically at 1 + eps_low = 1.2.
+    l, g, s = one_token("grpo", 1.5, 1.0)
+    assert l == pytest.approx(-1.2, rel=1e-6) and g == 0.0 and s["clip_high_frac"] == 1.0
+    # r = 1.25 (inside DAPO's clip-higher, outside GRPO's): DAPO learns, GRPO does not.
+    assert one_token("dapo", 1.25, 1.0)[1] == pytest.approx(-1.25, rel=1e-6)
+    assert one_token("grpo", 1.25, 1.0)[1] == 0.0
+    # r = 0.5, A = -1: DAPO clipped low (loss -min(-0.5, -0.8) = 0.8, grad 0); CISPO grad -0.5 * -1 = 0.5.
+    l, g, s = one_token("dapo", 0.5, -1.0)
+    assert l == pytest.approx(0.8, rel=1e-6) and g == 0.0 and s["clip_low_frac"] == 1.0
+    l, g, s = one_token("cispo", 0.5, -1.0)
+    assert l == pytest.approx(-0.5 * -1 * -0.7, rel=1e-6) and g == pytest.approx(0.5, rel=1e-6) and s["cap_frac"] == 0.0
+    # r = 0.5, A = +1 is not clipped (pessimistic branch): DAPO grad -A r = -0.5.
+    assert one_token("dapo", 0.5, 1.0)[1] == pytest.approx(-0.5, rel=1e-6)
+    # k3 KL: ref - logp = 0.5: kl = e^0.5 - 1.5, grad beta (1 - e^0.5), added to the policy term.
+    lp = torch.tensor([[-0.7]], requires_grad=True)
+    out, s = ops.policy_loss(lp, lp.detach(), torch.tensor([0.0]), torch.ones(1, 1), loss="dapo",
+                             ref_logp=torch.tensor([[-0.2]]), beta=0.1)
+    out.backward()
+    kl = math.exp(0.5) - 1.5
+    assert out.item() == pytest.approx(0.1 * kl, rel=1e-5) and s["kl_mean"].item() == pytest.approx(kl, rel=1e-5)
+    assert lp.grad.item() == pytest.approx(0.1 * (1 - math.exp(0.5)), rel=1e-5)
+
+
+def test_repo_r_factor_hand_values_and_identity():
+    # A > 0, p = 0.5, zeta = 0.05: A' = A (1 + 0.05 ln 2); A < 0: A (1 - 0.05 ln 2). r = 1 so CISPO grad = -A'.
+    for A, f in ((2.0, 1 + 0.05 * math.log(2)), (-2.0, 1 - 0.05 * math.log(2))):
+        lp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+        out, s = ops.policy_loss(lp, lp.detach(), torch.tensor([A]), torch.ones(1, 1), zeta=0.05)
+        out.backward()
+        assert s["repo_r_factor_mean"].item() == pytest.approx(f, rel=1e-6)
+        assert lp.grad.item() == pytest.approx(-A * f, rel=1e-6)
+    # log p clamped at -20: p = e^-50 with zeta = 0.01 gives factor 1.2, not 1.5.
+    lp = torch.tensor([[-50.0]], requires_grad=True)
+    _, s = ops.policy_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 1), zeta=0.01)
+    assert s["repo_r_factor_mean"].item() == pytest.approx(1.2, rel=1e-6)
+    # zeta = 0 is exactly the identity: same bits as with the factor left out of the formula.
+    logp, old, adv, mask, ref = make_batch()
+    for loss in LOSSES:
+        a = run(ops, logp, old, adv, mask, ref, torch.float32, loss=loss, zeta=0.0)
+        b = run(reference, logp, old, adv, mask, ref, torch.float64, loss=loss, zeta=0.0)
+        assert a[2]["repo_r_factor_mean"].item() == 1.0
+        assert max_err(a[1], b[1]) < 1e-6
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_repo_r_never_flips_the_sign(loss):
+    logp, old, adv, mask, _ = make_batch(per_token_adv=True, seed=3)
+    logp = logp * 5  # log p down to -30 (clamped at -20)
+    lp = logp.float().requires_grad_()
+    out, s = ops.policy_loss(lp, old.float(), adv.float(), mask, loss=loss, zeta=10.0)
+    out.backward()
+    g = lp.grad.double()
+    # d loss/d logp = -w A' (CISPO) or -A' r (DAPO): never the sign of +A.
+    assert (g * adv.sign() <= 0).all(), "REPO-R flipped an advantage's sign"
+    assert torch.isfinite(out) and s["repo_r_factor_mean"] >= 0
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_micro_batches_accumulate_to_the_full_batch(loss, as_tensor):
+    logp, old, adv, mask, ref = make_batch(B=9, T=50, seed=5)
+    mask[4] = False  # an empty sequence in the middle
+    lp = logp.float().requires_grad_()
+    full, _ = ops.policy_loss(lp, old.float(), adv.float(), mask, loss=loss, ref_logp=ref.float(), beta=0.02)
+    full.backward()
+    g_full = lp.grad.clone()
+    lp.grad = None
+    n = (mask.any(-1).sum() if loss == "grpo" else mask.sum()).float()
+    norm = n if as_tensor else n.item()
+    total = 0.0
+    for rows in (slice(0, 2), slice(2, 7), slice(7, 9)):
+        part, _ = ops.policy_loss(lp[rows], old[rows].float(), adv[rows].float(), mask[rows], loss=loss,
+                                  ref_logp=ref[rows].float(), beta=0.02, token_normalizer=norm)
+        part.backward()
+        total = total + part.detach()
+    assert total.item() == pytest.approx(full.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(lp.grad, g_full, rtol=1e-5, atol=1e-8)
+
+
+def test_grpo_is_a_mean_of_sequence_means():
+    # Two sequences, r = 1 everywhere (no clipping): loss = mean_b( mean_t( -A_b ) ).
+    lp = torch.zeros(2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    out, s = ops.policy_loss(lp, lp.detach(), torch.tensor([1.0, -3.0]), mask, loss="grpo")
+    out.backward()
+    assert out.item() == pytest.approx((-1.0 + 3.0) / 2)
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1 / 8] * 4, [3 / 2, 0, 0, 0]]))
+    # DAPO, the same batch, token level: (4 * -1 + 3) / 5.
+    out, _ = ops.policy_loss(lp, lp.detach(), torch.tensor([1.0, -3.0]), mask, loss="dapo")
+    assert out.item() == pytest.approx(-1 / 5)
+    assert s["active_tokens"].item() == 5
+
+
+def test_mask_semantics():
+    logp, old, adv, mask, ref = make_batch(seed=7)
+    # Masked tokens may hold garbage (padding): they change nothing.
+    bad_old = old.clone()
+    bad_old[~mask] = float("nan")
+    a = run(ops, logp, old, adv, mask, ref, torch.float32, loss="dapo", beta=0.1)
+    b = run(ops, logp, bad_old, adv, mask, ref, torch.float32, loss="dapo", beta=0.1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # A float mask weights tokens (matches the reference); a bool mask equals its float 0/1.
+    c = run(ops, logp, old, adv, mask.float(), ref, torch.float32, loss="dapo", beta=0.1)
+    assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+    wmask = mask.double() * torch.rand(mask.shape, dtype=torch.float64)
+    wmask = wmask.float().double()
+    o = run(ops, logp, old, adv, wmask.float(), ref, torch.float32, loss="cispo")
+    r = run(reference, logp, old, adv, wmask, ref, torch.float64, loss="cispo")
+    assert max_err(o[0], r[0]) < 1e-5 and max_err(o[1], r[1]) < 1e-6
+    # No active token: loss 0, zero gradient, neutral stats, no NaN.
+    z = run(ops, logp, old, adv, torch.zeros_like(mask), ref, torch.float32, loss="grpo")
+    assert z[0].item() == 0 and z[1].abs().max() == 0 and z[2]["ratio_mean"].item() == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("loss", LOSSES)
+def test_low_precision_inputs(dtype, loss, device):
+    """bf16/fp16 log-probs are computed in fp32 inside: the loss is fp32-accurate for the rounded inputs,
+    and the gradient (returned in the input dtype) is off by at most its own rounding (half an ulp)."""
+    logp, old, adv, mask, ref = make_batch(seed=11)
+    logp, old, ref = logp.to(dtype).double(), old.to(dtype).double(), ref.to(dtype).double()
+    lo, go, so = run(ops, logp, old, adv, mask, ref, dtype, device, loss=loss, beta=0.04, zeta=0.02)
+    l64, g64, s64 = run(reference, logp, old, adv, mask, ref, torch.float64, loss=loss, beta=0.04, zeta=0.02)
+    l32, g32, _ = run(reference, logp, old, adv, mask, ref, torch.float32, loss=loss, beta=0.04, zeta=0.02)
+    assert_derived_close(lo, l64, l32, "loss", s64["_loss_abs_scale"].item())
+    fi = torch.finfo(dtype)
+    half_ulp = fi.eps * g64.abs().clamp(min=fi.tiny) / 2  # rounding to dtype (subnormal spacing below tiny)
+    tol = half_ulp + 2 * max_err(g32, g64) + 2 * EPS32 * g64.abs().max()
+    assert ((go - g64).abs() <= tol).all(), f"grad error {max_err(go, g64):.3g} beyond {dtype} rounding"
+
+
+def test_dtype_mixing_promotes():
+    logp, old, adv, mask, _ = make_batch(seed=13)
+    lp = logp.float().requires_grad_()
+    out, _ = ops.policy_loss(lp, old.bfloat16(), adv.float(), mask)
+    out.backward()
+    assert lp.grad.dtype == torch.float32
+    want, _, _ = run(reference, logp, old.bfloat16().double(), adv, mask, None, torch.float64)
+    assert out.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_bad_input_errors_name_the_argument():
+    lp, m = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="loss"):
+        ops.policy_loss(lp, lp, torch.zeros(2), m, loss="ppo")
+    with pytest.raises(ValueError, match="mask"):
+        ops.policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match="advantages"):
+        ops.policy_loss(lp, lp, torch.zeros(3), m)
+    with pytest.raises(RuntimeError, match="old_logp"):
+        ops.policy_loss(lp, torch.zeros(2, 4), torch.zeros(2), m)
+    with pytest.raises(TypeError, match="logp"):
+        ops.policy_loss(lp.long(), lp, torch.zeros(2), m)
+    with pytest.raises(ValueError, match="token_normalizer"):
+        ops.policy_loss(lp, lp, torch.zeros(2), m, token_normalizer=0)
+    with pytest.raises(ValueError, match="zeta"):
+        ops.policy_loss(lp, lp, torch.zeros(2), m, zeta=-1.0)
+
+
+def _samples(device="cpu"):
+    logp, old, adv, mask, ref = make_batch(B=3, T=9, seed=17)
+    f = lambda t: t.float().to(device)  # noqa: E731
+    out = []
+    for loss_type in (0, 1, 2):
+        out.append((f(logp).requires_grad_(), f(old), f(adv), f(mask), f(ref), None, loss_type, 0.05, 0.2, 0.28, 1.2,
+                    0.01, 0.0))
+    out.append((f(logp).requires_grad_(), f(old), f(adv)[:, None].expand(3, 9).contiguous(), f(mask), None,
+                torch.tensor(20.0, device=device), 1, 0.0, 0.2, 0.28, 1.2, 0.0, 0.0))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for args in _samples(device):
+        torch.library.opcheck(torch.ops.fasttrain.policy_loss.default, args)
+    coef = torch.randn(3, 9, device=device)
+    torch.library.opcheck(torch.ops.fasttrain.policy_loss_backward.default,
+                          (torch.tensor(2.0, device=device), coef, torch.rand(3, device=device), torch.bfloat16))
+
+
+def test_torch_compile_fullgraph():
+    logp, old, adv, mask, ref = make_batch(seed=19)
+
+    def step(lp, old, adv, mask, ref):
+        loss, stats = ops.policy_loss(lp, old, adv, mask, loss="dapo", ref_logp=ref, beta=0.04, zeta=0.01)
+        return loss * 2.0, stats["clip_high_frac"] + stats["kl_mean"]
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    res = []
+    for fn in (step, compiled):
+        lp = logp.float().requires_grad_()
+        l, s = fn(lp, old.float(), adv.float(), mask, ref.float())
+        l.backward()
+        res.append((l.detach(), s, lp.grad))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
