@@ -1,19 +1,10 @@
 import os
 import sys
 
+import pytest
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))  # tiny_grpo.py, logprob_reference.py
-
-# DEVELOPMENT ONLY, removed once fasttrain.ops.fused_logprob lands on main: give fasttrain.ops the stand-in.
-import fasttrain.ops  # noqa: E402
-
-if not hasattr(fasttrain.ops, "fused_logprob"):
-    from logprob_reference import standin_fused_logprob
-
-    fasttrain.ops.fused_logprob = standin_fused_logprob
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

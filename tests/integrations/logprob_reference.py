@@ -1,9 +1,5 @@
-"""Plain-torch references for the TRL integration tests (never imported by the package).
-
-`reference_logprob_float64` is the exact answer the tests measure every head against: logits in float64
-from the same hidden states and weight. `standin_fused_logprob` is a chunked fp32 stand-in with the
-contract's signature, used only while developing before `fasttrain.ops.fused_logprob` landed.
-"""
+"""The exact head the TRL integration tests measure every head against (never imported by the package):
+logits in float64 from the same hidden states and weight."""
 import torch
 
 
@@ -20,18 +16,3 @@ def reference_logprob_float64(hidden, weight, targets, temperature=1.0, ignore_i
     entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
     return logp.float(), entropy.detach().float()
 
-
-def standin_fused_logprob(hidden, weight, targets, temperature=1.0, ignore_index=-100, bias=None, chunk=256):
-    # Development stand-in: same contract, [chunk, V] at a time in fp32.
-    logps, ents = [], []
-    for start in range(0, hidden.shape[0], chunk):
-        h = hidden[start:start + chunk].float()
-        t = targets[start:start + chunk]
-        z = h @ weight.float().t()
-        if bias is not None:
-            z = z + bias.float()
-        lp = torch.log_softmax(z / temperature, dim=-1)
-        valid = t != ignore_index
-        logps.append(torch.where(valid, lp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0))
-        ents.append(torch.where(valid, -(lp.exp() * lp).sum(-1), 0.0).detach())
-    return torch.cat(logps), torch.cat(ents)
