@@ -8,10 +8,8 @@ HERE = Path(__file__).parent
 
 @pytest.fixture
 def tiny(monkeypatch, tmp_path):
-    """Stand-ins for pieces not on main yet + the tiny world importable as `tiny_world`."""
+    """The tiny world (model + environment) importable as `tiny_world`; every op is the real one."""
     monkeypatch.syspath_prepend(str(HERE))
-    import standins
-    standins.install(monkeypatch)
     return tmp_path
 
 
