@@ -2,6 +2,7 @@
 // each backend file registers its own implementations with TORCH_LIBRARY_IMPL at its bottom.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <array>
 #include <optional>
 #include <tuple>
 
@@ -28,6 +29,28 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& abs
                                       int64_t blocksize);
 
 // ---- fused_logprob (issue 3) ----------------------------------------------------------
+// Argument checks shared by both backends (defined in cpu/fused_logprob.cpp).
+void fused_logprob_check_args(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                              const at::Tensor& targets, const std::optional<at::Tensor>& bias,
+                              double temperature);
+// See the schemas in torch_bindings.cpp. Returns (logp, entropy, stats, grad_vec).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
+    int64_t chunk_bytes);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cuda(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
+    int64_t chunk_bytes);
+// Returns (grad_weight, grad_bias).
+std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
+    const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, const at::Tensor& stats, double temperature, int64_t ignore_index,
+    int64_t chunk_bytes);
+std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cuda(
+    const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, const at::Tensor& stats, double temperature, int64_t ignore_index,
+    int64_t chunk_bytes);
 
 // ---- policy_loss (issue 4) ------------------------------------------------------------
 // Returns (loss fp32 [], stats fp32 [7], coef fp32 [B,T], rowscale fp32 [B]); see torch_bindings.cpp.
@@ -48,5 +71,26 @@ at::Tensor policy_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tens
                                      at::ScalarType dtype);
 
 // ---- nf4_linear (issue 5) -------------------------------------------------------------
+// x [M, K]; W NF4 [out_features, K]; lora_a [r, K]; lora_b [out_features, r]; dora_m [out_features].
+using OptTensor = std::optional<at::Tensor>;
+using NF4LinearOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+#define FT_NF4_LINEAR_DECLS(dev)                                                                          \
+  NF4LinearOut nf4_linear_##dev(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,   \
+                                int64_t blocksize, int64_t out_features, const OptTensor& lora_a,          \
+                                const OptTensor& lora_b, double scale, const OptTensor& dora_m,            \
+                                const OptTensor& weight_sq_norm);                                          \
+  NF4LinearOut nf4_linear_backward_##dev(                                                                  \
+      const at::Tensor& dy, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,       \
+      int64_t blocksize, int64_t out_features, const OptTensor& lora_a, const OptTensor& lora_b,           \
+      double scale, const OptTensor& dora_m, const at::Tensor& xa, const at::Tensor& rnorm,                \
+      const at::Tensor& z, std::array<bool, 4> output_mask);                                               \
+  at::Tensor nf4_dora_norm_##dev(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,   \
+                                 int64_t out_features, const at::Tensor& lora_a, const at::Tensor& lora_b, \
+                                 double scale, const OptTensor& weight_sq_norm);                           \
+  at::Tensor nf4_weight_sq_norm_##dev(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize, \
+                                      int64_t out_features, int64_t in_features);
+FT_NF4_LINEAR_DECLS(cpu)
+FT_NF4_LINEAR_DECLS(cuda)
+#undef FT_NF4_LINEAR_DECLS
 
 }  // namespace fasttrain

@@ -18,6 +18,17 @@ TORCH_LIBRARY(fasttrain, m) {
   m.def("blockwise8_dequantize(Tensor q, Tensor absmax, Tensor code, int blocksize) -> Tensor");
 
   // ---- fused_logprob (issue 3) --------------------------------------------------------
+  // hidden [N,H], weight [V,H] (fp32|fp16|bf16|fp64, same dtype), targets [N] int64, bias [V]?
+  // -> logp [N], entropy [N], stats [2,N] = (ref, log s) with lse = ref + log s (fp32; fp64 for fp64
+  // inputs), grad_vec [N,H] fp32|fp64 when
+  // compute_grad (d logp_n / d h_n = (W[t_n] - sum_v p_nv W[v]) / T), else [0,H]. Tokens whose
+  // target == ignore_index give 0 everywhere. chunk_bytes bounds the scratch (0: default).
+  m.def("fused_logprob_forward(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, float temperature, "
+        "int ignore_index, bool compute_grad, int chunk_bytes) -> (Tensor, Tensor, Tensor, Tensor)");
+  // grad_logp [N] fp32|fp64, stats [2,N] from the forward -> grad_weight [V,H] (weight's dtype),
+  // grad_bias [V] fp32|fp64: dW = sum_n g_n (onehot(t_n) - p_n) h_n^T / T, p recomputed per chunk.
+  m.def("fused_logprob_backward_weight(Tensor grad_logp, Tensor hidden, Tensor weight, Tensor targets, "
+        "Tensor? bias, Tensor stats, float temperature, int ignore_index, int chunk_bytes) -> (Tensor, Tensor)");
 
   // ---- policy_loss (issue 4) ----------------------------------------------------------
   // logp, old_logp, ref_logp [B,T] fp32|fp16|bf16 (one dtype); advantages fp32 [B] or [B,T]; mask fp32 [B,T]
@@ -33,6 +44,22 @@ TORCH_LIBRARY(fasttrain, m) {
   m.def("policy_loss_backward(Tensor grad_loss, Tensor coef, Tensor rowscale, ScalarType dtype) -> Tensor");
 
   // ---- nf4_linear (issue 5) -----------------------------------------------------------
+  // y = g ⊙ (x·Wᵀ + scale·(x·Aᵀ)·Bᵀ), W NF4 [N=out_features, K] (packed uint8 [ceil(NK/2)], absmax
+  // fp32 [ceil(NK/bs)]), A [r, K], B [N, r] (fp32 masters), g = m / ‖W + scale·B·A‖_row (DoRA) or 1.
+  // x [M, K] fp32|bf16|fp16 (fp64 on CPU) -> y [M, N] x.dtype, xa [M, r] (or [0]), rnorm [N] fp32
+  // 1/‖W + sBA‖ (or [0]), z [M, N] pre-scale output (DoRA only, else [0]); the last three are saved
+  // for the backward. weight_sq_norm [N] fp32 ‖W‖² per row (computed once; optional).
+  m.def("nf4_linear(Tensor x, Tensor packed, Tensor absmax, int blocksize, int out_features, Tensor? lora_a, "
+        "Tensor? lora_b, float scale, Tensor? dora_m, Tensor? weight_sq_norm) -> (Tensor, Tensor, Tensor, Tensor)");
+  // dy [M, N] -> (dx [M, K] x.dtype, dA [r, K], dB [N, r], dm [N]); an output whose mask bit is off is [0].
+  m.def("nf4_linear_backward(Tensor dy, Tensor x, Tensor packed, Tensor absmax, int blocksize, int out_features, "
+        "Tensor? lora_a, Tensor? lora_b, float scale, Tensor? dora_m, Tensor xa, Tensor rnorm, Tensor z, "
+        "bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  // ‖W + scale·B·A‖ per row [N] (fp32; fp64 for fp64 A) from the factorised form, for tests and merges.
+  m.def("nf4_dora_norm(Tensor packed, Tensor absmax, int blocksize, int out_features, Tensor lora_a, "
+        "Tensor lora_b, float scale, Tensor? weight_sq_norm) -> Tensor");
+  // ‖W‖² per row [N] fp32 (accumulated in fp64), computed once per layer.
+  m.def("nf4_weight_sq_norm(Tensor packed, Tensor absmax, int blocksize, int out_features, int in_features) -> Tensor");
 }
 
 namespace {

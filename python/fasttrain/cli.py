@@ -1,6 +1,10 @@
 """The `fasttrain` command line (Typer)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Optional
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -44,6 +48,96 @@ def info() -> None:
         table.add_column(k, justify="center")
     for name, keys in registered_ops():
         table.add_row(name, *["yes" if k in keys else "-" for k in DISPATCH_KEYS])
+    console.print(table)
+
+
+SET_HELP = "Override a recipe key: --set section.key=value (repeatable), e.g. --set loss.kind=dapo"
+
+
+def _fail(msg: str) -> None:
+    from rich.markup import escape
+    console.print(f"[red]error:[/red] {escape(msg)}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path to a .toml"),
+        set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+        resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this folder"),
+        out: Optional[str] = typer.Option(None, "--out", help="parent folder of the run (default runs/)"),
+        no_progress: bool = typer.Option(False, "--no-progress", help="no live progress bar")) -> None:
+    """Train a policy with RECIPE (default: the CPU demo) and write runs/<run-id>/."""
+    from fasttrain.train import ConfigError, Trainer, TrainingStopped, load_config
+
+    try:
+        if resume is not None:
+            trainer = Trainer.resume(resume, set_, progress=not no_progress, console=console)
+        else:
+            overrides = list(set_) + ([f"run.out={json.dumps(out)}"] if out else [])
+            trainer = Trainer(load_config(recipe, overrides), progress=not no_progress, console=console)
+        console.print(f"run [bold]{trainer.run_id}[/bold] -> {trainer.dir}")
+        export = trainer.train()
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(str(e))
+    except TrainingStopped as e:
+        _fail(str(e))
+    sh = export["shipped"]
+    if sh:
+        console.print(f"shipped step {sh['step']}: train core {sh['train_core']:+.4f}, "
+                      f"holdout core {sh['holdout_core']:+.4f}")
+    console.print(f"report: {trainer.dir / 'report.md'}")
+
+
+@app.command()
+def ladder(recipes: list[str] = typer.Argument(..., help="recipes to run in order, e.g. dapo cispo cispo_repo_r"),
+           set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+           out: Optional[str] = typer.Option(None, "--out", help="parent folder of the runs"),
+           no_progress: bool = typer.Option(False, "--no-progress")) -> None:
+    """Run several recipes and write the seed-style table (rung, configuration, shipped step, holdout, change, versus)."""
+    from fasttrain.train import ConfigError
+    from fasttrain.train.ladder import run_ladder
+
+    try:
+        path, _ = run_ladder(recipes, set_, out, progress=not no_progress, console=console)
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(str(e))
+    console.print(path.read_text())
+    console.print(f"table: {path}")
+
+
+@app.command(name="filter")
+def filter_(recipe: str = typer.Argument(..., help="recipe whose policy and environment to use"),
+            set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+            out: Optional[Path] = typer.Option(None, "--out", help="selection file (default: the recipe's env.prompts)")) -> None:
+    """Keep the train prompts the starting policy solves sometimes (0 < success rate < 1)."""
+    from fasttrain.train import ConfigError, load_config
+    from fasttrain.train.prompt_filter import filter_prompts
+
+    try:
+        sel = filter_prompts(load_config(recipe, set_), out,
+                             progress=lambda i, n: console.print(f"  scored {i}/{n} prompts", end="\r"))
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(str(e))
+    how = "closest to break-even (too few mixed prompts)" if sel["fallback_closest_to_half"] else "0 < rate < 1"
+    console.print(f"kept {sel['kept']} of {sel['prompts_scored']} prompts ({how}) -> {sel['path']}")
+
+
+@app.command(name="eval")
+def eval_(run_dir: Path = typer.Argument(..., help="a finished run folder"),
+          set_: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
+    """Score the run's shipped checkpoint on the frozen probe (train slice and holdout)."""
+    from fasttrain.train import ConfigError
+    from fasttrain.train.evaluate import evaluate_run
+
+    try:
+        res = evaluate_run(run_dir, set_)
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(str(e))
+    table = Table(title=f"probe of the shipped checkpoint (step {res['step']})")
+    for c in ("slice", "core", "success", "valid"):
+        table.add_column(c)
+    for sl in ("train", "holdout"):
+        table.add_row(sl, f"{res[sl + '_core']:+.4f}", f"{res[sl + '_success']:.0%}", f"{res[sl + '_valid']:.0%}")
     console.print(table)
 
 

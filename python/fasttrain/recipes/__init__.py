@@ -1,0 +1,1 @@
+"""Bundled TOML recipes: the seed ladder and the CPU demo (`fasttrain run RECIPE`)."""

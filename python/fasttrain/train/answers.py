@@ -1,0 +1,83 @@
+"""Sample answers from the policy and score them with the environment (used by training, the
+probe and the prompt filter alike)."""
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import torch
+
+from fasttrain.envs import Prompt, Score
+
+__all__ = ["eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice"]
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for v in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if v is None:
+            continue
+        ids += [int(x) for x in (v if isinstance(v, (list, tuple)) else [v]) if int(x) not in ids]
+    if not ids:
+        raise ValueError("the tokenizer and model declare no eos_token_id: cannot stop answers")
+    return ids
+
+
+def prompt_token_ids(tokenizer, env, prompts: Sequence[Prompt]) -> list[list[int]]:
+    from fasttrain.models import chat_prompt_ids
+    return [list(chat_prompt_ids(tokenizer, p.spec, env.answer_format)) for p in prompts]
+
+
+@torch.no_grad()
+def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
+                   max_new_tokens: int, temperature: float, seed: int):
+    """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G])."""
+    from fasttrain.models import extract_answer
+    from fasttrain.rollout import sample
+
+    was = model.training
+    model.eval()
+    cfg = getattr(model, "config", None)
+    use_cache = getattr(cfg, "use_cache", None)
+    if cfg is not None:
+        cfg.use_cache = True
+    try:
+        roll = sample(model, prompt_token_ids(tokenizer, env, prompts), group_size=group_size,
+                      max_new_tokens=max_new_tokens, temperature=temperature,
+                      eos_token_ids=eos_ids(model, tokenizer), seed=seed)
+    finally:
+        if cfg is not None:
+            cfg.use_cache = use_cache
+        model.train(was)
+    ids = roll.completion_ids.cpu()
+    mask = roll.completion_mask.cpu().bool()
+    texts = [extract_answer(tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True))
+             for b in range(ids.shape[0])]
+    return roll, texts
+
+
+def has_slice(env, name: str) -> bool:
+    slices = tuple(getattr(env, "data_slices", ()))
+    return name in slices or (name in ("train", "holdout") and len(slices) >= 2)
+
+
+def _takes_record(env) -> bool:
+    try:
+        return "record" in inspect.signature(env.score_many).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def score_answers(env, prompts: Sequence[Prompt], answers: Sequence[str], data_slice: str,
+                  record: bool = True) -> list[Score]:
+    """Score; `record=False` (probes, filter) keeps a stateful environment (novelty archive)
+    unchanged where the environment supports it."""
+    if _takes_record(env):
+        return env.score_many(prompts, answers, data_slice, record=record)
+    return env.score_many(prompts, answers, data_slice)
+
+
+def is_stateful(env) -> bool:
+    """Environments whose scores depend on what they scored before declare `record`."""
+    return _takes_record(env)

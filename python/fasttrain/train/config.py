@@ -1,0 +1,356 @@
+"""Run configuration: typed, frozen dataclasses loaded from TOML recipes.
+
+A recipe is a TOML file whose tables are the sections below; every key is optional (the defaults
+are the seed's settings) and an unknown key or a bad value is an error that names the key and
+what is allowed. `--set section.key=value` overrides are parsed as TOML values
+("loss.kind=dapo", "rollout.group_size=8", "advantages.floor=-inf"). The resolved config is
+saved with every run (config.toml), so a run can be repeated and resumed from its own folder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["ConfigError", "Config", "load_config", "load_recipe", "recipe_path", "list_recipes",
+           "apply_overrides", "config_to_toml", "config_hash", "SEED_PRIORITIES"]
+
+
+class ConfigError(ValueError):
+    """A recipe or override is wrong; the message names the key and what is allowed."""
+
+
+SEED_PRIORITIES = {"core": 3.0, "stability": 1.0, "pattern_guard": 0.3, "complexity": 0.2}
+
+
+@dataclass(frozen=True)
+class RunSection:
+    name: str = "run"                       # shows in the run id and the ladder table
+    seed: int = 42
+    steps: int = 600                        # optimizer steps (one rollout batch each)
+    out: str = "runs"                       # runs/<run-id>/ goes under this folder
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    checkpoint_every: int = 0               # 0: at every probe and at the end
+    threads: int = 0                        # torch CPU threads; 0 = torch's default
+
+
+@dataclass(frozen=True)
+class PolicySection:
+    model: str = "smollm2-135m"             # fasttrain.models.load_policy spec, or "module:factory"
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    quantize: Literal["nf4"] = "nf4"          # fasttrain.nn adapters sit on NF4 layers
+    adapter: Literal["lora", "dora"] = "lora"
+    rank: int = 32
+    alpha: float = 64.0
+    rslora: bool = False
+    targets: tuple[str, ...] = ()           # () = the 7 attention/MLP projections
+    gradient_checkpointing: bool = True
+
+
+@dataclass(frozen=True)
+class EnvSection:
+    name: str = "signal-a"                  # fasttrain.envs.load_env spec
+    prompts: str = ""                       # a prompt selection written by `fasttrain filter`
+    train_slice: str = "train"              # data slice for training rewards and the selector
+    holdout_slice: str = "holdout"          # later slice, verifies the shipped checkpoint
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    prompts_per_step: int = 4
+    group_size: int = 12                    # answers per prompt (G)
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class AdvantagesSection:
+    priorities: dict[str, float] = field(default_factory=lambda: dict(SEED_PRIORITIES))
+    batch_normalize: bool = True            # GDPO's batch-level standardisation
+    guard: Literal["projection", "legacy_clamp", "none"] = "projection"
+    floor: float = 0.0                      # core <= floor is guarded; -inf turns the floor off
+    guard_invalid: bool = True              # invalid answers are always guarded
+    warn_share: float = 0.5                 # warn when the non-zero-advantage share stays below
+    warn_steps: int = 10                    # ... this many steps in a row
+
+
+@dataclass(frozen=True)
+class LossSection:
+    kind: Literal["cispo", "dapo", "grpo"] = "cispo"
+    beta: float = 0.08                      # KL(k3) weight to the base model (adapters off)
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    cispo_cap: float = 1.2
+    token_mask: Literal["all", "top_entropy"] = "top_entropy"
+    rho: float = 0.2                        # share of answer tokens kept by the entropy mask
+    passes: int = 1                         # optimizer passes over each rollout batch
+    repo_r: bool = False                    # REPO-R token rescaling with the entropy thermostat
+    zeta_min: float = 1e-4
+    zeta_max: float = 0.05
+    thermostat_warmup: int = 5
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0                  # max global gradient norm; 0 turns clipping off
+    micro_batch: int = 8                    # answers per forward/backward
+
+
+@dataclass(frozen=True)
+class ProbeSection:
+    every: int = 100                        # steps between probes (and at the end); 0 = only at the end
+    prompts: int = 50                       # first N of the environment's frozen probe prompts
+    samples: int = 1                        # answers per probe prompt
+    temperature: float = 1.0
+    max_new_tokens: int = 0                 # 0 = rollout.max_new_tokens
+    seed: int = 1234                        # the same seed at every probe: scores compare policies
+
+
+@dataclass(frozen=True)
+class FilterSection:
+    samples: int = 8                        # answers per prompt to estimate its success rate
+    min_keep: int = 32                      # keep at least this many (closest to break-even)
+    max_prompts: int = 0                    # 0 = every train prompt
+    out: str = ""                           # default: <out>/filter-<recipe>.json
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    policy: PolicySection = field(default_factory=PolicySection)
+    env: EnvSection = field(default_factory=EnvSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    advantages: AdvantagesSection = field(default_factory=AdvantagesSection)
+    loss: LossSection = field(default_factory=LossSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    probe: ProbeSection = field(default_factory=ProbeSection)
+    filter: FilterSection = field(default_factory=FilterSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: _section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+# Value checks beyond the type: key -> (predicate, what is allowed).
+_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "run.steps": (lambda v: v >= 1, "an integer >= 1"),
+    "run.checkpoint_every": (lambda v: v >= 0, "an integer >= 0"),
+    "run.threads": (lambda v: v >= 0, "an integer >= 0"),
+    "policy.rank": (lambda v: v >= 1, "an integer >= 1"),
+    "policy.alpha": (lambda v: v > 0, "a number > 0"),
+    "rollout.prompts_per_step": (lambda v: v >= 1, "an integer >= 1"),
+    "rollout.group_size": (lambda v: v >= 2, "an integer >= 2 (GDPO needs a group)"),
+    "rollout.max_new_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "rollout.temperature": (lambda v: v > 0, "a number > 0"),
+    "advantages.floor": (lambda v: not math.isnan(v) and v != math.inf, "a number or -inf"),
+    "advantages.warn_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "advantages.warn_steps": (lambda v: v >= 1, "an integer >= 1"),
+    "loss.beta": (lambda v: v >= 0, "a number >= 0"),
+    "loss.eps_low": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "loss.eps_high": (lambda v: v >= 0, "a number >= 0"),
+    "loss.cispo_cap": (lambda v: v > 0, "a number > 0"),
+    "loss.rho": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "loss.passes": (lambda v: v >= 1, "an integer >= 1"),
+    "loss.zeta_min": (lambda v: v > 0, "a number > 0"),
+    "loss.zeta_max": (lambda v: v > 0, "a number > 0"),
+    "loss.thermostat_warmup": (lambda v: v >= 1, "an integer >= 1"),
+    "optim.lr": (lambda v: v > 0, "a number > 0"),
+    "optim.weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "optim.beta1": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "optim.beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "optim.eps": (lambda v: v > 0, "a number > 0"),
+    "optim.grad_clip": (lambda v: v >= 0, "a number >= 0"),
+    "optim.micro_batch": (lambda v: v >= 1, "an integer >= 1"),
+    "probe.every": (lambda v: v >= 0, "an integer >= 0"),
+    "probe.prompts": (lambda v: v >= 1, "an integer >= 1"),
+    "probe.samples": (lambda v: v >= 1, "an integer >= 1"),
+    "probe.temperature": (lambda v: v > 0, "a number > 0"),
+    "probe.max_new_tokens": (lambda v: v >= 0, "an integer >= 0"),
+    "filter.samples": (lambda v: v >= 1, "an integer >= 1"),
+    "filter.min_keep": (lambda v: v >= 1, "an integer >= 1"),
+    "filter.max_prompts": (lambda v: v >= 0, "an integer >= 0"),
+}
+
+
+def _section_dict(sec: Any) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(sec):
+        v = getattr(sec, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else (dict(v) if isinstance(v, dict) else v)
+    return out
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: "
+                              + ", ".join(repr(a) for a in allowed))
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: true, false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: {value!r} is not an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str) and value.strip().lower() in ("-inf", "inf", "+inf"):
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: {value!r} is not a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: {value!r} is not a string")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
+            raise ConfigError(f"{key}: {value!r} is not a list of strings")
+        return tuple(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: {value!r} is not a table of name = number")
+        out = {}
+        for k, v in value.items():
+            out[str(k)] = _coerce(f"{key}.{k}", v, float)
+        return out
+    raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover
+
+
+def _build(data: dict[str, Any]) -> Config:
+    hints = typing.get_type_hints(Config)
+    sections = {}
+    for sec_name, sec_val in data.items():
+        if sec_name not in hints:
+            raise ConfigError(f"unknown section [{sec_name}]; allowed sections: "
+                              + ", ".join(f.name for f in dataclasses.fields(Config)))
+        if not isinstance(sec_val, dict):
+            raise ConfigError(f"[{sec_name}] must be a table, got {sec_val!r}")
+    for f in dataclasses.fields(Config):
+        cls = hints[f.name]
+        sec_hints = typing.get_type_hints(cls)
+        given = data.get(f.name, {})
+        kwargs = {}
+        for k, v in given.items():
+            if k not in sec_hints:
+                raise ConfigError(f"unknown key '{f.name}.{k}'; allowed keys in [{f.name}]: "
+                                  + ", ".join(sec_hints))
+            key = f"{f.name}.{k}"
+            v = _coerce(key, v, sec_hints[k])
+            rule = _RULES.get(key)
+            if rule and not rule[0](v):
+                raise ConfigError(f"{key}: {v!r} is not allowed; allowed: {rule[1]}")
+            kwargs[k] = v
+        sections[f.name] = cls(**kwargs)
+    cfg = Config(**sections)
+    if cfg.loss.zeta_min > cfg.loss.zeta_max:
+        raise ConfigError(f"loss.zeta_min ({cfg.loss.zeta_min}) must be <= loss.zeta_max ({cfg.loss.zeta_max})")
+    return cfg
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text                          # a bare word: a string ("loss.kind=dapo")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` overrides to raw recipe data (a new dict is returned)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        path, text = item.split("=", 1)
+        parts = path.strip().split(".")
+        if len(parts) < 2:
+            raise ConfigError(f"override {item!r}: key must be section.key (e.g. loss.kind)")
+        sec, key = parts[0], parts[1]
+        value = _parse_value(text.strip())
+        table = out.setdefault(sec, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"override {item!r}: [{sec}] is not a table")
+        if len(parts) == 3:                  # advantages.priorities.core=2.0
+            sub = dict(table.get(key, {}) or {})
+            if key == "priorities" and not sub:
+                sub = dict(SEED_PRIORITIES)
+            sub[parts[2]] = value
+            table[key] = sub
+        elif len(parts) == 2:
+            table[key] = value
+        else:
+            raise ConfigError(f"override {item!r}: too many dots")
+    return out
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """A recipe by file path, or by name among the bundled recipes (fasttrain/recipes/*.toml)."""
+    p = Path(name_or_path)
+    if p.suffix == ".toml" and p.exists():
+        return p
+    bundled = resources.files("fasttrain.recipes") / f"{p.stem if p.suffix == '.toml' else name_or_path}.toml"
+    if bundled.is_file():
+        return Path(str(bundled))
+    raise ConfigError(f"recipe {name_or_path!r} not found; bundled recipes: {', '.join(list_recipes())}")
+
+
+def list_recipes() -> list[str]:
+    return sorted(Path(str(p)).stem for p in resources.files("fasttrain.recipes").iterdir()
+                  if str(p).endswith(".toml"))
+
+
+def load_recipe(name_or_path: str) -> dict[str, Any]:
+    path = recipe_path(name_or_path)
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def load_config(recipe: str | dict[str, Any] = "demo", overrides: list[str] | None = None) -> Config:
+    data = load_recipe(recipe) if isinstance(recipe, str) else recipe
+    return _build(apply_overrides(data, list(overrides or [])))
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def config_to_toml(cfg: Config) -> str:
+    lines = ["# fasttrain resolved config (every key, defaults included)"]
+    for sec, vals in cfg.to_dict().items():
+        lines.append(f"\n[{sec}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in vals.items()]
+    return "\n".join(lines) + "\n"
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(config_to_toml(cfg).encode()).hexdigest()[:8]

@@ -1,0 +1,70 @@
+"""Build the policy a run trains: base model (+ NF4) + adapters, and pick the device."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from fasttrain.train.config import Config, ConfigError
+
+__all__ = ["build_policy", "pick_device", "adapter_parameters"]
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device: 'cuda' was asked for but no CUDA GPU is visible; allowed here: 'auto', 'cpu'")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def _load_base(spec: str, dtype: str):
+    """`module:factory` (a user hook returning (model, tokenizer)) or a fasttrain.models spec."""
+    if ":" in spec and not Path(spec).exists() and "/" not in spec.split(":")[0]:
+        mod, _, fn = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"policy.model: cannot load factory {spec!r}: {e}") from None
+        return factory(dtype=dtype)
+    from fasttrain.models import load_policy
+    return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype))
+
+
+def build_policy(cfg: Config, device: torch.device):
+    """(model, tokenizer, adapter params by name). The base is frozen; only adapters train."""
+    from fasttrain.nn import attach_adapters, quantize_model
+
+    p = cfg.policy
+    model, tokenizer = _load_base(p.model, p.dtype)
+    model.to(device)
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+    if p.quantize == "nf4":
+        quantize_model(model)
+    torch.manual_seed(cfg.run.seed)                       # adapter init is part of the run's seed
+    params = attach_adapters(model, kind=p.adapter, r=p.rank, alpha=p.alpha, rslora=p.rslora,
+                             targets=list(p.targets) or None)
+    model.to(device)
+    if p.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):          # transformers >= 5.2x
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "config"):
+        model.config.use_cache = False                   # training forward; rollout asks for its cache
+    return model, tokenizer, adapter_parameters(model, params)
+
+
+def adapter_parameters(model: torch.nn.Module, params) -> dict[str, torch.nn.Parameter]:
+    ids = {id(q) for q in params}
+    named = {n: q for n, q in model.named_parameters() if id(q) in ids}
+    if len(named) != len(ids):
+        raise RuntimeError("attach_adapters returned parameters that are not in the model")
+    bad = [n for n, q in named.items() if q.dtype != torch.float32]
+    if bad:
+        raise RuntimeError(f"adapter masters must be float32, got {named[bad[0]].dtype} for {bad[0]}")
+    for q in named.values():
+        q.requires_grad_(True)
+    return named

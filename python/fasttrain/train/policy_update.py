@@ -1,0 +1,131 @@
+"""The policy update of one step: score the batch once without gradients (old log-probs,
+entropy, reference log-probs), then k passes of micro-batched forward/backward and one AdamW
+step per pass.
+
+Forward never materialises logits: the decoder's last hidden states at the answer positions go
+through fasttrain.ops.fused_logprob with the lm_head weight. Every micro-batch's loss is divided
+by the whole batch's active token count (token_normalizer; GRPO: its count of sequences), so the sum of micro-batch gradients
+is the gradient of the one-batch loss.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fasttrain.train.config import LossSection
+
+__all__ = ["answer_logprobs", "BatchScores", "score_batch", "update_policy", "NonFiniteLoss"]
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def _decoder(model):
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(model, "lm_head"):
+        raise TypeError("the policy must be a causal LM with .model (decoder) and .lm_head (like HF Llama)")
+    return inner
+
+
+def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completion_ids, completion_mask,
+                    temperature: float):
+    """log p and entropy [B, T] of the answer tokens (zeros where completion_mask is 0)."""
+    from fasttrain.ops import fused_logprob
+
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    hidden = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids, use_cache=False).last_hidden_state
+    T = completion_ids.shape[1]
+    h = hidden[:, prompt_len - 1: prompt_len - 1 + T]                 # [B, T, H] predicts answer token t
+    m = completion_mask.bool()
+    lm = model.lm_head
+    logp_sel, ent_sel = fused_logprob(h[m], lm.weight, completion_ids[m], temperature,
+                                      bias=getattr(lm, "bias", None))
+    logp = torch.zeros(m.shape, dtype=torch.float32, device=h.device).masked_scatter(m, logp_sel)
+    ent = torch.zeros(m.shape, dtype=torch.float32, device=h.device).masked_scatter(m, ent_sel.detach())
+    return logp, ent
+
+
+@dataclass
+class BatchScores:
+    old_logp: torch.Tensor          # [B, T] pre-update policy
+    entropy: torch.Tensor           # [B, T]
+    ref_logp: torch.Tensor | None   # [B, T] base model (adapters off), None when beta == 0
+
+
+def _chunks(n: int, size: int):
+    for s in range(0, n, size):
+        yield slice(s, min(n, s + size))
+
+
+@torch.no_grad()
+def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: bool) -> BatchScores:
+    from fasttrain.nn import adapters_disabled
+
+    was = model.training
+    model.eval()
+    olds, ents, refs = [], [], []
+    B = roll.completion_ids.shape[0]
+    for sl in _chunks(B, micro_batch):
+        args = (roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len, roll.completion_ids[sl],
+                roll.completion_mask[sl], temperature)
+        lp, ent = answer_logprobs(model, *args)
+        olds.append(lp)
+        ents.append(ent)
+        if need_ref:
+            with adapters_disabled(model):
+                refs.append(answer_logprobs(model, *args)[0])
+    model.train(was)
+    return BatchScores(torch.cat(olds), torch.cat(ents), torch.cat(refs) if need_ref else None)
+
+
+def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, roll,
+                  scores: BatchScores, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                  loss_cfg: LossSection, zeta: float, micro_batch: int, grad_clip: float,
+                  temperature: float) -> list[dict[str, float]]:
+    """k passes; returns one stats dict per pass. Raises NonFiniteLoss (after zeroing grads) when
+    a pass's loss or gradient norm is not finite; the caller skips the step."""
+    from fasttrain.ops import policy_loss
+
+    B = roll.completion_ids.shape[0]
+    # The whole batch's denominator, so micro-batch gradients add up to the one-batch gradient:
+    # active tokens (CISPO, DAPO) or sequences with an active token (GRPO's mean of means).
+    if loss_cfg.kind == "grpo":
+        normalizer = loss_mask.any(dim=1).sum().to(torch.float32).clamp_min(1)
+    else:
+        normalizer = loss_mask.sum().to(torch.float32).clamp_min(1)
+    model.train()
+    out = []
+    for _ in range(loss_cfg.passes):
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64)
+        acc: dict[str, float] = {}
+        for sl in _chunks(B, micro_batch):
+            m = loss_mask[sl]
+            if not bool(m.any()):
+                continue
+            logp, _ = answer_logprobs(model, roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len,
+                                      roll.completion_ids[sl], roll.completion_mask[sl], temperature)
+            loss, stats = policy_loss(
+                logp, scores.old_logp[sl], advantages[sl], m, loss=loss_cfg.kind,
+                ref_logp=None if scores.ref_logp is None else scores.ref_logp[sl], beta=loss_cfg.beta,
+                eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high, cispo_cap=loss_cfg.cispo_cap,
+                zeta=zeta, token_normalizer=normalizer)
+            loss.backward()
+            total += loss.detach().double().cpu()
+            w = float(m.sum()) / float(loss_mask.sum())      # stats: token-weighted over the batch
+            for k, v in stats.items():
+                if k != "active_tokens":
+                    acc[k] = acc.get(k, 0.0) + w * float(v)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
+        loss_v, gn = float(total), float(grad_norm)
+        if not (math.isfinite(loss_v) and math.isfinite(gn)):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLoss(f"loss {loss_v}, gradient norm {gn}")
+        optimizer.step()
+        out.append({"loss": loss_v, "grad_norm": gn, **acc})
+    optimizer.zero_grad(set_to_none=True)
+    return out

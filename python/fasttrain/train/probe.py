@@ -1,0 +1,52 @@
+"""The frozen probe and checkpoint selection.
+
+Every `probe.every` steps (and at step 0 and the last step) the policy answers the environment's
+frozen probe prompts; the answers are scored on the train data slice (the selector) and on the
+later holdout slice. The shipped checkpoint is the probe step with the best train-side mean core
+(earliest on ties); the holdout never chooses, it only verifies.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Sequence
+
+from fasttrain.envs import Prompt
+from fasttrain.train.answers import has_slice, sample_answers, score_answers
+from fasttrain.train.config import Config
+
+__all__ = ["run_probe", "select_shipped"]
+
+
+def _summary(scores, prefix: str) -> dict[str, float]:
+    n = max(1, len(scores))
+    return {f"{prefix}_core": sum(s.core for s in scores) / n,
+            f"{prefix}_success": sum(s.success for s in scores) / n,
+            f"{prefix}_valid": sum(s.valid for s in scores) / n}
+
+
+def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, step: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    G = cfg.probe.samples
+    _, texts = sample_answers(model, tokenizer, env, prompts, group_size=G,
+                              max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
+                              temperature=cfg.probe.temperature, seed=cfg.probe.seed)
+    rep = [p for p in prompts for _ in range(G)]
+    out: dict[str, Any] = {"step": step, "prompts": len(prompts), "samples": G}
+    out.update(_summary(score_answers(env, rep, texts, cfg.env.train_slice, record=False), "train"))
+    if has_slice(env, cfg.env.holdout_slice):
+        out.update(_summary(score_answers(env, rep, texts, cfg.env.holdout_slice, record=False), "holdout"))
+    else:
+        out.update({"holdout_core": math.nan, "holdout_success": math.nan, "holdout_valid": math.nan})
+    out["seconds"] = time.perf_counter() - t0
+    out["examples"] = texts[:3]
+    return out
+
+
+def select_shipped(probes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The probe with the best train-side core (earliest wins ties)."""
+    best = None
+    for p in probes:
+        if best is None or p["train_core"] > best["train_core"]:
+            best = p
+    return best

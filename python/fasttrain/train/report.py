@@ -1,0 +1,158 @@
+"""What a run leaves behind for judging it: export.json, report.md, PNG plots, and the ladder
+table that compares several runs (DESIGN.md §7)."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from fasttrain.train.run_files import read_jsonl, write_json, write_text
+
+__all__ = ["write_outputs", "write_report", "write_plots", "ladder_table"]
+
+
+def _fmt(v: Any, spec: str = "+.4f") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def write_outputs(trainer, shipped: dict[str, Any] | None, interrupted: bool = False) -> dict[str, Any]:
+    d: Path = trainer.dir
+    metrics = read_jsonl(d / "metrics.jsonl")
+    probes = read_jsonl(d / "probes.jsonl")
+    start = probes[0] if probes and probes[0]["step"] == 0 else None
+    export = {
+        "run_id": trainer.run_id,
+        "finished": time.time(),
+        "interrupted": interrupted,
+        "steps_done": trainer.step,
+        "config": trainer.cfg.to_dict(),
+        "env": {"name": trainer.env.name, "channels": [c.__dict__ for c in trainer.env.channels],
+                "train_prompts": len(trainer.train_prompts), "probe_prompts": len(trainer.probe_prompts)},
+        "steps": metrics,
+        "zeta": [m["zeta"] for m in metrics],
+        "nonzero_adv_share": [m["nonzero_adv_share"] for m in metrics],
+        "probes": probes,
+        "shipped": shipped,
+        "start_probe": start,
+        "holdout_change": (shipped["holdout_core"] - start["holdout_core"]) if shipped and start else None,
+        "warnings": trainer.warnings,
+    }
+    write_json(d / "export.json", export)
+    plots = write_plots(d, metrics, probes)
+    write_report(d, export, plots)
+    return export
+
+
+def write_report(d: Path, export: dict[str, Any], plots: list[str]) -> None:
+    cfg = export["config"]
+    m = export["steps"]
+    sh = export["shipped"]
+    lines = [f"# Run {export['run_id']}", ""]
+    lines.append(f"- recipe: `{cfg['run']['name']}`; policy `{cfg['policy']['model']}` "
+                 f"({cfg['policy']['quantize']}, {cfg['policy']['adapter']} r {cfg['policy']['rank']} "
+                 f"α {cfg['policy']['alpha']:g}); env `{export['env']['name']}`")
+    lines.append(f"- loss {cfg['loss']['kind']}, β {cfg['loss']['beta']:g}, token mask "
+                 f"{cfg['loss']['token_mask']}, passes {cfg['loss']['passes']}, REPO-R "
+                 f"{'on' if cfg['loss']['repo_r'] else 'off'}; guard {cfg['advantages']['guard']} "
+                 f"(floor {cfg['advantages']['floor']})")
+    lines.append(f"- {cfg['rollout']['prompts_per_step']} prompts × {cfg['rollout']['group_size']} answers, "
+                 f"{cfg['rollout']['max_new_tokens']} new tokens, lr {cfg['optim']['lr']:g}, "
+                 f"seed {cfg['run']['seed']}")
+    lines.append(f"- steps done: {export['steps_done']} / {cfg['run']['steps']}"
+                 + (" (interrupted)" if export["interrupted"] else ""))
+    if m:
+        secs = sum(r["seconds_step"] for r in m)
+        lines.append(f"- training time {secs:.1f} s ({secs / len(m):.2f} s/step); "
+                     f"last step: reward {m[-1]['reward']:+.3f}, core {m[-1]['core']:+.4f}, "
+                     f"valid {m[-1]['valid']:.0%}, non-zero advantages {m[-1]['nonzero_adv_share']:.0%}, "
+                     f"KL {m[-1]['kl']:.4f}, entropy {m[-1]['entropy']:.3f}, ζ {m[-1]['zeta']:.2e}")
+        skipped = sum(1 for r in m if r["skipped"])
+        if skipped:
+            lines.append(f"- skipped updates (non-finite loss): {skipped}")
+    if sh:
+        lines.append(f"- **shipped: step {sh['step']}** (best train-side probe core {sh['train_core']:+.4f}); "
+                     f"holdout {_fmt(sh['holdout_core'])}, change vs start {_fmt(export['holdout_change'])}")
+    lines += ["", "## Probe", "", "| step | train core | train valid | holdout core | holdout valid | |",
+              "|---:|---:|---:|---:|---:|---|"]
+    for p in export["probes"]:
+        mark = "shipped" if sh and p["step"] == sh["step"] else ""
+        lines.append(f"| {p['step']} | {_fmt(p['train_core'])} | {_fmt(p['train_valid'], '.0%')} | "
+                     f"{_fmt(p['holdout_core'])} | {_fmt(p['holdout_valid'], '.0%')} | {mark} |")
+    if export["warnings"]:
+        lines += ["", "## Warnings", ""] + [f"- step {w['step']}: {w['message']}" for w in export["warnings"]]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    write_text(d / "report.md", "\n".join(lines) + "\n")
+
+
+def write_plots(d: Path, metrics: list[dict[str, Any]], probes: list[dict[str, Any]]) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out = []
+    steps = [r["step"] for r in metrics]
+
+    def save(fig, name):
+        tmp = d / f".{name}.tmp.png"
+        fig.tight_layout()
+        fig.savefig(tmp, dpi=90)
+        plt.close(fig)
+        tmp.replace(d / name)
+        out.append(name)
+
+    if metrics:
+        fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+        for ax, (key, title) in zip(axes.flat, [("reward", "reward (priority-weighted sum)"), ("core", "core"),
+                                                ("valid", "valid share"), ("kl", "KL to base"),
+                                                ("entropy", "entropy"), ("loss", "loss (last pass)")]):
+            ax.plot(steps, [r[key] for r in metrics], lw=1)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+        save(fig, "training_curves.png")
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+        ax[0].plot(steps, [r["zeta"] for r in metrics], lw=1)
+        ax[0].set_title("REPO-R ζ")
+        ax[1].plot(steps, [r["nonzero_adv_share"] for r in metrics], lw=1)
+        ax[1].axhline(0.5, color="grey", ls=":")
+        ax[1].set_ylim(-0.02, 1.02)
+        ax[1].set_title("share of answers with non-zero advantage")
+        for a in ax:
+            a.set_xlabel("step")
+        save(fig, "zeta_and_share.png")
+    if probes:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ps = [p["step"] for p in probes]
+        ax.plot(ps, [p["train_core"] for p in probes], "o-", label="train slice (selector)")
+        ax.plot(ps, [p["holdout_core"] for p in probes], "s-", label="holdout slice")
+        ax.set_xlabel("step")
+        ax.set_title("probe core")
+        ax.legend()
+        save(fig, "probe_scores.png")
+    return out
+
+
+def ladder_table(exports: list[dict[str, Any]]) -> str:
+    """The seed-style table: rung, configuration, shipped step, holdout, change (vs the start
+    probe), versus (holdout difference to the previous rung)."""
+    lines = ["| rung | configuration | shipped step | holdout | change | versus previous |",
+             "|---:|---|---:|---:|---:|---:|"]
+    prev = None
+    for i, e in enumerate(exports, 1):
+        cfg, sh = e["config"], e["shipped"] or {}
+        desc = (f"{cfg['run']['name']}: {cfg['loss']['kind']}, {cfg['policy']['adapter']}, "
+                f"{'REPO-R, ' if cfg['loss']['repo_r'] else ''}{cfg['loss']['token_mask']} tokens, "
+                f"{cfg['loss']['passes']} pass{'es' if cfg['loss']['passes'] > 1 else ''}"
+                f"{', filtered prompts' if cfg['env']['prompts'] else ''}")
+        hold = sh.get("holdout_core")
+        versus = hold - prev if (hold is not None and prev is not None) else None
+        lines.append(f"| {i} | {desc} | {sh.get('step', '-')} | {_fmt(hold)} | {_fmt(e.get('holdout_change'))} | "
+                     f"{_fmt(versus)} |")
+        prev = hold
+    return "\n".join(lines) + "\n"

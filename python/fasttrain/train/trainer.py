@@ -1,0 +1,387 @@
+"""The training loop of DESIGN.md §1: rollout -> verifier -> GDPO + floor guard -> k-pass
+policy update (REPO-R, CISPO/DAPO, β·KL) -> log / probe / checkpoint.
+
+    trainer = Trainer(cfg)                     # or Trainer.resume(run_dir)
+    result = trainer.train()                   # writes runs/<run-id>/ as DESIGN.md §7
+
+Determinism: the prompts of step s, the rollout seed and torch's global seed at step s are pure
+functions of (run.seed, s), and checkpoints hold adapters, AdamW moments, the thermostat and RNG
+states, so a resumed run repeats an uninterrupted one bit for bit on CPU. A stateful
+environment (one whose score_many takes `record`, like the signal novelty archive) is brought
+back to its state by replaying the recorded answers of samples.jsonl.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fasttrain.envs import load_env
+from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
+from fasttrain.train.answers import is_stateful, sample_answers, score_answers
+from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from fasttrain.train.config import Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.policy import build_policy, pick_device
+from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
+from fasttrain.train.probe import run_probe, select_shipped
+from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
+
+__all__ = ["Trainer", "TrainingStopped"]
+
+MAX_NONFINITE = 3
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot continue (three non-finite losses in a row); the message says why."""
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**62)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, *, progress: bool = True,
+                 env=None, console=None):
+        self.cfg = cfg
+        self.progress = progress
+        from rich.console import Console
+        self.console = console or Console(stderr=True)
+        self.run_id = Path(run_dir).name if run_dir else new_run_id(cfg.run.name, config_hash(cfg))
+        self.dir = Path(run_dir) if run_dir else Path(cfg.run.out) / self.run_id
+        self.env = env if env is not None else load_env(cfg.env.name)
+        self.device = pick_device(cfg.run.device)
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self._check_channels()
+        self.train_prompts = self._train_prompts()
+        self.probe_prompts = self.env.prompts("probe")[: cfg.probe.prompts]
+        self.step = 0
+        self.probes: list[dict[str, Any]] = []
+        self.warnings: list[dict[str, Any]] = []
+        self.nonfinite_in_row = 0
+        self.low_share_in_row = 0
+        self.zeta_log: list[float] = []
+        self._setup_done = False
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _check_channels(self) -> None:
+        names = [c.name for c in self.env.channels]
+        unknown = [k for k in self.cfg.advantages.priorities if k not in names]
+        if unknown:
+            # The seed's priorities name signal channels; other environments keep their own.
+            if self.cfg.env.name.startswith("signal"):
+                raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; "
+                                  f"channels of {self.env.name}: {', '.join(names)}")
+        self.channel_names = names
+        self.weights = torch.tensor([self.cfg.advantages.priorities.get(c.name, c.priority)
+                                     for c in self.env.channels], dtype=torch.float64)
+
+    def _train_prompts(self):
+        prompts = self.env.prompts("train")
+        sel = self.cfg.env.prompts
+        if sel:
+            path = Path(sel)
+            if not path.exists():
+                raise ConfigError(f"env.prompts: selection file {sel!r} does not exist; "
+                                  "write it with `fasttrain filter RECIPE`")
+            keep = json.loads(path.read_text())["prompt_ids"]
+            by_id = {p.id: p for p in prompts}
+            missing = [k for k in keep if k not in by_id]
+            if missing:
+                raise ConfigError(f"env.prompts: {len(missing)} prompt ids of {sel} are not in {self.env.name}")
+            prompts = [by_id[k] for k in keep]
+        if not prompts:
+            raise ConfigError(f"env.name: {self.env.name} has no train prompts")
+        return prompts
+
+    def _setup(self) -> None:
+        if self._setup_done:
+            return
+        cfg = self.cfg
+        self.model, self.tokenizer, self.named_params = build_policy(cfg, self.device)
+        self.params = list(self.named_params.values())
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay, foreach=False)
+        from fasttrain.rl.repo_r import Thermostat
+        L = cfg.loss
+        self.thermostat = Thermostat(zeta_min=L.zeta_min, zeta_max=L.zeta_max, warmup=L.thermostat_warmup)
+        self._setup_done = True
+
+    def _prompts_for_step(self, step: int):
+        n, P = len(self.train_prompts), self.cfg.rollout.prompts_per_step
+        start = (step - 1) * P
+        out = []
+        for i in range(start, start + P):
+            epoch, j = divmod(i, n)
+            order = np.random.default_rng([self.cfg.run.seed, epoch]).permutation(n)
+            out.append(self.train_prompts[order[j]])
+        return out
+
+    # ---- one step -------------------------------------------------------------------------
+    def _advantages(self, scores) -> tuple[torch.Tensor, dict[str, float]]:
+        a_cfg = self.cfg.advantages
+        G = self.cfg.rollout.group_size
+        rewards = torch.tensor([[s.channels[c] for c in self.channel_names] for s in scores], dtype=torch.float64)
+        core = torch.tensor([s.core for s in scores], dtype=torch.float64)
+        valid = torch.tensor([s.valid for s in scores])
+        adv = gdpo_advantages(rewards, G, self.weights, a_cfg.batch_normalize).double()
+        guarded = guarded_answers(core, valid, a_cfg.floor, a_cfg.guard_invalid)
+        if a_cfg.guard == "projection":
+            adv = floor_guard(adv, guarded, G)
+        elif a_cfg.guard == "legacy_clamp":
+            adv = legacy_clamp(adv, core)
+        info = {"nonzero_adv_share": nonzero_share(adv), "guarded_share": float(guarded.double().mean()),
+                "adv_abs_mean": float(adv.abs().mean())}
+        return adv.to(torch.float32), info
+
+    def _train_step(self, step: int) -> dict[str, Any]:
+        cfg, R = self.cfg, self.cfg.rollout
+        times: dict[str, float] = {}
+        t = time.perf_counter()
+        torch.manual_seed(step_seed(cfg.run.seed, step, 1))
+        prompts = self._prompts_for_step(step)
+        roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts, group_size=R.group_size,
+                                     max_new_tokens=R.max_new_tokens, temperature=R.temperature,
+                                     seed=step_seed(cfg.run.seed, step))
+        times["rollout"] = time.perf_counter() - t
+        t = time.perf_counter()
+        rep = [p for p in prompts for _ in range(R.group_size)]
+        scores = score_answers(self.env, rep, texts, cfg.env.train_slice, record=True)
+        times["verify"] = time.perf_counter() - t
+        t = time.perf_counter()
+        adv, adv_info = self._advantages(scores)
+        adv = adv.to(self.device)
+        times["advantages"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        L = cfg.loss
+        batch = score_batch(self.model, roll, cfg.optim.micro_batch, R.temperature, need_ref=L.beta > 0)
+        mask = roll.completion_mask.bool()
+        n_tok = int(mask.sum())
+        mean_entropy = float((batch.entropy * mask).sum() / max(1, n_tok))
+        kl = 0.0
+        if batch.ref_logp is not None:
+            d = batch.ref_logp - batch.old_logp
+            kl = float(((torch.exp(d) - d - 1) * mask).sum() / max(1, n_tok))
+        loss_mask = mask
+        if L.token_mask == "top_entropy":
+            from fasttrain.rl.masks import top_entropy_mask
+            loss_mask = top_entropy_mask(batch.entropy, mask, rho=L.rho).bool() & mask
+        times["logprob"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        zeta = float(self.thermostat.zeta) if L.repo_r else 0.0
+        skipped, passes = False, []
+        try:
+            passes = update_policy(self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L,
+                                   zeta, cfg.optim.micro_batch, cfg.optim.grad_clip, R.temperature)
+            self.nonfinite_in_row = 0
+        except NonFiniteLoss as e:
+            skipped = True
+            self.nonfinite_in_row += 1
+            self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
+                             f"({self.nonfinite_in_row} in a row)")
+        if L.repo_r:
+            self.thermostat.update(mean_entropy)
+        times["update"] = time.perf_counter() - t
+
+        ch_mean = {f"reward_{c}": float(np.mean([s.channels[c] for s in scores])) for c in self.channel_names}
+        last = passes[-1] if passes else {}
+        row: dict[str, Any] = {
+            "step": step,
+            "reward": float(np.mean([s.total(self.env.channels) for s in scores])),
+            **ch_mean,
+            "core": float(np.mean([s.core for s in scores])),
+            "success": float(np.mean([s.success for s in scores])),
+            "valid": float(np.mean([s.valid for s in scores])),
+            "cost": ch_mean.get("reward_action_cost", math.nan),
+            "kl": kl, "entropy": mean_entropy, **adv_info,
+            "zeta": zeta, "zeta_next": float(self.thermostat.zeta) if L.repo_r else 0.0,
+            "loss": last.get("loss", math.nan), "grad_norm": last.get("grad_norm", math.nan),
+            "pass_losses": [p["loss"] for p in passes],
+            "ratio_mean": last.get("ratio_mean", math.nan),
+            "clip_low_frac": last.get("clip_low_frac", math.nan),
+            "clip_high_frac": last.get("clip_high_frac", math.nan),
+            "cap_frac": last.get("cap_frac", math.nan),
+            "kl_loss_mean": last.get("kl_mean", math.nan),
+            "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
+            "tokens": n_tok, "loss_tokens": int(loss_mask.sum()),
+            "mean_length": n_tok / mask.shape[0], "skipped": skipped,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            **{f"seconds_{k}": v for k, v in times.items()},
+        }
+        row["seconds_step"] = sum(times.values())
+        samples = {"step": step, "prompt_ids": [p.id for p in prompts], "answers": texts,
+                   "core": [s.core for s in scores], "valid": [s.valid for s in scores]}
+        self._check_share(step, adv_info["nonzero_adv_share"])
+        return row, samples
+
+    def _warn(self, step: int, msg: str) -> None:
+        self.warnings.append({"step": step, "message": msg})
+        self.console.print(f"[yellow]warning:[/yellow] {msg}")
+
+    def _check_share(self, step: int, share: float) -> None:
+        a = self.cfg.advantages
+        self.low_share_in_row = self.low_share_in_row + 1 if share < a.warn_share else 0
+        if self.low_share_in_row == a.warn_steps:
+            self._warn(step, f"the share of answers with a non-zero advantage has stayed under "
+                             f"{a.warn_share:.0%} for {a.warn_steps} steps (now {share:.0%}): the floor guard "
+                             f"(advantages.guard={a.guard!r}, advantages.floor={a.floor}, "
+                             f"guard_invalid={a.guard_invalid}) zeroes every group whose answers are all "
+                             f"invalid or at or below the floor. Lower the floor (advantages.floor=-inf), "
+                             f"filter prompts (fasttrain filter), or raise rollout.group_size.")
+
+    # ---- probes and checkpoints -------------------------------------------------------------
+    def _probe(self, step: int) -> dict[str, Any]:
+        from fasttrain.nn import save_adapter
+        t = time.perf_counter()
+        res = run_probe(self.model, self.tokenizer, self.env, self.probe_prompts, self.cfg, step)
+        save_adapter(self.model, self.dir / "probes" / f"step_{step:06d}" / "adapter", base_model=self.cfg.policy.model)
+        res["seconds_with_save"] = time.perf_counter() - t
+        self.probes.append(res)
+        append_jsonl(self.dir / "probes.jsonl", res)
+        return res
+
+    def _state(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
+                "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
+                "warnings": self.warnings, "zeta_log": self.zeta_log}
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(self.dir / "checkpoints", self.step, self.model, self.named_params, self.optimizer,
+                        self._state(), base_model=self.cfg.policy.model)
+
+    def _ship(self) -> dict[str, Any] | None:
+        best = select_shipped(self.probes)
+        if best is None:
+            return None
+        src = self.dir / "probes" / f"step_{best['step']:06d}" / "adapter"
+        dst = self.dir / "shipped"
+        tmp = self.dir / "shipped.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp / "adapter")
+        write_json(tmp / "shipped.json", {"run_id": self.run_id, **best})
+        shutil.rmtree(dst, ignore_errors=True)
+        tmp.rename(dst)
+        return best
+
+    # ---- resume -----------------------------------------------------------------------------
+    @classmethod
+    def resume(cls, run_dir: str | Path, overrides: list[str] | None = None, **kw) -> "Trainer":
+        run_dir = Path(run_dir)
+        cfg_file = run_dir / "config.toml"
+        if not cfg_file.exists():
+            raise FileNotFoundError(f"--resume {run_dir}: no config.toml there (not a fasttrain run folder)")
+        import tomllib
+        cfg = load_config(tomllib.loads(cfg_file.read_text()), overrides)
+        tr = cls(cfg, run_dir, **kw)
+        tr._resume_from = latest_checkpoint(run_dir / "checkpoints")
+        if tr._resume_from is None:
+            raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under checkpoints/")
+        return tr
+
+    def _restore(self, ckpt: Path) -> None:
+        meta = load_checkpoint(ckpt, self.named_params, self.optimizer)
+        self.step = int(meta["step"])
+        self.thermostat.load_state_dict(meta["thermostat"])
+        self.nonfinite_in_row = meta["nonfinite_in_row"]
+        self.low_share_in_row = meta["low_share_in_row"]
+        self.warnings = list(meta["warnings"])
+        self.zeta_log = list(meta["zeta_log"])
+        set_rng_state(meta["rng"])
+        keep = [r for r in read_jsonl(self.dir / "metrics.jsonl") if r["step"] <= self.step]
+        truncate_jsonl(self.dir / "metrics.jsonl", keep)
+        samples = [r for r in read_jsonl(self.dir / "samples.jsonl") if r["step"] <= self.step]
+        truncate_jsonl(self.dir / "samples.jsonl", samples)
+        self.probes = [r for r in read_jsonl(self.dir / "probes.jsonl") if r["step"] <= self.step]
+        truncate_jsonl(self.dir / "probes.jsonl", self.probes)
+        if is_stateful(self.env):           # rebuild e.g. the novelty archive, in the same order
+            by_id = {p.id: p for p in self.train_prompts}
+            for r in samples:
+                ps = [by_id[i] for i in r["prompt_ids"] for _ in range(self.cfg.rollout.group_size)]
+                score_answers(self.env, ps, r["answers"], self.cfg.env.train_slice, record=True)
+        self.console.print(f"resumed {self.run_id} at step {self.step} from {ckpt.name}")
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        from fasttrain.train.report import write_outputs
+        cfg = self.cfg
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._setup()
+        resume_from = getattr(self, "_resume_from", None)
+        from fasttrain.train.run_files import write_text
+        write_text(self.dir / "config.toml", config_to_toml(cfg))   # resumed: with its overrides
+        if resume_from is not None:
+            self._restore(resume_from)
+        else:
+            for f in ("metrics.jsonl", "samples.jsonl", "probes.jsonl"):
+                (self.dir / f).write_text("")
+        write_json(self.dir / "run.json", {"run_id": self.run_id, "device": str(self.device),
+                                           "torch": torch.__version__, "started": time.time()})
+        ckpt_every = cfg.run.checkpoint_every or cfg.probe.every or cfg.run.steps
+        interrupted = False
+        with self._progress_bar() as bar:
+            try:
+                if self.step == 0 and not self.probes:
+                    self._show(bar, None, self._probe(0))
+                while self.step < cfg.run.steps:
+                    step = self.step + 1
+                    row, samples = self._train_step(step)
+                    self.step = step
+                    self.zeta_log.append(row["zeta"])
+                    append_jsonl(self.dir / "metrics.jsonl", row)
+                    append_jsonl(self.dir / "samples.jsonl", samples)
+                    probe = None
+                    if (cfg.probe.every and step % cfg.probe.every == 0) or step == cfg.run.steps:
+                        probe = self._probe(step)
+                    if step % ckpt_every == 0 or step == cfg.run.steps:
+                        self._checkpoint()
+                    self._show(bar, row, probe)
+                    if self.nonfinite_in_row >= MAX_NONFINITE:
+                        self._checkpoint()
+                        raise TrainingStopped(
+                            f"stopped at step {step}: {MAX_NONFINITE} non-finite losses in a row. The adapters "
+                            f"were not updated by those steps; try a lower optim.lr (now {cfg.optim.lr}), "
+                            f"optim.grad_clip, or policy.dtype=float32. Resume with "
+                            f"`fasttrain run --resume {self.dir}`.")
+            except KeyboardInterrupt:
+                interrupted = True
+                self._checkpoint()
+                self.console.print(f"[yellow]interrupted at step {self.step}[/yellow]: checkpoint saved; "
+                                   f"continue with `fasttrain run --resume {self.dir}`")
+        shipped = self._ship()
+        result = write_outputs(self, shipped, interrupted=interrupted)
+        return result
+
+    # ---- progress ---------------------------------------------------------------------------
+    def _progress_bar(self):
+        from contextlib import nullcontext
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        if not self.progress:
+            return nullcontext(None)
+        p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                     TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                     console=self.console, transient=False)
+        self._task = p.add_task(self.cfg.run.name, total=self.cfg.run.steps, completed=self.step, info="starting")
+        return p
+
+    def _show(self, bar, row, probe) -> None:
+        if bar is None:
+            return
+        info = getattr(self, "_info", "")
+        if row is not None:
+            info = (f"reward {row['reward']:+.3f} core {row['core']:+.3f} valid {row['valid']:.0%} "
+                    f"nz {row['nonzero_adv_share']:.0%} KL {row['kl']:.4f} H {row['entropy']:.2f} "
+                    f"ζ {row['zeta']:.1e} {row['seconds_step']:.1f}s/step")
+        if probe is not None:
+            bar.console.print(f"probe @ step {probe['step']}: train core {probe['train_core']:+.4f}  "
+                              f"holdout core {probe['holdout_core']:+.4f}  valid {probe['train_valid']:.0%}")
+        self._info = info
+        bar.update(self._task, completed=self.step, info=info)

@@ -1,0 +1,94 @@
+"""The floor guard is the Euclidean projection of DESIGN.md §5; the legacy clamp is the trap."""
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from fasttrain.rl.guards import floor_guard, guarded_answers, legacy_clamp, nonzero_share
+
+
+def brute_force_projection(a: list[float], guarded: list[bool]) -> list[float] | None:
+    """Closest point of {sum = 0, a_i <= 0 for guarded i} by enumerating which guarded entries
+    sit at 0 (active constraints); on each face the projection is a mean shift of the rest."""
+    n = len(a)
+    best, best_d = None, float("inf")
+    gidx = [i for i in range(n) if guarded[i]]
+    for k in range(len(gidx) + 1):
+        for zero in itertools.combinations(gidx, k):
+            rest = [i for i in range(n) if i not in zero]
+            if not rest:
+                cand = [0.0] * n
+            else:
+                lam = sum(a[i] for i in rest) / len(rest)
+                cand = [0.0 if i in zero else a[i] - lam for i in range(n)]
+            if any(cand[i] > 1e-12 for i in gidx):
+                continue
+            d = sum((x - y) ** 2 for x, y in zip(a, cand))
+            if d < best_d - 1e-15:
+                best, best_d = cand, d
+    return best
+
+
+def test_hand_computed():
+    # A = [2, 1, -1, -2], answer 0 guarded: lam solves min(2 - lam, 0) + (1 - lam) + (-1 - lam) + (-2 - lam) = 0.
+    # With answer 0 at 0: lam = (1 - 1 - 2) / 3 = -2/3, and 2 - (-2/3) > 0 confirms the clamp.
+    # a = [0, 1 + 2/3, -1 + 2/3, -2 + 2/3]
+    out = floor_guard(torch.tensor([2.0, 1.0, -1.0, -2.0], dtype=torch.float64),
+                      torch.tensor([True, False, False, False]), 4)
+    assert out.tolist() == pytest.approx([0.0, 5 / 3, -1 / 3, -4 / 3], abs=1e-12)
+
+
+def test_no_guard_is_identity_on_zero_sum_groups():
+    a = torch.tensor([1.0, -0.5, -0.5, 3.0, -3.0, 0.0], dtype=torch.float64)
+    assert torch.allclose(floor_guard(a, torch.zeros(6, dtype=torch.bool), 3), a)
+
+
+def test_all_guarded_group_gets_zeros():
+    a = torch.tensor([1.0, -0.5, -0.5, 2.0, -1.0, -1.0])
+    g = torch.tensor([True, True, True, False, True, False])
+    out = floor_guard(a, g, 3)
+    assert out[:3].abs().max() == 0
+    assert abs(float(out[3:].sum())) < 1e-6 and out[4] <= 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6).flatmap(lambda n: st.tuples(
+    st.lists(st.floats(-5, 5, allow_nan=False), min_size=n, max_size=n),
+    st.lists(st.booleans(), min_size=n, max_size=n))))
+def test_matches_brute_force_and_invariants(case):
+    vals, guarded = case
+    out = floor_guard(torch.tensor(vals, dtype=torch.float64), torch.tensor(guarded), len(vals)).tolist()
+    ref = brute_force_projection(vals, guarded)
+    assert out == pytest.approx(ref, abs=1e-9)
+    assert abs(sum(out)) < 1e-9                                          # zero-sum
+    assert all(o <= 1e-12 for o, g in zip(out, guarded) if g)            # guarded never positive
+
+
+def test_guarded_answers_floor_and_invalid():
+    core = torch.tensor([0.5, 0.0, -0.2, 0.3])
+    valid = torch.tensor([True, True, True, False])
+    assert guarded_answers(core, valid, 0.0).tolist() == [False, True, True, True]
+    assert guarded_answers(core, valid, float("-inf")).tolist() == [False, False, False, True]
+    assert guarded_answers(core, valid, float("-inf"), guard_invalid=False).tolist() == [False] * 4
+
+
+def test_legacy_clamp_reproduces_the_trap():
+    # A weak policy: every answer below break-even, GDPO still ranks them (zero-sum A).
+    core = torch.tensor([-0.1, -0.3, -0.5, -0.9, -0.2, -0.4])
+    a = torch.tensor([1.2, 0.4, -0.4, -1.2, 0.7, -0.7])
+    legacy = legacy_clamp(a, core)
+    # The trap: no positive advantage survives, the batch only pushes down, sums are negative.
+    assert (legacy <= 0).all() and legacy.sum() < 0
+    assert legacy.reshape(2, 3).sum(1).lt(0).all()
+    # The projection with the same floor gives zeros (no push at all), not a one-sided push.
+    proj = floor_guard(a, guarded_answers(core, torch.ones(6, dtype=torch.bool), 0.0), 3)
+    assert proj.abs().max() == 0
+    assert nonzero_share(legacy) == 0.5 and nonzero_share(proj) == 0.0
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="group_size"):
+        floor_guard(torch.zeros(5), torch.zeros(5, dtype=torch.bool), 2)
+    with pytest.raises(ValueError, match="guarded"):
+        floor_guard(torch.zeros(4), torch.zeros(3, dtype=torch.bool), 2)

@@ -1,0 +1,85 @@
+"""Config: recipes load, errors name the key and the allowed values, overrides, round trip."""
+import math
+import tomllib
+
+import pytest
+
+from fasttrain.train.config import (ConfigError, config_hash, config_to_toml, list_recipes, load_config,
+                                    load_recipe)
+
+LADDER = ["dapo", "cispo", "cispo_repo_r", "cispo_repo_r_filtered", "cispo_repo_r_dora", "dapo_repo_r_dora"]
+
+
+def test_every_recipe_loads():
+    assert set(LADDER + ["demo"]) <= set(list_recipes())
+    for r in LADDER + ["demo"]:
+        load_config(r)
+
+
+@pytest.mark.parametrize("name", LADDER)
+def test_ladder_recipes_are_the_seed_settings(name):
+    c = load_config(name)
+    assert (c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens) == (4, 12, 128)
+    assert c.rollout.temperature == 1.0 and c.optim.lr == 1e-5 and c.loss.beta == 0.08
+    assert (c.policy.rank, c.policy.alpha) == (32, 64.0)
+    assert c.advantages.priorities == {"core": 3.0, "stability": 1.0, "pattern_guard": 0.3, "complexity": 0.2}
+    assert (c.run.steps, c.probe.every, c.run.seed, c.probe.prompts) == (600, 100, 42, 50)
+    bundle = "repo_r" in name
+    assert c.loss.repo_r is bundle
+    assert (c.loss.token_mask, c.loss.passes) == (("all", 2) if bundle else ("top_entropy", 1))
+    assert c.loss.rho == 0.2
+    assert c.loss.kind == name.split("_")[0]
+    assert c.policy.adapter == ("dora" if name.endswith("dora") else "lora")
+    assert bool(c.env.prompts) is name.endswith("filtered")
+
+
+def test_unknown_key_names_key_and_allowed():
+    with pytest.raises(ConfigError, match=r"unknown key 'loss.betta'.*allowed keys in \[loss\]: kind, beta"):
+        load_config("cispo", ["loss.betta=0.1"])
+    with pytest.raises(ConfigError, match=r"unknown section \[losss\]"):
+        load_config({"losss": {"kind": "dapo"}})
+
+
+def test_bad_values_name_key_and_allowed():
+    with pytest.raises(ConfigError, match=r"loss.kind: 'ppo' is not allowed; allowed values: 'cispo', 'dapo', 'grpo'"):
+        load_config("cispo", ["loss.kind=ppo"])
+    with pytest.raises(ConfigError, match=r"rollout.group_size: 1 is not allowed; allowed: an integer >= 2"):
+        load_config("cispo", ["rollout.group_size=1"])
+    with pytest.raises(ConfigError, match=r"optim.lr: 'fast' is not a number"):
+        load_config("cispo", ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match=r"loss.repo_r: 1 is not allowed; allowed values: true, false"):
+        load_config("cispo", ["loss.repo_r=1"])
+    with pytest.raises(ConfigError, match=r"run.steps: 2.5 is not an integer"):
+        load_config("cispo", ["run.steps=2.5"])
+    with pytest.raises(ConfigError, match=r"section.key=value"):
+        load_config("cispo", ["loss.kind"])
+    with pytest.raises(ConfigError, match=r"zeta_min"):
+        load_config("cispo", ["loss.zeta_min=0.1", "loss.zeta_max=0.01"])
+
+
+def test_overrides_and_inf_floor():
+    c = load_config("cispo", ["loss.kind=dapo", "rollout.group_size=8", "advantages.floor=-inf",
+                              "advantages.priorities.core=2.0", 'run.name="x y"'])
+    assert c.loss.kind == "dapo" and c.rollout.group_size == 8 and c.run.name == "x y"
+    assert c.advantages.floor == -math.inf
+    assert c.advantages.priorities["core"] == 2.0 and c.advantages.priorities["stability"] == 1.0
+    with pytest.raises(ConfigError, match="advantages.floor"):
+        load_config("cispo", ["advantages.floor=inf"])
+
+
+def test_config_is_frozen_and_round_trips():
+    c = load_config("cispo_repo_r", ["advantages.floor=-inf"])
+    with pytest.raises(Exception):
+        c.loss.kind = "dapo"
+    again = load_config(tomllib.loads(config_to_toml(c)))
+    assert again == c and config_hash(again) == config_hash(c)
+    assert config_hash(load_config("cispo")) != config_hash(c)
+
+
+def test_recipe_file_path(tmp_path):
+    p = tmp_path / "mine.toml"
+    p.write_text('[loss]\nkind = "grpo"\n')
+    assert load_config(str(p)).loss.kind == "grpo"
+    p.write_text("[loss\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_recipe(str(p))

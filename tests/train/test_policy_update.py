@@ -1,0 +1,88 @@
+"""The k-pass update: micro-batching gives the one-batch gradient, pass 1 runs on the old policy
+(ratio exactly 1), non-finite losses never reach the adapters."""
+import math
+
+import pytest
+import torch
+
+from fasttrain.train.config import LossSection
+
+
+class RecordingSGD(torch.optim.SGD):
+    """lr 0: records the (clipped) gradient of every step and leaves the parameters alone."""
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
+
+
+def _setup(tiny):
+    import tiny_world
+    from fasttrain.nn import attach_adapters, quantize_model
+    from fasttrain.train.answers import sample_answers
+    model, tok = tiny_world.tiny_policy("float32")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    quantize_model(model)
+    torch.manual_seed(3)
+    params = attach_adapters(model, kind="lora", r=4, alpha=8)
+    with torch.no_grad():           # non-zero B so the adapters matter for log p
+        for p in params:
+            p.normal_(0, 0.2)
+    for p in params:
+        p.requires_grad_(True)
+    env = tiny_world.make_env()
+    roll, _ = sample_answers(model, tok, env, env.prompts("train")[:2], group_size=4, max_new_tokens=6,
+                             temperature=1.0, seed=11)
+    return model, params, roll
+
+
+@pytest.mark.parametrize("kind", ["cispo", "dapo", "grpo"])
+def test_micro_batches_give_the_one_batch_gradient(tiny, kind):
+    from fasttrain.train.policy_update import score_batch, update_policy
+    model, params, roll = _setup(tiny)
+    adv = torch.linspace(-1.5, 1.5, roll.completion_ids.shape[0])
+    mask = roll.completion_mask.bool()
+    cfg = LossSection(kind=kind, beta=0.08, passes=1)
+    grads = []
+    for mb in (8, 3, 1):
+        scores = score_batch(model, roll, mb, 1.0, need_ref=True)
+        opt = RecordingSGD(params)
+        update_policy(model, params, opt, roll, scores, adv, mask, cfg, zeta=0.01, micro_batch=mb,
+                      grad_clip=0.0, temperature=1.0)
+        grads.append(opt.seen[0])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            # fp32 sums in a different order: a few ulps of the largest gradient entry
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()) + 1e-9)
+    assert any(float(g.abs().max()) > 0 for g in grads[0])
+
+
+def test_first_pass_is_on_policy_and_later_passes_are_not(tiny):
+    from fasttrain.train.policy_update import score_batch, update_policy
+    model, params, roll = _setup(tiny)
+    adv = torch.linspace(-1.0, 1.0, roll.completion_ids.shape[0])
+    scores = score_batch(model, roll, 3, 1.0, need_ref=False)
+    opt = torch.optim.AdamW(params, lr=5e-2)
+    stats = update_policy(model, params, opt, roll, scores, adv, roll.completion_mask.bool(),
+                          LossSection(kind="dapo", beta=0.0, passes=2), 0.0, 3, 1.0, 1.0)
+    assert len(stats) == 2
+    assert stats[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)       # old log-probs = pass 1
+    assert stats[0]["clip_low_frac"] == 0 and stats[0]["clip_high_frac"] == 0
+    assert abs(stats[1]["ratio_mean"] - 1.0) > 1e-6                      # pass 2 sees the updated policy
+
+
+def test_non_finite_loss_leaves_adapters_untouched(tiny):
+    from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
+    model, params, roll = _setup(tiny)
+    before = [p.detach().clone() for p in params]
+    adv = torch.full((roll.completion_ids.shape[0],), math.nan)
+    scores = score_batch(model, roll, 4, 1.0, need_ref=False)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    with pytest.raises(NonFiniteLoss):
+        update_policy(model, params, opt, roll, scores, adv, roll.completion_mask.bool(),
+                      LossSection(kind="cispo", beta=0.0), 0.0, 4, 1.0, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(p.grad is None for p in params)

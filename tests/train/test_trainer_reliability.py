@@ -1,0 +1,58 @@
+"""Non-finite losses, the non-zero-advantage warning, Ctrl-C, config errors at start-up."""
+import json
+
+import pytest
+import torch
+
+from fasttrain.train import ConfigError, Trainer, TrainingStopped, load_config
+
+
+def test_three_non_finite_losses_stop_the_run(tiny, tiny_recipe, monkeypatch):
+    tr = Trainer(load_config(tiny_recipe(tiny, **{"run.steps": 5, "probe.every": 0})), progress=False)
+    real = Trainer._advantages
+    monkeypatch.setattr(Trainer, "_advantages",
+                        lambda self, s: (torch.full_like(real(self, s)[0], float("nan")), real(self, s)[1]))
+    with pytest.raises(TrainingStopped, match="3 non-finite losses in a row"):
+        tr.train()
+    rows = [json.loads(l) for l in (tr.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows] == [True, True, True]
+    assert tr.nonfinite_in_row == 3 and len(tr.warnings) == 3
+
+
+def test_low_nonzero_share_warns_naming_guard_and_floor(tiny, tiny_recipe):
+    # floor above every core: every answer is guarded, every group all-zero
+    cfg = load_config(tiny_recipe(tiny, **{"run.steps": 3, "probe.every": 0, "advantages.floor": 5.0,
+                                           "advantages.warn_steps": 2}))
+    tr = Trainer(cfg, progress=False)
+    export = tr.train()
+    assert [r["nonzero_adv_share"] for r in export["steps"]] == [0.0, 0.0, 0.0]
+    (w,) = export["warnings"]
+    assert w["step"] == 2
+    assert "advantages.guard='projection'" in w["message"] and "advantages.floor=5.0" in w["message"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tiny, tiny_recipe, monkeypatch):
+    cfg = load_config(tiny_recipe(tiny, **{"run.steps": 4, "probe.every": 0}))
+    tr = Trainer(cfg, progress=False)
+    real = Trainer._train_step
+
+    def interrupt_at_3(self, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real(self, step)
+    monkeypatch.setattr(Trainer, "_train_step", interrupt_at_3)
+    export = tr.train()
+    assert export["interrupted"] and export["steps_done"] == 2
+    assert json.loads((tr.dir / "checkpoints" / "latest.json").read_text())["step"] == 2
+    monkeypatch.setattr(Trainer, "_train_step", real)
+    done = Trainer.resume(tr.dir, progress=False).train()
+    assert not done["interrupted"] and [r["step"] for r in done["steps"]] == [1, 2, 3, 4]
+
+
+def test_start_up_errors_name_the_key(tiny, tiny_recipe):
+    with pytest.raises(ConfigError, match="env.prompts"):
+        Trainer(load_config(tiny_recipe(tiny, **{"env.prompts": str(tiny / "missing.json")})), progress=False)
+    with pytest.raises(ConfigError, match="policy.model"):
+        Trainer(load_config(tiny_recipe(tiny, **{"policy.model": "no_such_module:f"})), progress=False).train()
+    with pytest.raises(FileNotFoundError, match="config.toml"):
+        Trainer.resume(tiny / "nowhere")
