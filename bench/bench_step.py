@@ -299,11 +299,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke config: 1 prompt x 4 answers, 8 new tokens, 1 warm-up + 1 measured step")
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per step")
-    ap.add_argument("--group", type=int, default=8, help="answers per prompt (num_generations)")
-    ap.add_argument("--new", type=int, default=32, help="max new tokens (max_completion_length)")
-    ap.add_argument("--micro-batch", type=int, default=8, help="answers per forward/backward, both sides")
+                    help="smoke config (gpu_check): 1 prompt x 4 answers, 8 new tokens, 1 warm-up + 1 measured step")
+    # Defaults sized for the shared 2-core box (load ~7-10): one fasttrain step of 1 x 4 x 8 took
+    # ~140 s there (prompts are ~280 tokens), so 4 steps per side plus the rollout bench is ~25 min.
+    ap.add_argument("--prompts", type=int, default=1, help="prompts per step")
+    ap.add_argument("--group", type=int, default=4, help="answers per prompt (num_generations)")
+    ap.add_argument("--new", type=int, default=16, help="max new tokens (max_completion_length)")
+    ap.add_argument("--micro-batch", type=int, default=4, help="answers per forward/backward, both sides")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per side")
     ap.add_argument("--rank", type=int, default=32)
@@ -344,7 +346,7 @@ def main() -> int:
           f"load average {load:.1f} at start (the machine is shared: ratios side by side are what count)")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
     res: dict[str, dict] = {}
-    for name in ("fasttrain", "trl", "rollout"):
+    for name in ("trl", "fasttrain", "rollout"):
         if name in only:
             res[name] = run_worker(name, argv, a.timeout)
     rows = []
