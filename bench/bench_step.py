@@ -120,7 +120,7 @@ def worker_fasttrain(a) -> dict:
         sel.write_text(json.dumps({"prompt_ids": [p.id for p in prompts]}))
         tr = Trainer(fasttrain_config(a, tmp, str(sel)), Path(tmp) / "run", progress=False)
         tr._setup()
-        order = [[p.id for p in tr._prompts_for_step(s)] for s in range(1, a.warmup + a.steps + 1)]
+        order = [p.id for s in range(1, a.warmup + a.steps + 1) for p in tr._prompts_for_step(s)]
         steps = []
         for s in range(1, a.warmup + a.steps + 1):
             if s == a.warmup + 1:
@@ -287,6 +287,8 @@ def run_worker(name: str, argv: list[str], timeout: int) -> dict:
         raise RuntimeError(f"{name} worker failed (rc {proc.returncode}); its stderr is above")
     res = json.loads(Path(out).read_text())
     os.unlink(out)
+    print(f"{name} worker result: {json.dumps({k: v for k, v in res.items() if k != 'prompt_order'})}",
+          file=sys.stderr, flush=True)   # kept in the log even if the summary fails later
     res["worker_wall_s"] = time.time() - t0
     return res
 
