@@ -15,7 +15,6 @@ Run: python bench/bench_rollout.py [--dtype fp32|bf16] [--prompts 4] [--group 12
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import sys
@@ -25,6 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import row, write_csv  # noqa: E402
 
 from fasttrain.envs import load_env  # noqa: E402
 from fasttrain.models import chat_prompt_ids, load_policy  # noqa: E402
@@ -49,7 +51,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=12)
     ap.add_argument("--new", type=int, default=32, help="max_new_tokens (both sides)")
-    ap.add_argument("--csv", default=str(Path(__file__).parent / "results" / "bench_rollout.csv"))
+    ap.add_argument("--csv", default="", help="append long-format rows (bench/harness.py) to this CSV")
     args = ap.parse_args()
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
 
@@ -107,18 +109,14 @@ def main() -> None:
     print(f"{'fasttrain.rollout.sample':28s}{ours:9.2f}{toks / ours:11.1f}   (prefill {ours_prefill:.2f} s, decode {ours_step * 1e3:.0f} ms/step)")
     print(f"ratio sample / generate: {ratio:.2f}x   decode floor (plain forward of {B} tokens): {floor * 1e3:.0f} ms")
 
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    new = not Path(args.csv).exists()
-    with open(args.csv, "a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(["when", "machine", "torch", "dtype", "prompts", "group", "prompt_len", "new_tokens",
-                        "generate_s", "generate_tok_s", "sample_s", "sample_tok_s", "ratio",
-                        "sample_prefill_s", "sample_decode_ms_step", "plain_forward_ms"])
-        w.writerow([time.strftime("%Y-%m-%d %H:%M"), cpu_name() + " (shared)", torch.__version__, args.dtype,
-                    n, G, P, T, f"{hf:.3f}", f"{toks / hf:.1f}", f"{ours:.3f}", f"{toks / ours:.1f}",
-                    f"{ratio:.2f}", f"{ours_prefill:.3f}", f"{ours_step * 1e3:.1f}", f"{floor * 1e3:.1f}"])
-
+    if args.csv:
+        case = f"{n}x{G}x{T}-{args.dtype}"
+        extra = {"prompt_len": P, "threads": torch.get_num_threads(), "load_avg": f"{os.getloadavg()[0]:.1f}"}
+        write_csv([row("rollout", case, "generate", "tok_per_s", toks / hf, "tok/s", **extra),
+                   row("rollout", case, "fasttrain", "tok_per_s", toks / ours, "tok/s", **extra),
+                   row("rollout", case, "fasttrain", "decode_ms_per_step", ours_step * 1e3, "ms", **extra),
+                   row("rollout", case, "plain_forward", "ms", floor * 1e3, "ms", **extra),
+                   row("rollout", case, "fasttrain/generate", "speedup", ratio, "x", **extra)], Path(args.csv))
 
 if __name__ == "__main__":
     main()

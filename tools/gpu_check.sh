@@ -46,8 +46,22 @@ for b in bench/bench_nf4.py bench/bench_logprob.py bench/bench_policy_loss.py be
   fi
 done
 
+# 4. The RL step against TRL's GRPOTrainer and the rollout loop against generate (quick config:
+#    1 prompt x 4 answers, 8 new tokens; skipped when trl is missing on the image).
+left=$(( 470 - $(elapsed) ))
+if [ "$left" -gt 60 ] && "$PY" -c "import trl, peft" 2>/dev/null; then
+  if (cd bench && PYTHONPATH=../python timeout "$(( left < 240 ? left : 240 ))" "$PY" bench_step.py --quick \
+      --device cuda --timeout 200 --csv "$OUT/bench.csv") > "$OUT/bench_step.log" 2>&1; then
+    status+=("bench_step.py: ok")
+  else
+    status+=("bench_step.py: FAILED rc=$? (see log)")
+  fi
+else
+  status+=("bench_step.py: skipped (out of time or trl/peft missing)")
+fi
+
 echo "== fasttrain GPU check: $(head -1 "$OUT/env.txt") =="
 cat "$OUT/info.txt" | head -30
 for s in "${status[@]}"; do echo "  $s"; done
-for f in "$OUT"/bench_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f")"; tail -8 "$f"; }; done
+for f in "$OUT"/bench_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f")"; tail -14 "$f"; }; done
 echo "total $(elapsed) s"

@@ -1,0 +1,421 @@
+"""One RL step of fasttrain against one step of TRL's GRPOTrainer on the same work, and the
+rollout loop alone against transformers `generate`.
+
+What it compares (same run, each side in its own fresh subprocess, one after the other):
+  fasttrain  Trainer._train_step, the trainer's real code path: rollout (fasttrain.rollout on the
+             NF4 + LoRA policy) -> verifier -> GDPO + floor guard -> score_batch (old/ref log-probs
+             via fused_logprob) -> micro-batched CISPO update + AdamW. The trainer records seconds
+             per phase; generation = its `rollout` phase, update = everything else of the step.
+  TRL        GRPOTrainer (trl, a benchmark-only dependency) with loss_type="cispo",
+             epsilon_high = the CISPO cap, PEFT LoRA of the same rank/alpha/targets, the same
+             prompts in the same order, group size (num_generations), token limit
+             (max_completion_length), beta, learning rate, grad clip, micro-batch
+             (per_device_train_batch_size, gradient_accumulation_steps = batch / micro-batch, so one
+             generation batch per optimizer step), gradient checkpointing on (both sides'
+             default), and a reward function that calls the same environment scorer (sum of
+             channels weighted by priorities). Generation = time inside GRPOTrainer._generate
+             (tokenize + transformers generate + decode); update = the rest of the optimizer step
+             (on_step_begin -> on_step_end: rewards, reference log-probs, loss, backward, AdamW).
+  rollout    fasttrain.rollout.sample against model.generate on the same plain model and batch
+             (n prompts x G rows, T new tokens, no early stop on either side), new tokens per second.
+
+Numbers: medians over the measured steps after warm-up steps. Peak memory is the peak resident
+set growth of the worker process over its RSS after imports (VmHWM is reset by writing 5 to
+/proc/self/clear_refs after the warm-up, so the loading transient does not count): model +
+adapters + optimizer state + the step's activations. On CUDA also torch's peak allocated bytes.
+Both sides sample (temperature 1, no top-k/top-p) and stop at EOS, so their completion lengths
+can differ: the mean completion length per side is printed next to the times.
+What it is not: a tuned TRL (no vLLM, no Liger); TRL runs in the precision chosen by
+--trl-precision (default bf16 weights + bf16=True, its fastest on this CPU; see the output).
+
+Run: python bench/bench_step.py [--quick] [--device cpu|cuda] [--csv PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "python"))
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ---- memory ---------------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def reset_peak(device: str) -> None:
+    import torch
+    reset_peak_rss()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peaks(device: str, baseline_kib: int) -> dict:
+    import torch
+    out = {"peak_rss_growth_mib": (_status_kib("VmHWM") - baseline_kib) / 1024,
+           "peak_rss_mib": _status_kib("VmHWM") / 1024}
+    if device == "cuda":
+        out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+# ---- the shared configuration ---------------------------------------------------------------
+def fasttrain_config(a, out_dir: str, selection: str):
+    from fasttrain.train.config import load_config
+    return load_config({
+        "run": {"name": "bench_step", "seed": a.seed, "steps": a.warmup + a.steps, "out": out_dir,
+                "device": a.device},
+        "policy": {"dtype": "bfloat16", "rank": a.rank, "alpha": float(a.alpha)},
+        "env": {"name": "signal-a", "prompts": selection},
+        "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new,
+                    "temperature": 1.0},
+        "loss": {"kind": "cispo", "cispo_cap": a.cap, "beta": a.beta, "token_mask": "all", "passes": 1},
+        "optim": {"lr": a.lr, "micro_batch": a.micro_batch, "grad_clip": 1.0},
+        "probe": {"every": 0},
+    })
+
+
+def step_prompts(a):
+    """The prompts of steps 1..warmup+steps, in fasttrain's order: first K*n train prompts,
+    written as a prompt selection so both sides see exactly these, step by step."""
+    from fasttrain.envs import load_env
+    env = load_env("signal-a")
+    k = (a.warmup + a.steps) * a.prompts
+    return env, env.prompts("train")[:k]
+
+
+# ---- workers ----------------------------------------------------------------------------------
+def worker_fasttrain(a) -> dict:
+    import torch
+    from fasttrain.train.trainer import Trainer
+    base = _status_kib("VmRSS")
+    env, prompts = step_prompts(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        sel = Path(tmp) / "selection.json"
+        sel.write_text(json.dumps({"prompt_ids": [p.id for p in prompts]}))
+        tr = Trainer(fasttrain_config(a, tmp, str(sel)), Path(tmp) / "run", progress=False)
+        tr._setup()
+        order = [p.id for s in range(1, a.warmup + a.steps + 1) for p in tr._prompts_for_step(s)]
+        steps = []
+        for s in range(1, a.warmup + a.steps + 1):
+            if s == a.warmup + 1:
+                reset_peak(a.device)
+            t0 = time.perf_counter()
+            row, _ = tr._train_step(s)
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            steps.append({"step": wall, "generation": row["seconds_rollout"],
+                          "update": wall - row["seconds_rollout"], "tokens": row["tokens"],
+                          "phases": {k[8:]: v for k, v in row.items() if k.startswith("seconds_")}})
+            print(f"fasttrain step {s}: {wall:.1f} s (gen {row['seconds_rollout']:.1f} s), "
+                  f"{row['tokens']} tokens", file=sys.stderr, flush=True)
+        mem = peaks(a.device, base)
+    return {"steps": steps[a.warmup:], "memory": mem, "prompt_order": order,
+            "setting": "bf16 base quantized to NF4 + fp32 LoRA masters (trainer defaults)"}
+
+
+def worker_trl(a) -> dict:
+    import torch
+    import transformers
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fasttrain.models import chat_prompt_ids, extract_answer, load_policy
+    from fasttrain.train.trainer import Trainer
+    base = _status_kib("VmRSS")
+    env, prompts = step_prompts(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        sel = Path(tmp) / "selection.json"
+        sel.write_text(json.dumps({"prompt_ids": [p.id for p in prompts]}))
+        ft = Trainer(fasttrain_config(a, tmp, str(sel)), Path(tmp) / "run", progress=False)  # no model loaded
+        ordered = [p for s in range(1, a.warmup + a.steps + 1) for p in ft._prompts_for_step(s)]
+    by_id = {p.id: p for p in ordered}
+    weights_dtype = torch.float32 if a.trl_precision in ("fp32", "bf16-autocast") else torch.bfloat16
+    model, tok = load_policy(None, dtype=weights_dtype)
+    tok.padding_side = "left"
+    texts = [tok.decode(chat_prompt_ids(tok, p.spec, env.answer_format)) for p in ordered]
+    data = Dataset.from_dict({"prompt": texts, "prompt_id": [p.id for p in ordered]})
+    takes_record = "record" in env.score_many.__code__.co_varnames
+
+    def signal_reward(prompts, completions, prompt_id, **kw):
+        ps = [by_id[i] for i in prompt_id]
+        answers = [extract_answer(c) for c in completions]
+        kwargs = {"record": True} if takes_record else {}
+        scores = env.score_many(ps, answers, "train", **kwargs)
+        return [s.total(env.channels) for s in scores]
+
+    cfg = GRPOConfig(
+        output_dir=str(Path(tempfile.gettempdir()) / "bench_step_trl"), use_cpu=a.device == "cpu",
+        bf16=a.trl_precision != "fp32", loss_type="cispo", epsilon_high=a.cap, beta=a.beta,
+        num_generations=a.group, max_completion_length=a.new, temperature=1.0, top_p=1.0, top_k=0,
+        per_device_train_batch_size=a.micro_batch,
+        gradient_accumulation_steps=a.prompts * a.group // a.micro_batch,
+        learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, max_steps=a.warmup + a.steps, shuffle_dataset=False, seed=a.seed,
+        logging_steps=10_000, save_strategy="no", report_to="none", disable_tqdm=True,
+        gradient_checkpointing=True, dataloader_num_workers=0)
+    lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=list(TARGETS), lora_dropout=0.0,
+                      task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=signal_reward, args=cfg, train_dataset=data,
+                          processing_class=tok, peft_config=lora)
+
+    gen_times: list[float] = []
+    original_generate = trainer._generate
+
+    def timed_generate(*args, **kw):
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = original_generate(*args, **kw)
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+        gen_times.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate = timed_generate
+    steps: list[dict] = []
+
+    class StepClock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == a.warmup:
+                reset_peak(a.device)
+            self.gens = len(gen_times)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t0
+            gen = sum(gen_times[self.gens:])
+            steps.append({"step": wall, "generation": gen, "update": wall - gen})
+            print(f"trl step {state.global_step}: {wall:.1f} s (gen {gen:.1f} s)", file=sys.stderr, flush=True)
+
+    trainer.add_callback(StepClock())
+    trainer.train()
+    mem = peaks(a.device, base)
+    lengths = trainer._metrics["train"].get("completions/mean_length", [])
+    for s, n in zip(steps, lengths):
+        s["tokens"] = n * a.prompts * a.group
+    setting = {"bf16": "bf16 weights, bf16=True", "bf16-autocast": "fp32 weights, bf16=True (autocast)",
+               "fp32": "fp32 weights, bf16=False"}[a.trl_precision]
+    return {"steps": steps[a.warmup:], "memory": mem, "prompt_order": [p.id for p in ordered],
+            "setting": setting + ", gradient checkpointing, PEFT LoRA"}
+
+
+def worker_rollout(a) -> dict:
+    import torch
+    from fasttrain.envs import load_env
+    from fasttrain.models import chat_prompt_ids, load_policy
+    from fasttrain.rollout import sample
+    dtype = torch.bfloat16 if a.rollout_dtype == "bf16" else torch.float32
+    model, tok = load_policy(None, dtype=dtype)
+    model.to(a.device)
+    env = load_env("signal-a")
+    prompts = [chat_prompt_ids(tok, p.spec, env.answer_format) for p in env.prompts("train")[:a.prompts]]
+    n, G, T = len(prompts), a.group, a.new
+    P = max(map(len, prompts))
+    pad = tok.pad_token_id
+    enc = torch.full((n, P), pad, dtype=torch.long)
+    am = torch.zeros((n, P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        enc[i, P - len(p):] = torch.tensor(p)
+        am[i, P - len(p):] = 1
+    enc, am = enc.to(a.device), am.to(a.device)
+
+    def ours():
+        r = sample(model, prompts, group_size=G, max_new_tokens=T, temperature=1.0, eos_token_ids=[],
+                   seed=0, pad_token_id=pad)
+        assert r.completion_ids.shape == (n * G, T)
+
+    def theirs():
+        out = model.generate(enc, attention_mask=am, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             num_return_sequences=G, max_new_tokens=T, min_new_tokens=T, pad_token_id=pad,
+                             eos_token_id=tok.eos_token_id)
+        assert out.shape == (n * G, P + T)
+
+    times = {"sample": [], "generate": []}
+    with torch.inference_mode():
+        for rep in range(a.rollout_reps + 1):          # rep 0 is the warm-up; sides alternate
+            for name, fn in (("sample", ours), ("generate", theirs)):
+                if a.device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                if a.device == "cuda":
+                    torch.cuda.synchronize()
+                if rep:
+                    times[name].append(time.perf_counter() - t0)
+                print(f"rollout rep {rep} {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return {"times": times, "tokens": n * G * T, "prompt_len": P, "dtype": a.rollout_dtype}
+
+
+# ---- orchestration ----------------------------------------------------------------------------
+def run_worker(name: str, argv: list[str], timeout: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", name, "--worker-out", out]
+    t0 = time.time()
+    proc = subprocess.run(cmd, timeout=timeout, stdout=subprocess.PIPE, stderr=None, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} worker failed (rc {proc.returncode}); its stderr is above")
+    res = json.loads(Path(out).read_text())
+    os.unlink(out)
+    print(f"{name} worker result: {json.dumps({k: v for k, v in res.items() if k != 'prompt_order'})}",
+          file=sys.stderr, flush=True)   # kept in the log even if the summary fails later
+    res["worker_wall_s"] = time.time() - t0
+    return res
+
+
+def med(steps: list[dict], key: str) -> float:
+    return statistics.median(s[key] for s in steps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke config (gpu_check): 1 prompt x 4 answers, 8 new tokens, 1 warm-up + 1 measured step")
+    # Defaults sized for the shared 2-core box (load ~7-10): one fasttrain step of 1 x 4 x 8 took
+    # ~140 s there (prompts are ~280 tokens), so 4 steps per side plus the rollout bench is ~25 min.
+    ap.add_argument("--prompts", type=int, default=1, help="prompts per step")
+    ap.add_argument("--group", type=int, default=4, help="answers per prompt (num_generations)")
+    ap.add_argument("--new", type=int, default=16, help="max new tokens (max_completion_length)")
+    ap.add_argument("--micro-batch", type=int, default=4, help="answers per forward/backward, both sides")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per side")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per side")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--alpha", type=int, default=64)
+    ap.add_argument("--beta", type=float, default=0.08, help="KL weight (reference = base, adapters off)")
+    ap.add_argument("--cap", type=float, default=1.2, help="CISPO cap (TRL: epsilon_high)")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trl-precision", choices=["bf16", "bf16-autocast", "fp32"], default="bf16")
+    ap.add_argument("--rollout-dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--rollout-reps", type=int, default=3)
+    ap.add_argument("--only", default="fasttrain,trl,rollout", help="comma-separated: fasttrain,trl,rollout")
+    ap.add_argument("--timeout", type=int, default=1500, help="seconds per worker")
+    ap.add_argument("--csv", default="", help="append long-format rows here (bench/run_all.py passes it)")
+    ap.add_argument("--worker", choices=["fasttrain", "trl", "rollout"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.quick:
+        a.prompts, a.group, a.new, a.steps, a.warmup, a.micro_batch, a.rollout_reps = 1, 4, 8, 1, 1, 4, 1
+    if (a.prompts * a.group) % a.micro_batch:
+        ap.error(f"--micro-batch {a.micro_batch} must divide prompts x group = {a.prompts * a.group}")
+
+    if a.worker:
+        res = {"fasttrain": worker_fasttrain, "trl": worker_trl, "rollout": worker_rollout}[a.worker](a)
+        Path(a.worker_out).write_text(json.dumps(res))
+        return 0
+
+    import torch
+    from harness import machine_name, row, versions, write_csv
+    argv = _strip_csv(sys.argv[1:])
+    only = {s.strip() for s in a.only.split(",") if s.strip()}
+    B = a.prompts * a.group
+    load = os.getloadavg()[0]
+    print(f"bench_step: SmolLM2-135M-Instruct, signal-a, {a.prompts} prompts x {a.group} answers = {B} rows, "
+          f"<= {a.new} new tokens, micro-batch {a.micro_batch}, LoRA r={a.rank} alpha={a.alpha} on the 7 "
+          f"projections, CISPO cap {a.cap}, beta {a.beta}, lr {a.lr}; {a.warmup} warm-up + {a.steps} measured "
+          f"steps per side, medians; device {a.device}, {torch.get_num_threads()} threads, {machine_name()}; "
+          f"load average {load:.1f} at start (the machine is shared: ratios side by side are what count)")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+    res: dict[str, dict] = {}
+    for name in ("trl", "fasttrain", "rollout"):
+        if name in only:
+            res[name] = run_worker(name, argv, a.timeout)
+    rows = []
+    case = f"{a.prompts}x{a.group}x{a.new}"
+    extra = {"device": a.device, "load_avg": f"{load:.1f}"}
+    if "fasttrain" in res and "trl" in res:
+        f, t = res["fasttrain"], res["trl"]
+        if f["prompt_order"] != t["prompt_order"]:
+            raise RuntimeError("the two sides trained on different prompts")
+        print(f"\nfasttrain: {f['setting']}\nTRL:       {t['setting']}")
+        print(f"{'':24s}{'fasttrain':>12s}{'TRL':>12s}{'ratio':>9s}   (ratio = fasttrain / TRL; target)")
+        for key, label, target in (("step", "step s", 0.7), ("generation", "  generation s", None),
+                                   ("update", "  update s", None)):
+            fv, tv = med(f["steps"], key), med(t["steps"], key)
+            print(f"{label:24s}{fv:12.2f}{tv:12.2f}{fv / tv:9.2f}" + (f"   (<= {target})" if target else ""))
+            rows += [row("step", case, "fasttrain", f"{key}_s", fv, "s", **extra),
+                     row("step", case, "trl", f"{key}_s", tv, "s", **extra),
+                     row("step", case, "fasttrain/trl", f"{key}_ratio", fv / tv, "x", **extra)]
+        fm, tm = f["memory"]["peak_rss_growth_mib"], t["memory"]["peak_rss_growth_mib"]
+        print(f"{'peak RSS growth MiB':24s}{fm:12.0f}{tm:12.0f}{fm / tm:9.2f}   (<= 0.6)")
+        rows += [row("step", case, "fasttrain", "peak_rss_growth_mib", fm, "MiB", **extra),
+                 row("step", case, "trl", "peak_rss_growth_mib", tm, "MiB", **extra),
+                 row("step", case, "fasttrain/trl", "peak_rss_growth_ratio", fm / tm, "x", **extra)]
+        if a.device == "cuda":
+            fc, tc = f["memory"]["peak_cuda_mib"], t["memory"]["peak_cuda_mib"]
+            print(f"{'peak CUDA alloc MiB':24s}{fc:12.0f}{tc:12.0f}{fc / tc:9.2f}")
+            rows += [row("step", case, "fasttrain", "peak_cuda_mib", fc, "MiB", **extra),
+                     row("step", case, "trl", "peak_cuda_mib", tc, "MiB", **extra)]
+        ftok = statistics.mean(s["tokens"] for s in f["steps"]) / B
+        ttok = statistics.mean(s.get("tokens", float("nan")) for s in t["steps"]) / B
+        print(f"{'mean completion tokens':24s}{ftok:12.1f}{ttok:12.1f}   (each side samples its own answers)")
+        print(f"{'absolute peak RSS MiB':24s}{f['memory']['peak_rss_mib']:12.0f}{t['memory']['peak_rss_mib']:12.0f}"
+              "   (includes each side's imports)")
+        ph = {k: statistics.median(s["phases"][k] for s in f["steps"]) for k in f["steps"][0]["phases"]}
+        print("fasttrain phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
+    if "rollout" in res:
+        r = res["rollout"]
+        s, g = statistics.median(r["times"]["sample"]), statistics.median(r["times"]["generate"])
+        tok = r["tokens"]
+        print(f"\nrollout alone ({r['dtype']}, plain model, {a.prompts}x{a.group} rows, prompt ~{r['prompt_len']} "
+              f"tokens, {a.new} new tokens, no early stop, median of {len(r['times']['sample'])}):")
+        print(f"  transformers generate     {g:8.2f} s {tok / g:9.1f} tok/s")
+        print(f"  fasttrain.rollout.sample  {s:8.2f} s {tok / s:9.1f} tok/s   ratio {g / s:.2f}x  (>= 1.3)")
+        rc = f"{a.prompts}x{a.group}x{a.new}-{r['dtype']}"
+        rows += [row("step_rollout", rc, "generate", "tok_per_s", tok / g, "tok/s", **extra),
+                 row("step_rollout", rc, "fasttrain", "tok_per_s", tok / s, "tok/s", **extra),
+                 row("step_rollout", rc, "fasttrain/generate", "speedup", g / s, "x", **extra)]
+    print(f"load average at end {os.getloadavg()[0]:.1f}")
+    if a.csv:
+        write_csv(rows, Path(a.csv))
+    return 0
+
+
+def _strip_csv(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+            continue
+        if x == "--csv":
+            skip = True
+            continue
+        if x.startswith("--csv="):
+            continue
+        out.append(x)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
