@@ -29,6 +29,28 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& abs
                                       int64_t blocksize);
 
 // ---- fused_logprob (issue 3) ----------------------------------------------------------
+// Argument checks shared by both backends (defined in cpu/fused_logprob.cpp).
+void fused_logprob_check_args(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                              const at::Tensor& targets, const std::optional<at::Tensor>& bias,
+                              double temperature);
+// See the schemas in torch_bindings.cpp. Returns (logp, entropy, stats, grad_vec).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
+    int64_t chunk_bytes);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cuda(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
+    int64_t chunk_bytes);
+// Returns (grad_weight, grad_bias).
+std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
+    const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, const at::Tensor& stats, double temperature, int64_t ignore_index,
+    int64_t chunk_bytes);
+std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cuda(
+    const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, const at::Tensor& stats, double temperature, int64_t ignore_index,
+    int64_t chunk_bytes);
 
 // ---- policy_loss (issue 4) ------------------------------------------------------------
 // Returns (loss fp32 [], stats fp32 [7], coef fp32 [B,T], rowscale fp32 [B]); see torch_bindings.cpp.

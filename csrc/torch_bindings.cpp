@@ -18,6 +18,17 @@ TORCH_LIBRARY(fasttrain, m) {
   m.def("blockwise8_dequantize(Tensor q, Tensor absmax, Tensor code, int blocksize) -> Tensor");
 
   // ---- fused_logprob (issue 3) --------------------------------------------------------
+  // hidden [N,H], weight [V,H] (fp32|fp16|bf16|fp64, same dtype), targets [N] int64, bias [V]?
+  // -> logp [N], entropy [N], stats [2,N] = (ref, log s) with lse = ref + log s (fp32; fp64 for fp64
+  // inputs), grad_vec [N,H] fp32|fp64 when
+  // compute_grad (d logp_n / d h_n = (W[t_n] - sum_v p_nv W[v]) / T), else [0,H]. Tokens whose
+  // target == ignore_index give 0 everywhere. chunk_bytes bounds the scratch (0: default).
+  m.def("fused_logprob_forward(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, float temperature, "
+        "int ignore_index, bool compute_grad, int chunk_bytes) -> (Tensor, Tensor, Tensor, Tensor)");
+  // grad_logp [N] fp32|fp64, stats [2,N] from the forward -> grad_weight [V,H] (weight's dtype),
+  // grad_bias [V] fp32|fp64: dW = sum_n g_n (onehot(t_n) - p_n) h_n^T / T, p recomputed per chunk.
+  m.def("fused_logprob_backward_weight(Tensor grad_logp, Tensor hidden, Tensor weight, Tensor targets, "
+        "Tensor? bias, Tensor stats, float temperature, int ignore_index, int chunk_bytes) -> (Tensor, Tensor)");
 
   // ---- policy_loss (issue 4) ----------------------------------------------------------
   // logp, old_logp, ref_logp [B,T] fp32|fp16|bf16 (one dtype); advantages fp32 [B] or [B,T]; mask fp32 [B,T]

@@ -91,6 +91,118 @@ FT_HD float blockwise_scale(float x, float absmax, bool tail) {
 // =====================================================================================
 // fused_logprob (issue 3): online log-sum-exp and entropy over vocabulary chunks.
 // =====================================================================================
+// Per token n, over the vocabulary v, with z_v = (h_n . w_v + b_v) / T:
+//   lse = log sum_v exp(z_v),  log p(target) = z_t - lse,  entropy = lse - sum_v p_v z_v.
+// The sums are streamed over vocabulary chunks against a reference r (a running max), as
+//   s = sum_v exp(z_v - r),  u = sum_v exp(z_v - r) (z_v - r),
+// so that lse = r + log s and entropy = log s - u / s. Keeping u relative to r (instead of
+// sum p z) avoids the cancellation lse - sum p z when |z| ~ 1e4 (both terms ~1e4 in fp32).
+// The gradient vector a = sum_v exp(z_v - r) w_v is streamed the same way (the p.W product), and
+// d log p / d h = (w_t - a / s) / T.
+//
+// Lazy rescaling: r only moves up when a chunk's max exceeds r by more than kLseLazyMargin
+// (the "conditional rescale" of FlashAttention-4). Then exp(z - r) <= e^8 ~ 2981 cannot overflow
+// (fp32 sums stay < V * 2981), r stays within 8 of the true max so s >= 1 never underflows, and
+// the rescale of s, u and a (an N x H product on the GPU) happens a handful of times per token
+// instead of once per chunk.
+constexpr float kLseLazyMargin = 8.0f;
+
+// exp/log resolved by type on host and device alike (expf/logf for float, exp/log for double).
+FT_HD float ft_exp(float x) { return expf(x); }
+FT_HD double ft_exp(double x) { return ::exp(x); }
+FT_HD float ft_log(float x) { return logf(x); }
+FT_HD double ft_log(double x) { return ::log(x); }
+
+template <typename T>
+struct LseState {
+  T ref;  // reference r (-inf before the first chunk)
+  T s;    // sum exp(z - r)
+  T u;    // sum exp(z - r) (z - r)
+};
+
+template <typename T>
+FT_HD LseState<T> lse_init() {
+  return LseState<T>{-INFINITY, T(0), T(0)};
+}
+
+// The reference to use for a chunk whose max is chunk_max (lazy: keep r when close enough).
+template <typename T>
+FT_HD T lse_next_ref(T ref, T chunk_max) {
+  return (chunk_max > ref + T(kLseLazyMargin)) ? chunk_max : ref;
+}
+
+// Move the state to a new reference new_ref >= ref; returns the factor exp(ref - new_ref) by which
+// any other sum against the old reference (the p.W accumulator) must be multiplied.
+template <typename T>
+FT_HD T lse_rebase(LseState<T>& st, T new_ref) {
+  if (!(new_ref > st.ref)) return T(1);
+  T alpha;
+  if (st.ref == -INFINITY) {  // nothing accumulated yet: (ref - new_ref) * s would be -inf * 0
+    alpha = T(0);
+    st.s = T(0);
+    st.u = T(0);
+  } else {
+    const T d = st.ref - new_ref;  // < 0
+    alpha = ft_exp(d);
+    // sum e^{z-r'} (z-r') = e^{r-r'} sum e^{z-r} ((z-r) + (r-r'))
+    st.u = alpha * (st.u + d * st.s);
+    st.s = alpha * st.s;
+  }
+  st.ref = new_ref;
+  return alpha;
+}
+
+// One vocabulary entry's weight exp(z - r) and its contribution to u.
+template <typename T>
+FT_HD T lse_weight(T z, T ref) {
+  return ft_exp(z - ref);
+}
+
+// Add partial sums (s_c, u_c) that were taken against the same reference.
+template <typename T>
+FT_HD void lse_add(LseState<T>& st, T s_c, T u_c) {
+  st.s += s_c;
+  st.u += u_c;
+}
+
+// Merge two states taken against different references (split-vocabulary reductions).
+template <typename T>
+FT_HD LseState<T> lse_merge(LseState<T> a, LseState<T> b) {
+  if (b.ref > a.ref) { LseState<T> t = a; a = b; b = t; }
+  if (b.ref == -INFINITY) return a;
+  const T d = b.ref - a.ref;  // <= 0
+  const T e = ft_exp(d);
+  a.s += e * b.s;
+  a.u += e * (b.u + d * b.s);
+  return a;
+}
+
+template <typename T>
+FT_HD T lse_value(const LseState<T>& st) { return st.ref + ft_log(st.s); }
+
+// log p of an entry as (z - r) - log s, not z - (r + log s): z - r is exact when z is near the max
+// (Sterbenz), as in log_softmax, so |z| ~ 1e4 does not cost 1e4 * eps of absolute error. The
+// backward keeps (r, log s) for the same reason instead of their rounded sum lse.
+template <typename T>
+FT_HD T lse_logprob(T z, T ref, T log_s) { return (z - ref) - log_s; }
+
+// Entropy of the distribution: lse - sum p z = log s - u / s (>= 0 up to rounding; clamped).
+template <typename T>
+FT_HD T lse_entropy(const LseState<T>& st) {
+  const T h = ft_log(st.s) - st.u / st.s;
+  return h > T(0) ? h : T(0);
+}
+
+// Probability of an entry from the saved statistics (backward recompute).
+template <typename T>
+FT_HD T softmax_prob(T z, T ref, T log_s) { return ft_exp(lse_logprob(z, ref, log_s)); }
+
+// d log p(t) / d z_v = 1[v == t] - p_v, scaled by the upstream gradient g and by 1/T for the
+// logits before temperature: the coefficient of w_v (for dH) and of h (for dW) and of dbias.
+template <typename T>
+FT_HD T logprob_dlogit(T g, bool is_target, T p, T inv_temp) {
+  return g * ((is_target ? T(1) : T(0)) - p) * inv_temp;
+}
 
 // =====================================================================================
 // policy_loss (issue 4): per-token loss, gradient and REPO-R factor.

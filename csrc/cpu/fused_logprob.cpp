@@ -1,1 +1,402 @@
-// Placeholder: the fused_logprob CPU kernels land with their issue.
+// fused_logprob, CPU: per-token log p(target) and entropy of softmax(hidden . weight^T / T), and the
+// per-token gradient vector (W[t] - p.W) / T, without ever holding the [N, V] logits.
+//
+// What it is: threads take groups of token blocks (B rows each) from a shared counter and walk the
+// vocabulary in chunks of C rows of W for them; per (block, chunk) a thread does
+//   1. one GEMM  Z = h_blk . W_c^T           into a thread-local [B, C] scratch (fits L2),
+//   2. one fused pass over Z: z = (Z + b) / T, chunk max, lazy rebase of the running
+//      (ref, s, u) state (core/math.h), p~ = exp(z - ref) written back over Z, target logit,
+//   3. one GEMM  acc_blk += p~ . W_c         (only when the hidden gradient is wanted),
+// so each chunk's logits are produced, consumed and forgotten while still in cache: forward +
+// hidden gradient = two matrix products. Extra memory: nthreads * B * C floats + (for bf16/fp16
+// inputs) an fp32 copy of hidden [N, H] and of one W chunk [C, H]; never N * V.
+// What it is not: a hand-written GEMM. The products are at::mm on fp32 (fp64 for fp64 inputs);
+// at::mm called inside at::parallel_for runs single-threaded, which is what we want here.
+// bf16/fp16 inputs are widened to fp32 per chunk: this CPU (AMD EPYC, AVX2, no avx512_bf16) runs a
+// bf16 at::mm several times slower than fp32, and fp32 logits are also more exact.
+// The accumulator rows (the grad_vec output itself) are revisited once per chunk: B*H floats
+// against B*C*H FMAs. A widened W chunk (bf16/fp16 inputs) is made once per thread per chunk.
+//
+// Backward for W (only when W requires grad): chunks of the vocabulary in parallel (disjoint rows of
+// dW, no reduction), token blocks inside: Z recomputed, D = g (onehot - exp(z - lse)) / T,
+// dW_c += D^T . h_blk, dbias_c += colsum(D).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if !defined(CPU_CAPABILITY)
+#if defined(__AVX512F__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+#endif
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
+#include <ATen/cpu/vec/vec.h>
+#pragma GCC diagnostic pop
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+#include "core/checks.h"
+#include "core/math.h"
+#include "ops.h"
+
+namespace fasttrain {
+namespace fm = fasttrain::math;
+
+namespace {
+
+constexpr int64_t kDefaultChunkBytes = 8 << 20;  // 8 MiB of scratch across all threads
+constexpr int64_t kTokenBlock = 128;             // tokens per task: B*C fp32 scratch stays in L2
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::atoll(v) : fallback;
+}
+
+// Vocabulary rows per chunk so that the per-thread logits scratch (B x C) plus one widened W chunk
+// (C x H) fit the budget. Multiple of 16, at least 16, at most 8192.
+int64_t vocab_chunk(int64_t chunk_bytes, int64_t block, int64_t H, int64_t V, int64_t elem, int64_t nthreads) {
+  const int64_t budget = chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes;
+  int64_t c = budget / (elem * (nthreads * block + H));
+  c = std::max<int64_t>(16, std::min<int64_t>(8192, c / 16 * 16));
+  return std::min(c, std::max<int64_t>(V, 1));
+}
+
+// Fused statistics pass over one row of chunk logits (in place): z = (zr + b) * inv_temp, chunk
+// max, rebase, p~ = exp(z - ref) written back, sums s and u added. Returns alpha (the factor for
+// the p.W accumulator of this row) and sets z_target when the target falls in this chunk.
+template <typename acc_t>
+acc_t fused_row_pass(acc_t* z, int64_t C, const acc_t* bias, acc_t inv_temp, int64_t t_local,
+                     fm::LseState<acc_t>& st, acc_t& z_target) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  const Vec vscale(inv_temp);
+  // 1. scale (+ bias) and chunk max
+  Vec vmax(-INFINITY);
+  int64_t j = 0;
+  for (; j + W <= C; j += W) {
+    Vec v = Vec::loadu(z + j);
+    if (bias) v = v + Vec::loadu(bias + j);
+    v = v * vscale;
+    v.store(z + j);
+    vmax = at::vec::maximum(vmax, v);
+  }
+  acc_t cmax = -INFINITY;
+  {
+    alignas(64) acc_t buf[W];
+    vmax.store(buf);
+    for (int64_t k = 0; k < W; ++k) cmax = std::max(cmax, buf[k]);
+  }
+  for (; j < C; ++j) {
+    acc_t v = z[j];
+    if (bias) v += bias[j];
+    v *= inv_temp;
+    z[j] = v;
+    cmax = std::max(cmax, v);
+  }
+  if (t_local >= 0) z_target = z[t_local];
+  // 2. lazy rebase of the running state
+  const acc_t alpha = fm::lse_rebase(st, fm::lse_next_ref(st.ref, cmax));
+  const acc_t ref = st.ref;
+  // 3. p~ = exp(z - ref), s += sum p~, u += sum p~ (z - ref)
+  const Vec vref(ref);
+  Vec vs(0), vu(0);
+  j = 0;
+  for (; j + W <= C; j += W) {
+    const Vec d = Vec::loadu(z + j) - vref;
+    const Vec p = d.exp();
+    p.store(z + j);
+    vs = vs + p;
+    vu = at::vec::fmadd(p, d, vu);
+  }
+  acc_t s_c = 0, u_c = 0;
+  {
+    alignas(64) acc_t bs[W], bu[W];
+    vs.store(bs);
+    vu.store(bu);
+    for (int64_t k = 0; k < W; ++k) { s_c += bs[k]; u_c += bu[k]; }
+  }
+  for (; j < C; ++j) {
+    const acc_t d = z[j] - ref;
+    const acc_t p = fm::lse_weight(z[j], ref);
+    z[j] = p;
+    s_c += p;
+    u_c += p * d;
+  }
+  fm::lse_add(st, s_c, u_c);
+  return alpha;
+}
+
+at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+}  // namespace
+
+void fused_logprob_check_args(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                              const at::Tensor& targets, const std::optional<at::Tensor>& bias,
+                              double temperature) {
+  FT_CHECK_DIM(op, hidden, 2);
+  FT_CHECK_DIM(op, weight, 2);
+  FT_CHECK_DIM(op, targets, 1);
+  FT_CHECK_ARG(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kHalf ||
+                   hidden.scalar_type() == at::kBFloat16 || hidden.scalar_type() == at::kDouble,
+               op, "hidden", "must be float32, float16, bfloat16 or float64, got ", hidden.scalar_type());
+  FT_CHECK_ARG(weight.scalar_type() == hidden.scalar_type(), op, "weight", "must have the dtype of hidden (",
+               hidden.scalar_type(), "), got ", weight.scalar_type());
+  FT_CHECK_DTYPE(op, targets, at::kLong);
+  FT_CHECK_SAME_DEVICE(op, hidden, weight);
+  FT_CHECK_SAME_DEVICE(op, hidden, targets);
+  FT_CHECK_ARG(weight.size(1) == hidden.size(1), op, "weight", "must be [V, H] with H = hidden.size(1) = ",
+               hidden.size(1), ", got shape ", weight.sizes());
+  FT_CHECK_ARG(targets.size(0) == hidden.size(0), op, "targets", "must be [N] with N = hidden.size(0) = ",
+               hidden.size(0), ", got shape ", targets.sizes());
+  FT_CHECK_ARG(weight.size(0) >= 1, op, "weight", "must have at least one row (vocabulary entry)");
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, op, ": argument 'temperature' must be a positive "
+              "finite number, got ", temperature);
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    FT_CHECK_DIM(op, b, 1);
+    FT_CHECK_ARG(b.size(0) == weight.size(0), op, "bias", "must be [V] with V = weight.size(0) = ",
+                 weight.size(0), ", got shape ", b.sizes());
+    FT_CHECK_ARG(b.scalar_type() == hidden.scalar_type(), op, "bias", "must have the dtype of hidden (",
+                 hidden.scalar_type(), "), got ", b.scalar_type());
+    FT_CHECK_SAME_DEVICE(op, hidden, b);
+  }
+}
+
+static void check_targets_cpu(const char* op, const at::Tensor& targets, int64_t V, int64_t ignore_index) {
+  const int64_t* t = targets.const_data_ptr<int64_t>();
+  for (int64_t n = 0; n < targets.numel(); ++n) {
+    TORCH_CHECK(t[n] == ignore_index || (t[n] >= 0 && t[n] < V), op, ": argument 'targets' holds ", t[n],
+                " at position ", n, ", outside [0, ", V, ") and not ignore_index (", ignore_index, ")");
+  }
+}
+
+template <typename acc_t>
+static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const int64_t* tg, const acc_t* bias,
+                         acc_t inv_temp, int64_t ignore_index, bool compute_grad, int64_t chunk_bytes,
+                         acc_t* logp, acc_t* ent, acc_t* stats, at::Tensor& grad_vec) {
+  const int64_t N = hid.size(0), H = hid.size(1), V = weight.size(0);
+  const at::ScalarType acc_dt = hid.scalar_type();
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t B = std::max<int64_t>(1, env_int("FASTTRAIN_LOGPROB_BLOCK", kTokenBlock));
+  const int64_t C = vocab_chunk(chunk_bytes, B, H, V, sizeof(acc_t), nthreads);
+  const int64_t nblocks = (N + B - 1) / B;
+
+  std::vector<fm::LseState<acc_t>> st(N, fm::lse_init<acc_t>());
+  std::vector<acc_t> zt(N, acc_t(0));
+  std::vector<at::Tensor> scratch(nthreads);
+  for (auto& s : scratch) s = at::empty({B * C}, hid.options());
+  std::vector<acc_t> alpha_all(N, acc_t(1));
+  const bool widen = weight.scalar_type() != acc_dt;
+
+  // One parallel region: each thread owns a contiguous range of token blocks and walks the whole
+  // vocabulary for it (one barrier in all; a barrier per chunk costs seconds on an oversubscribed
+  // machine). A widened W chunk is made once per thread per chunk and reused by all its blocks.
+  // Groups of blocks are handed out dynamically (an atomic counter), not statically: on a shared,
+  // oversubscribed machine a static split waits for the most-descheduled thread.
+  const int64_t group = std::max<int64_t>(1, nblocks / (4 * nthreads));
+  const int64_t ngroups = (nblocks + group - 1) / group;
+  std::atomic<int64_t> next_group{0};
+  at::parallel_for(0, std::min(nthreads, ngroups), 1, [&](int64_t, int64_t) {
+   at::Tensor& zbuf = scratch[at::get_thread_num()];
+   for (int64_t gi = next_group.fetch_add(1); gi < ngroups; gi = next_group.fetch_add(1)) {
+    const int64_t b0 = gi * group, b1 = std::min(nblocks, b0 + group);
+    for (int64_t v0 = 0; v0 < V; v0 += C) {
+      const int64_t cs = std::min(C, V - v0);
+      // the W chunk as the GEMM dtype (a view when no widening is needed)
+      const at::Tensor wc = widen ? weight.narrow(0, v0, cs).to(acc_dt) : weight.narrow(0, v0, cs);
+      const acc_t* bc = bias ? bias + v0 : nullptr;
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * B, nb = std::min(B, N - n0);
+        // [nb, cs] with contiguous rows (leading dimension cs) inside the thread's scratch
+        at::Tensor z = zbuf.narrow(0, 0, nb * cs).view({nb, cs});
+        at::mm_out(z, hid.narrow(0, n0, nb), wc.t());
+        acc_t* zp = z.data_ptr<acc_t>();
+        bool any_rescale = false;
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t n = n0 + i, t = tg[n];
+          if (t == ignore_index) continue;
+          const int64_t t_local = (t >= v0 && t < v0 + cs) ? t - v0 : -1;
+          const acc_t a = fused_row_pass<acc_t>(zp + i * cs, cs, bc, inv_temp, t_local, st[n], zt[n]);
+          alpha_all[n] = a;
+          any_rescale |= (a != acc_t(1));
+        }
+        if (compute_grad) {
+          at::Tensor acc = grad_vec.narrow(0, n0, nb);
+          if (any_rescale) {
+            acc_t* ap = acc.data_ptr<acc_t>();
+            for (int64_t i = 0; i < nb; ++i) {
+              const acc_t a = alpha_all[n0 + i];
+              if (a == acc_t(1) || tg[n0 + i] == ignore_index) continue;
+              for (int64_t h = 0; h < H; ++h) ap[i * H + h] *= a;
+            }
+          }
+          // ignored rows of z still hold raw logits: their accumulator rows are zeroed at the end
+          at::addmm_out(acc, acc, z, wc);
+        }
+      }
+    }
+   }
+  });
+
+  // finalize: stats (ref, log s), log p, entropy; grad_vec = (W[t] - acc / s) / T
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t t = tg[n];
+      acc_t* g = compute_grad ? grad_vec.data_ptr<acc_t>() + n * H : nullptr;
+      if (t == ignore_index) {
+        logp[n] = ent[n] = stats[n] = stats[N + n] = acc_t(0);
+        if (g) std::fill(g, g + H, acc_t(0));
+        continue;
+      }
+      const acc_t log_s = std::log(st[n].s);
+      stats[n] = st[n].ref;
+      stats[N + n] = log_s;
+      logp[n] = fm::lse_logprob(zt[n], st[n].ref, log_s);
+      ent[n] = fm::lse_entropy(st[n]);
+      if (g) {
+        const acc_t inv_s = acc_t(1) / st[n].s;
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "fused_logprob_wt", [&] {
+          const scalar_t* wt = weight.const_data_ptr<scalar_t>() + t * H;
+          for (int64_t h = 0; h < H; ++h) g[h] = (static_cast<acc_t>(wt[h]) - g[h] * inv_s) * inv_temp;
+        });
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
+    int64_t chunk_bytes) {
+  constexpr const char* op = "fasttrain::fused_logprob_forward";
+  FT_CHECK_DEVICE_TYPE(op, hidden, at::kCPU);
+  fused_logprob_check_args(op, hidden, weight, targets, bias, temperature);
+  const at::Tensor w = weight.contiguous();
+  const at::Tensor tg = targets.contiguous();
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = w.size(0);
+  check_targets_cpu(op, tg, V, ignore_index);
+  const at::ScalarType acc_dt = acc_type_of(hidden.scalar_type());
+  const at::TensorOptions ao = hidden.options().dtype(acc_dt);
+  at::Tensor logp = at::empty({N}, ao), ent = at::empty({N}, ao), stats = at::empty({2, N}, ao);
+  at::Tensor grad_vec = compute_grad ? at::zeros({N, H}, ao) : at::empty({0, H}, ao);
+  if (N == 0) return {logp, ent, stats, grad_vec};
+  const at::Tensor hid = hidden.to(acc_dt).contiguous();  // a no-op for fp32 / fp64 contiguous input
+  const at::Tensor b = bias.has_value() ? bias->to(acc_dt).contiguous() : at::Tensor();
+  if (acc_dt == at::kDouble) {
+    forward_impl<double>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<double>() : nullptr,
+                         1.0 / temperature, ignore_index, compute_grad, chunk_bytes, logp.data_ptr<double>(),
+                         ent.data_ptr<double>(), stats.data_ptr<double>(), grad_vec);
+  } else {
+    forward_impl<float>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
+                        static_cast<float>(1.0 / temperature), ignore_index, compute_grad, chunk_bytes,
+                        logp.data_ptr<float>(), ent.data_ptr<float>(), stats.data_ptr<float>(), grad_vec);
+  }
+  return {logp, ent, stats, grad_vec};
+}
+
+template <typename acc_t>
+static void backward_weight_impl(const acc_t* g, const at::Tensor& hid, const at::Tensor& weight,
+                                 const int64_t* tg, const acc_t* bias, const acc_t* stats, acc_t inv_temp,
+                                 int64_t ignore_index, int64_t chunk_bytes, at::Tensor& grad_weight,
+                                 acc_t* grad_bias) {
+  const int64_t N = hid.size(0), H = hid.size(1), V = weight.size(0);
+  const at::ScalarType acc_dt = hid.scalar_type();
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t B = 256;  // tokens per inner step
+  // per thread: Z [B, C], a widened W chunk [C, H] and its fp32 gradient [C, H]
+  const int64_t budget = chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes;
+  int64_t C = budget / (int64_t(sizeof(acc_t)) * nthreads * (B + 2 * H));
+  C = std::max<int64_t>(16, std::min<int64_t>(1024, C / 16 * 16));
+  // enough chunks to keep every thread busy
+  C = std::min(C, std::max<int64_t>(16, (V + 4 * nthreads - 1) / (4 * nthreads)));
+  const int64_t nchunks = (V + C - 1) / C;
+  const bool widen = weight.scalar_type() != acc_dt;
+
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t v0 = c * C, cs = std::min(C, V - v0);
+      const at::Tensor wc = widen ? weight.narrow(0, v0, cs).to(acc_dt) : weight.narrow(0, v0, cs);
+      at::Tensor dw = widen ? at::zeros({cs, H}, hid.options()) : grad_weight.narrow(0, v0, cs);
+      if (!widen) dw.zero_();
+      at::Tensor z = at::empty({B, cs}, hid.options());
+      acc_t* db = grad_bias + v0;
+      std::fill(db, db + cs, acc_t(0));
+      for (int64_t n0 = 0; n0 < N; n0 += B) {
+        const int64_t nb = std::min(B, N - n0);
+        at::Tensor zb = z.narrow(0, 0, nb);
+        at::mm_out(zb, hid.narrow(0, n0, nb), wc.t());
+        acc_t* zp = zb.data_ptr<acc_t>();
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t n = n0 + i, t = tg[n];
+          acc_t* zr = zp + i * cs;
+          if (t == ignore_index || g[n] == acc_t(0)) {
+            std::fill(zr, zr + cs, acc_t(0));
+            continue;
+          }
+          const acc_t gn = g[n], ref = stats[n], log_s = stats[N + n];
+          for (int64_t j = 0; j < cs; ++j) {
+            const acc_t zz = (zr[j] + (bias ? bias[v0 + j] : acc_t(0))) * inv_temp;
+            const acc_t d = fm::logprob_dlogit(gn, v0 + j == t, fm::softmax_prob(zz, ref, log_s), inv_temp);
+            zr[j] = d;
+            db[j] += d;
+          }
+        }
+        at::addmm_out(dw, dw, zb.t(), hid.narrow(0, n0, nb));
+      }
+      if (widen) grad_weight.narrow(0, v0, cs).copy_(dw);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
+    const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, const at::Tensor& stats, double temperature, int64_t ignore_index,
+    int64_t chunk_bytes) {
+  constexpr const char* op = "fasttrain::fused_logprob_backward_weight";
+  FT_CHECK_DEVICE_TYPE(op, hidden, at::kCPU);
+  fused_logprob_check_args(op, hidden, weight, targets, bias, temperature);
+  const at::ScalarType acc_dt = acc_type_of(hidden.scalar_type());
+  const int64_t N = hidden.size(0), V = weight.size(0);
+  FT_CHECK_ARG(grad_logp.dim() == 1 && grad_logp.size(0) == N, op, "grad_logp", "must be [N] with N = ", N,
+               ", got shape ", grad_logp.sizes());
+  FT_CHECK_ARG(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N, op, "stats",
+               "must be [2, N] with N = ", N, " (the forward's third output), got shape ", stats.sizes());
+  FT_CHECK_DTYPE(op, stats, acc_dt);
+  const at::Tensor w = weight.contiguous(), tg = targets.contiguous();
+  check_targets_cpu(op, tg, V, ignore_index);
+  at::Tensor grad_weight = at::empty_like(w, at::MemoryFormat::Contiguous);
+  at::Tensor grad_bias = at::empty({V}, hidden.options().dtype(acc_dt));
+  const at::Tensor hid = hidden.to(acc_dt).contiguous();
+  const at::Tensor g = grad_logp.to(acc_dt).contiguous(), l = stats.contiguous();
+  const at::Tensor b = bias.has_value() ? bias->to(acc_dt).contiguous() : at::Tensor();
+  if (acc_dt == at::kDouble) {
+    backward_weight_impl<double>(g.const_data_ptr<double>(), hid, w, tg.const_data_ptr<int64_t>(),
+                                 b.defined() ? b.const_data_ptr<double>() : nullptr, l.const_data_ptr<double>(),
+                                 1.0 / temperature, ignore_index, chunk_bytes, grad_weight,
+                                 grad_bias.data_ptr<double>());
+  } else {
+    backward_weight_impl<float>(g.const_data_ptr<float>(), hid, w, tg.const_data_ptr<int64_t>(),
+                                b.defined() ? b.const_data_ptr<float>() : nullptr, l.const_data_ptr<float>(),
+                                static_cast<float>(1.0 / temperature), ignore_index, chunk_bytes, grad_weight,
+                                grad_bias.data_ptr<float>());
+  }
+  return {grad_weight, grad_bias};
+}
+
+}  // namespace fasttrain
+
+TORCH_LIBRARY_IMPL(fasttrain, CPU, m) {
+  m.impl("fused_logprob_forward", &fasttrain::fused_logprob_forward_cpu);
+  m.impl("fused_logprob_backward_weight", &fasttrain::fused_logprob_backward_weight_cpu);
+}

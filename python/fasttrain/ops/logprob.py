@@ -1,2 +1,131 @@
-"""Placeholder: lands with its issue."""
-__all__: list[str] = []
+"""Fused per-token log-probability and entropy from hidden states: the logits are never stored.
+
+    logp, entropy = fasttrain.ops.fused_logprob(hidden, weight, targets, temperature=1.0)
+
+For token n with logits z_n = (hidden_n . weight^T + bias) / temperature:
+    logp[n]    = log softmax(z_n)[targets[n]]
+    entropy[n] = -sum_v p_nv log p_nv   (detached: no gradient flows through it)
+Tokens whose target equals `ignore_index` give 0 and no gradient.
+
+The vocabulary is streamed in chunks with an online log-sum-exp (core/math.h), so memory beyond
+inputs and outputs is a bounded scratch (`chunk_bytes`, default 8 MiB on CPU), not N x V. When
+hidden requires grad, the forward also forms the per-token gradient vector
+(W[t_n] - sum_v p_nv W[v]) / T ([N, H] floats); the backward is then one row scaling. The gradient
+for weight (and bias) is computed only when they require grad, by recomputing p per chunk.
+"""
+from __future__ import annotations
+
+import torch
+
+from fasttrain._native import load as _load
+
+_load()
+_ops = torch.ops.fasttrain
+
+__all__ = ["fused_logprob", "set_chunk_bytes", "chunk_bytes"]
+
+_CHUNK_BYTES = 0  # 0: the backend's default (CPU: 8 MiB in all threads; CUDA: 256 MiB)
+
+
+def set_chunk_bytes(nbytes: int) -> None:
+    """Bound the scratch memory of fused_logprob (bytes; 0 restores the backend default)."""
+    global _CHUNK_BYTES
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"set_chunk_bytes: nbytes must be a non-negative int, got {nbytes!r}")
+    _CHUNK_BYTES = nbytes
+
+
+def chunk_bytes() -> int:
+    return _CHUNK_BYTES
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fused_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log p(target) and entropy under softmax(hidden . weight^T / temperature).
+
+    hidden [N, H] and weight [V, H] (and bias [V]) in bf16, fp16 or fp32 (fp64 for checks);
+    targets [N] int64. Returns (logp [N], entropy [N]) in fp32 (fp64 for fp64 inputs); entropy is
+    detached. Leading dimensions of hidden/targets ([B, T, H] / [B, T]) are flattened and restored.
+    """
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fused_logprob: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() < 2:
+        raise ValueError(f"fused_logprob: hidden must be [N, H] (or [..., H]), got shape {tuple(hidden.shape)}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"fused_logprob: targets must have shape {tuple(hidden.shape[:-1])} (hidden's leading "
+                         f"dims), got {tuple(targets.shape)}")
+    lead = hidden.shape[:-1]
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    t1 = targets.reshape(-1)
+    compute_grad = torch.is_grad_enabled() and hidden.requires_grad
+    logp, entropy = _FusedLogprob(h2, weight, t1, bias, float(temperature), int(ignore_index), compute_grad,
+                                  _CHUNK_BYTES)
+    return logp.view(lead), entropy.view(lead)
+
+
+def _FusedLogprob(hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes):
+    logp, entropy, _stats, _gv = _ops.fused_logprob_forward(hidden, weight, targets, bias, temperature,
+                                                          ignore_index, compute_grad, chunk_bytes)
+    return logp, entropy
+
+
+@torch.library.register_fake("fasttrain::fused_logprob_forward")
+def _(hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes):
+    n, h = hidden.shape
+    acc = _acc_dtype(hidden.dtype)
+    vec = hidden.new_empty((n, h) if compute_grad else (0, h), dtype=acc)
+    return (hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc),
+            hidden.new_empty((2, n), dtype=acc), vec)
+
+
+@torch.library.register_fake("fasttrain::fused_logprob_backward_weight")
+def _(grad_logp, hidden, weight, targets, bias, stats, temperature, ignore_index, chunk_bytes):
+    return (torch.empty_like(weight, memory_format=torch.contiguous_format),
+            weight.new_empty((weight.shape[0],), dtype=_acc_dtype(hidden.dtype)))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes = inputs
+    logp, entropy, stats, grad_vec = output
+    ctx.mark_non_differentiable(entropy, stats, grad_vec)
+    ctx.hidden_dtype = hidden.dtype
+    ctx.compute_grad = compute_grad
+    ctx.args = (temperature, ignore_index, chunk_bytes)
+    # Only what the backward needs: grad_vec for hidden; hidden, weight, bias, stats for weight/bias.
+    need_w = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
+    ctx.need_w = need_w
+    ctx.save_for_backward(grad_vec, hidden if need_w else None, weight if need_w else None, targets,
+                          bias if need_w else None, stats if need_w else None)
+
+
+def _backward(ctx, grad_logp, grad_entropy, grad_stats, grad_vec_out):
+    grad_vec, hidden, weight, targets, bias, stats = ctx.saved_tensors
+    temperature, ignore_index, chunk_bytes = ctx.args
+    d_hidden = d_weight = d_bias = None
+    if ctx.needs_input_grad[0]:
+        if not ctx.compute_grad:
+            raise RuntimeError("fused_logprob: hidden requires grad but its gradient vector was not formed "
+                               "in the forward (was the forward run under torch.no_grad()?)")
+        d_hidden = (grad_vec * grad_logp.to(grad_vec.dtype).unsqueeze(1)).to(ctx.hidden_dtype)
+    if ctx.need_w:
+        gw, gb = _ops.fused_logprob_backward_weight(grad_logp.to(stats.dtype).contiguous(), hidden, weight, targets,
+                                                    bias, stats, temperature, ignore_index, chunk_bytes)
+        if ctx.needs_input_grad[1]:
+            d_weight = gw
+        if bias is not None and ctx.needs_input_grad[3]:
+            d_bias = gb.to(bias.dtype)
+    return d_hidden, d_weight, None, d_bias, None, None, None, None
+
+
+torch.library.register_autograd("fasttrain::fused_logprob_forward", _backward, setup_context=_setup_context)
