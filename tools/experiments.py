@@ -4,6 +4,8 @@ reproduced small with the real model (SmolLM2-135M-Instruct, NF4 + LoRA/DoRA).
     python tools/experiments.py learning [scale flags]   # (a) train-side and holdout scores vs the start
     python tools/experiments.py floor    [scale flags]   # (b) the floor trap on signal-b: floor 0 vs -inf
     python tools/experiments.py ladder   [scale flags] [--rungs dapo,cispo,...]   # (c) the six rungs
+    python tools/experiments.py start    [scale flags] [--set env.name=...]  # the starting model's answers only:
+                                                         # validity and the non-zero-advantage share per floor
     python tools/experiments.py summarize --exp learning|floor|ladder   # plots + tables again, no training
 
 Every experiment starts from a recipe (demo for (a) and (b), the ladder recipes for (c)) with the
@@ -219,9 +221,49 @@ def run_ladder(a, root: Path) -> None:
         train(r, over + extra, root)
 
 
+def run_start(a, root: Path) -> None:
+    """The starting model only (no training): one rollout batch of the demo recipe at the scale flags,
+    scored, with the GDPO + floor-guard advantages computed under each --floors value on the same
+    answers. Cheap (no backward); says whether a run can learn at all from its first step."""
+    import dataclasses
+    import torch
+    from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, nonzero_share
+    from fasttrain.train.answers import sample_answers, score_answers
+    from fasttrain.train.config import load_config
+    from fasttrain.train.trainer import Trainer, step_seed
+
+    cfg = load_config("demo", scale_overrides(a) + [f"run.out={json.dumps(str(root))}"])
+    tr = Trainer(cfg, progress=False)
+    tr._setup()
+    t = time.time()
+    prompts = tr._prompts_for_step(1)
+    G = cfg.rollout.group_size
+    roll, texts = sample_answers(tr.model, tr.tokenizer, tr.env, prompts, group_size=G,
+                                 max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                 seed=step_seed(cfg.run.seed, 1))
+    rep = [p for p in prompts for _ in range(G)]
+    scores = score_answers(tr.env, rep, texts, cfg.env.train_slice, record=False)
+    rewards = torch.tensor([[s.channels[c] for c in tr.channel_names] for s in scores], dtype=torch.float64)
+    core = torch.tensor([s.core for s in scores], dtype=torch.float64)
+    valid = torch.tensor([s.valid for s in scores])
+    adv = gdpo_advantages(rewards, G, tr.weights, cfg.advantages.batch_normalize).double()
+    res = {"env": cfg.env.name, "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens,
+           "answers": len(texts), "valid": float(valid.double().mean()),
+           "format": float(rewards[:, tr.channel_names.index("format")].mean()) if "format" in tr.channel_names else None,
+           "syntax": float(rewards[:, tr.channel_names.index("syntax")].mean()) if "syntax" in tr.channel_names else None,
+           "core": float(core.mean()), "seconds": time.time() - t, "examples": texts[:4],
+           "nonzero_share_before_guard": nonzero_share(adv), "by_floor": {}}
+    for fl in a.floors:
+        g = guarded_answers(core, valid, fl, cfg.advantages.guard_invalid)
+        res["by_floor"][str(fl)] = {"guarded": float(g.double().mean()), "nonzero_adv_share": nonzero_share(floor_guard(adv, g, G))}
+    name = f"start-{cfg.env.name}-T{cfg.rollout.temperature}-n{cfg.rollout.max_new_tokens}-s{cfg.run.seed}.json"
+    (root / name).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=["learning", "floor", "ladder", "summarize"])
+    ap.add_argument("experiment", choices=["learning", "floor", "ladder", "start", "summarize"])
     ap.add_argument("--exp", choices=list(SUMMARIES), help="for summarize: which experiment")
     ap.add_argument("--out", default="runs/experiments", help="runs go under OUT/<experiment>/")
     ap.add_argument("--figures", default="docs/img", help="where the PNG plots go")
@@ -243,11 +285,13 @@ def main(argv=None) -> None:
     g.add_argument("--filter-min-keep", type=int, default=4)
     a = ap.parse_args(argv)
     exp = a.exp if a.experiment == "summarize" else a.experiment
-    if exp is None:
+    if exp is None and a.experiment == "summarize":
         ap.error("summarize needs --exp")
     root = Path(a.out) / exp
     root.mkdir(parents=True, exist_ok=True)
     command = "python tools/experiments.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if a.experiment == "start":
+        return run_start(a, root)
     if a.experiment != "summarize":
         {"learning": run_learning, "floor": run_floor, "ladder": run_ladder}[exp](a, root)
     write_summary(exp, root, Path(a.figures), command)
