@@ -3,7 +3,7 @@ by `fasttrain.train.Trainer` for two tiny steps of CISPO + REPO-R, then the expo
 loaded back into a fresh fasttrain model and into PEFT.
 
 Lean on purpose (CI runs it): the model is loaded and trained once per module, one prompt x four
-answers of 12 tokens, two steps with two passes each. The environment is the short-prompt letter
+answers of 8 tokens, two steps with two passes each. The environment is the short-prompt letter
 environment of tests/train/tiny_world.py, not signal-a: a signal-a prompt is ~330 tokens in the
 chat template (six times the forward cost), and the untrained 135M model's short answers there are
 all invalid, so every group's advantages are zero and nothing would move (measured: step 1 of a
@@ -33,13 +33,13 @@ def _recipe(out) -> dict:
         "policy": {"model": "smollm2-135m", "dtype": "bfloat16", "quantize": "nf4", "adapter": "lora",
                    "rank": 8, "alpha": 16.0, "gradient_checkpointing": False},
         "env": {"name": "tiny_world:make_env"},
-        "rollout": {"prompts_per_step": 1, "group_size": 4, "max_new_tokens": 12, "temperature": 1.0},
+        "rollout": {"prompts_per_step": 1, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0},
         # projection guard on invalid (too short) answers; the letter core has no floor
         "advantages": {"priorities": {"core": 3.0}, "guard": "projection", "floor": float("-inf")},
         "loss": {"kind": "cispo", "beta": 0.08, "token_mask": "all", "passes": 2, "repo_r": True,
                  "thermostat_warmup": 5},
         "optim": {"lr": 1e-3, "micro_batch": 4},
-        "probe": {"every": 0, "prompts": 1, "max_new_tokens": 8},
+        "probe": {"every": 0, "prompts": 1, "max_new_tokens": 4},
     }
 
 
