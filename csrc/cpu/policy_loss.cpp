@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/checks.h"
+#include "core/policy_loss_checks.h"
 #include "core/dispatch.h"
 #include "core/math.h"
 #include "ops.h"
@@ -84,39 +85,6 @@ void policy_chunk(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ 
   }
 }
 
-void check_inputs(const char* op, const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
-                  const at::Tensor& mask, const std::optional<at::Tensor>& ref_logp,
-                  const std::optional<at::Tensor>& token_normalizer, int64_t loss_type) {
-  FT_CHECK_DIM(op, logp, 2);
-  FT_CHECK_FLOATING(op, logp);
-  FT_CHECK_ARG(old_logp.sizes() == logp.sizes(), op, "old_logp", "must have logp's shape ", logp.sizes(),
-               ", got ", old_logp.sizes());
-  FT_CHECK_DTYPE(op, old_logp, logp.scalar_type());
-  FT_CHECK_SAME_DEVICE(op, logp, old_logp);
-  FT_CHECK_ARG(mask.sizes() == logp.sizes(), op, "mask", "must have logp's shape ", logp.sizes(), ", got ",
-               mask.sizes());
-  FT_CHECK_DTYPE(op, mask, at::kFloat);
-  FT_CHECK_SAME_DEVICE(op, logp, mask);
-  FT_CHECK_DTYPE(op, advantages, at::kFloat);
-  FT_CHECK_SAME_DEVICE(op, logp, advantages);
-  FT_CHECK_ARG(advantages.sizes() == logp.sizes() || (advantages.dim() == 1 && advantages.size(0) == logp.size(0)),
-               op, "advantages", "must be [B] or [B, T] with [B, T] = ", logp.sizes(), ", got ", advantages.sizes());
-  if (ref_logp.has_value()) {
-    const at::Tensor& ref = *ref_logp;
-    FT_CHECK_ARG(ref.sizes() == logp.sizes(), op, "ref_logp", "must have logp's shape ", logp.sizes(), ", got ",
-                 ref.sizes());
-    FT_CHECK_DTYPE(op, ref, logp.scalar_type());
-    FT_CHECK_SAME_DEVICE(op, logp, ref);
-  }
-  if (token_normalizer.has_value()) {
-    const at::Tensor& tn = *token_normalizer;
-    FT_CHECK_ARG(tn.numel() == 1, op, "token_normalizer", "must hold one value, got shape ", tn.sizes());
-    FT_CHECK_DTYPE(op, tn, at::kFloat);
-    FT_CHECK_SAME_DEVICE(op, logp, tn);
-  }
-  FT_CHECK_ARG(loss_type >= 0 && loss_type <= 2, op, "loss_type", "must be 0 (cispo), 1 (dapo) or 2 (grpo), got ",
-               loss_type);
-}
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(

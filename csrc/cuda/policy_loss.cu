@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "core/checks.h"
+#include "core/policy_loss_checks.h"
 #include "core/dispatch.h"
 #include "core/math.h"
 #include "ops.h"
@@ -157,37 +158,6 @@ int grid_for(int64_t work, int threads) {
   return (int)std::min<int64_t>(std::max<int64_t>(blocks, 1), 65535LL * 8);
 }
 
-void check_inputs(const char* op, const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
-                  const at::Tensor& mask, const std::optional<at::Tensor>& ref_logp,
-                  const std::optional<at::Tensor>& token_normalizer, int64_t loss_type) {
-  FT_CHECK_DIM(op, logp, 2);
-  FT_CHECK_FLOATING(op, logp);
-  FT_CHECK_ARG(old_logp.sizes() == logp.sizes(), op, "old_logp", "must have logp's shape ", logp.sizes(),
-               ", got ", old_logp.sizes());
-  FT_CHECK_DTYPE(op, old_logp, logp.scalar_type());
-  FT_CHECK_SAME_DEVICE(op, logp, old_logp);
-  FT_CHECK_ARG(mask.sizes() == logp.sizes(), op, "mask", "must have logp's shape ", logp.sizes(), ", got ",
-               mask.sizes());
-  FT_CHECK_DTYPE(op, mask, at::kFloat);
-  FT_CHECK_SAME_DEVICE(op, logp, mask);
-  FT_CHECK_DTYPE(op, advantages, at::kFloat);
-  FT_CHECK_SAME_DEVICE(op, logp, advantages);
-  FT_CHECK_ARG(advantages.sizes() == logp.sizes() || (advantages.dim() == 1 && advantages.size(0) == logp.size(0)),
-               op, "advantages", "must be [B] or [B, T] with [B, T] = ", logp.sizes(), ", got ", advantages.sizes());
-  if (ref_logp.has_value()) {
-    FT_CHECK_ARG(ref_logp->sizes() == logp.sizes(), op, "ref_logp", "must have logp's shape ", logp.sizes(),
-                 ", got ", ref_logp->sizes());
-    FT_CHECK_ARG(ref_logp->scalar_type() == logp.scalar_type(), op, "ref_logp", "must have logp's dtype");
-    FT_CHECK_ARG(ref_logp->device() == logp.device(), op, "ref_logp", "must be on logp's device");
-  }
-  if (token_normalizer.has_value()) {
-    FT_CHECK_ARG(token_normalizer->numel() == 1, op, "token_normalizer", "must hold one value");
-    FT_CHECK_ARG(token_normalizer->scalar_type() == at::kFloat, op, "token_normalizer", "must be float32");
-    FT_CHECK_ARG(token_normalizer->device() == logp.device(), op, "token_normalizer", "must be on logp's device");
-  }
-  FT_CHECK_ARG(loss_type >= 0 && loss_type <= 2, op, "loss_type", "must be 0 (cispo), 1 (dapo) or 2 (grpo), got ",
-               loss_type);
-}
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
