@@ -86,3 +86,46 @@ def test_non_finite_loss_leaves_adapters_untouched(tiny):
                       LossSection(kind="cispo", beta=0.0), 0.0, 4, 1.0, 1.0)
     assert all(torch.equal(a, b) for a, b in zip(before, params))
     assert all(p.grad is None for p in params)
+
+
+def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny):
+    """Running each prompt once and sharing its KV cache across the group gives the full
+    forward's log-probs and adapter gradients (float64: equal to rounding)."""
+    import tiny_world
+    from fasttrain.nn import attach_adapters, quantize_model
+    from fasttrain.rollout import sample
+    from fasttrain.train.policy_update import answer_logprobs
+    model, tok = tiny_world.tiny_policy("float64")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    quantize_model(model)
+    torch.manual_seed(5)
+    params = attach_adapters(model, kind="lora", r=4, alpha=8)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.2)
+    prompt_ids = [tok.encode(t) for t in ("say a word", "a longer prompt, with more bytes in it", "hi")]
+    roll = sample(model, prompt_ids, group_size=3, max_new_tokens=7, temperature=1.0,
+                  eos_token_ids=[tok.eos_token_id], seed=2)
+    pad = (roll.attention_mask[:, :roll.prompt_len] == 0).sum(1)
+    assert int(pad.max()) > int(pad.min())        # prompts of different lengths: left padding is exercised
+    model.train()
+    out = {}
+    for shared in (False, True):
+        for p in params:
+            p.grad = None
+        logp, ent = answer_logprobs(model, roll.input_ids, roll.attention_mask, roll.prompt_len,
+                                    roll.completion_ids, roll.completion_mask, 1.0, shared_prefix=shared)
+        (logp * torch.linspace(-1, 1, logp.numel()).reshape(logp.shape)).sum().backward()
+        out[shared] = (logp.detach(), ent, [p.grad.clone() for p in params])
+    full, shared = out[False], out[True]
+    m = roll.completion_mask.bool()
+    assert bool(m.sum() > 0) and float(full[0][m].abs().max()) > 0
+    torch.testing.assert_close(shared[0], full[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(shared[1], full[1], rtol=0, atol=1e-10)
+    for a, b in zip(full[2], shared[2]):
+        # the adapter masters (and so their gradients) are float32: the two forwards sum the
+        # group's contributions in a different order, so allow a few float32 ulps of the largest entry
+        scale = float(a.abs().max())
+        assert a.dtype == torch.float32 and scale > 0
+        torch.testing.assert_close(b, a, rtol=0, atol=8 * torch.finfo(torch.float32).eps * scale)

@@ -24,15 +24,20 @@ def eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def prompt_token_ids(tokenizer, env, prompts: Sequence[Prompt]) -> list[list[int]]:
+def prompt_token_ids(tokenizer, env, prompts: Sequence[Prompt], answer_prefix: str = "") -> list[list[int]]:
+    """Chat-turn token ids of each prompt; `answer_prefix` is written at the start of the
+    assistant's turn (prefilled: part of the prompt, never trained on, prepended to the answer
+    text the verifier scores)."""
     from fasttrain.models import chat_prompt_ids
-    return [list(chat_prompt_ids(tokenizer, p.spec, env.answer_format)) for p in prompts]
+    tail = list(tokenizer(answer_prefix, add_special_tokens=False)["input_ids"]) if answer_prefix else []
+    return [list(chat_prompt_ids(tokenizer, p.spec, env.answer_format)) + tail for p in prompts]
 
 
 @torch.no_grad()
 def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
-                   max_new_tokens: int, temperature: float, seed: int):
-    """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G])."""
+                   max_new_tokens: int, temperature: float, seed: int, answer_prefix: str = ""):
+    """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
+    Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn."""
     from fasttrain.models import extract_answer
     from fasttrain.rollout import sample
 
@@ -43,7 +48,7 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
     if cfg is not None:
         cfg.use_cache = True
     try:
-        roll = sample(model, prompt_token_ids(tokenizer, env, prompts), group_size=group_size,
+        roll = sample(model, prompt_token_ids(tokenizer, env, prompts, answer_prefix), group_size=group_size,
                       max_new_tokens=max_new_tokens, temperature=temperature,
                       eos_token_ids=eos_ids(model, tokenizer), seed=seed)
     finally:
@@ -52,7 +57,7 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
         model.train(was)
     ids = roll.completion_ids.cpu()
     mask = roll.completion_mask.cpu().bool()
-    texts = [extract_answer(tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True))
+    texts = [extract_answer(answer_prefix + tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True))
              for b in range(ids.shape[0])]
     return roll, texts
 

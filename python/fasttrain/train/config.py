@@ -68,6 +68,9 @@ class RolloutSection:
     group_size: int = 12                    # answers per prompt (G)
     max_new_tokens: int = 128
     temperature: float = 1.0
+    # Text prefilled at the start of every answer (e.g. "<signal>"): part of the prompt, not
+    # trained on, prepended to the answer the verifier scores. Also used by the probe and filter.
+    answer_prefix: str = ""
 
 
 @dataclass(frozen=True)

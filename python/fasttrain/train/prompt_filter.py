@@ -39,7 +39,8 @@ def filter_prompts(cfg: Config, out: str | Path | None = None, env=None, progres
         part = prompts[i: i + chunk]
         _, texts = sample_answers(model, tokenizer, env, part, group_size=k,
                                   max_new_tokens=cfg.rollout.max_new_tokens,
-                                  temperature=cfg.rollout.temperature, seed=cfg.run.seed * 7919 + i)
+                                  temperature=cfg.rollout.temperature, seed=cfg.run.seed * 7919 + i,
+                                  answer_prefix=cfg.rollout.answer_prefix)
         rep = [p for p in part for _ in range(k)]
         scores = score_answers(env, rep, texts, cfg.env.train_slice, record=False)
         for j, p in enumerate(part):
