@@ -29,10 +29,6 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& abs
                                       int64_t blocksize);
 
 // ---- fused_logprob (issue 3) ----------------------------------------------------------
-// Argument checks shared by both backends (defined in cpu/fused_logprob.cpp).
-void fused_logprob_check_args(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
-                              const at::Tensor& targets, const std::optional<at::Tensor>& bias,
-                              double temperature);
 // See the schemas in torch_bindings.cpp. Returns (logp, entropy, stats, grad_vec).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,

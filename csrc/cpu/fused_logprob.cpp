@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "core/checks.h"
+#include "core/fused_logprob_checks.h"
 #include "core/math.h"
 #include "ops.h"
 
@@ -140,38 +141,6 @@ acc_t fused_row_pass(acc_t* z, int64_t C, const acc_t* bias, acc_t inv_temp, int
 at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 }  // namespace
-
-void fused_logprob_check_args(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
-                              const at::Tensor& targets, const std::optional<at::Tensor>& bias,
-                              double temperature) {
-  FT_CHECK_DIM(op, hidden, 2);
-  FT_CHECK_DIM(op, weight, 2);
-  FT_CHECK_DIM(op, targets, 1);
-  FT_CHECK_ARG(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kHalf ||
-                   hidden.scalar_type() == at::kBFloat16 || hidden.scalar_type() == at::kDouble,
-               op, "hidden", "must be float32, float16, bfloat16 or float64, got ", hidden.scalar_type());
-  FT_CHECK_ARG(weight.scalar_type() == hidden.scalar_type(), op, "weight", "must have the dtype of hidden (",
-               hidden.scalar_type(), "), got ", weight.scalar_type());
-  FT_CHECK_DTYPE(op, targets, at::kLong);
-  FT_CHECK_SAME_DEVICE(op, hidden, weight);
-  FT_CHECK_SAME_DEVICE(op, hidden, targets);
-  FT_CHECK_ARG(weight.size(1) == hidden.size(1), op, "weight", "must be [V, H] with H = hidden.size(1) = ",
-               hidden.size(1), ", got shape ", weight.sizes());
-  FT_CHECK_ARG(targets.size(0) == hidden.size(0), op, "targets", "must be [N] with N = hidden.size(0) = ",
-               hidden.size(0), ", got shape ", targets.sizes());
-  FT_CHECK_ARG(weight.size(0) >= 1, op, "weight", "must have at least one row (vocabulary entry)");
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, op, ": argument 'temperature' must be a positive "
-              "finite number, got ", temperature);
-  if (bias.has_value()) {
-    const at::Tensor& b = *bias;
-    FT_CHECK_DIM(op, b, 1);
-    FT_CHECK_ARG(b.size(0) == weight.size(0), op, "bias", "must be [V] with V = weight.size(0) = ",
-                 weight.size(0), ", got shape ", b.sizes());
-    FT_CHECK_ARG(b.scalar_type() == hidden.scalar_type(), op, "bias", "must have the dtype of hidden (",
-                 hidden.scalar_type(), "), got ", b.scalar_type());
-    FT_CHECK_SAME_DEVICE(op, hidden, b);
-  }
-}
 
 static void check_targets_cpu(const char* op, const at::Tensor& targets, int64_t V, int64_t ignore_index) {
   const int64_t* t = targets.const_data_ptr<int64_t>();
@@ -367,12 +336,8 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
   FT_CHECK_DEVICE_TYPE(op, hidden, at::kCPU);
   fused_logprob_check_args(op, hidden, weight, targets, bias, temperature);
   const at::ScalarType acc_dt = acc_type_of(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = weight.size(0);
-  FT_CHECK_ARG(grad_logp.dim() == 1 && grad_logp.size(0) == N, op, "grad_logp", "must be [N] with N = ", N,
-               ", got shape ", grad_logp.sizes());
-  FT_CHECK_ARG(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N, op, "stats",
-               "must be [2, N] with N = ", N, " (the forward's third output), got shape ", stats.sizes());
-  FT_CHECK_DTYPE(op, stats, acc_dt);
+  const int64_t V = weight.size(0);
+  fused_logprob_check_backward_weight_args(op, hidden, grad_logp, stats, acc_dt);
   const at::Tensor w = weight.contiguous(), tg = targets.contiguous();
   check_targets_cpu(op, tg, V, ignore_index);
   at::Tensor grad_weight = at::empty_like(w, at::MemoryFormat::Contiguous);

@@ -11,23 +11,17 @@
 
 #include "core/checks.h"
 #include "core/dispatch.h"
+#include "core/nf4_checks.h"
 #include "core/math.h"
 #include "ops.h"
 
 namespace fasttrain {
 namespace fm = fasttrain::math;
 
-static void check_blocksize(const char* op, int64_t blocksize) {
-  TORCH_CHECK(blocksize >= 2 && blocksize % 2 == 0 && blocksize <= 65536, op,
-              ": blocksize must be an even number in [2, 65536], got ", blocksize);
-}
-
 std::tuple<at::Tensor, at::Tensor> nf4_quantize_cpu(const at::Tensor& w, int64_t blocksize) {
   constexpr const char* op = "fasttrain::nf4_quantize";
   FT_CHECK_DEVICE_TYPE(op, w, at::kCPU);
-  FT_CHECK_FLOATING(op, w);
-  FT_CHECK_ARG(w.numel() > 0, op, "w", "is empty");
-  check_blocksize(op, blocksize);
+  check_nf4_quantize(op, w, blocksize);
   const at::Tensor x = w.contiguous();
   const int64_t n = x.numel();
   const int64_t nblocks = (n + blocksize - 1) / blocksize;
@@ -61,18 +55,7 @@ at::Tensor nf4_dequantize_cpu(const at::Tensor& packed, const at::Tensor& absmax
                               int64_t numel, at::ScalarType dtype) {
   constexpr const char* op = "fasttrain::nf4_dequantize";
   FT_CHECK_DEVICE_TYPE(op, packed, at::kCPU);
-  FT_CHECK_SAME_DEVICE(op, packed, absmax);
-  FT_CHECK_DTYPE(op, packed, at::kByte);
-  FT_CHECK_DTYPE(op, absmax, at::kFloat);
-  check_blocksize(op, blocksize);
-  FT_CHECK_ARG(numel > 0, op, "numel", "must be positive, got ", numel);
-  FT_CHECK_ARG(packed.numel() == (numel + 1) / 2, op, "packed", "must hold ceil(numel/2) = ",
-               (numel + 1) / 2, " bytes, got ", packed.numel());
-  FT_CHECK_ARG(absmax.numel() == (numel + blocksize - 1) / blocksize, op, "absmax",
-               "must hold one value per block (", (numel + blocksize - 1) / blocksize, "), got ",
-               absmax.numel());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
-              ": dtype must be float32, float16 or bfloat16, got ", dtype);
+  check_nf4_dequantize(op, packed, absmax, blocksize, numel, dtype);
   const at::Tensor q = packed.contiguous();
   const at::Tensor a = absmax.contiguous();
   at::Tensor out = at::empty({numel}, packed.options().dtype(dtype));
@@ -109,12 +92,7 @@ std::tuple<at::Tensor, at::Tensor> blockwise8_quantize_cpu(const at::Tensor& x_,
                                                            int64_t blocksize) {
   constexpr const char* op = "fasttrain::blockwise8_quantize";
   FT_CHECK_DEVICE_TYPE(op, x_, at::kCPU);
-  FT_CHECK_SAME_DEVICE(op, x_, code);
-  FT_CHECK_DTYPE(op, x_, at::kFloat);
-  FT_CHECK_DTYPE(op, code, at::kFloat);
-  FT_CHECK_ARG(code.numel() == 256, op, "code", "must have 256 entries, got ", code.numel());
-  FT_CHECK_ARG(x_.numel() > 0, op, "x", "is empty");
-  check_blocksize(op, blocksize);
+  check_blockwise8_quantize(op, x_, code, blocksize);
   const at::Tensor x = x_.contiguous();
   const at::Tensor c = code.contiguous();
   const int64_t n = x.numel(), nblocks = (n + blocksize - 1) / blocksize;
@@ -142,13 +120,9 @@ at::Tensor blockwise8_dequantize_cpu(const at::Tensor& q_, const at::Tensor& abs
                                      int64_t blocksize) {
   constexpr const char* op = "fasttrain::blockwise8_dequantize";
   FT_CHECK_DEVICE_TYPE(op, q_, at::kCPU);
-  FT_CHECK_DTYPE(op, q_, at::kByte);
-  FT_CHECK_DTYPE(op, absmax, at::kFloat);
-  FT_CHECK_DTYPE(op, code, at::kFloat);
-  check_blocksize(op, blocksize);
+  check_blockwise8_dequantize(op, q_, absmax, code, blocksize);
   const at::Tensor q = q_.contiguous(), a = absmax.contiguous(), c = code.contiguous();
   const int64_t n = q.numel();
-  FT_CHECK_ARG(a.numel() == (n + blocksize - 1) / blocksize, op, "absmax", "must hold one value per block");
   at::Tensor out = at::empty({n}, a.options());
   const uint8_t* qp = q.const_data_ptr<uint8_t>();
   const float* ap = a.const_data_ptr<float>();

@@ -28,20 +28,18 @@
 #include "core/checks.h"
 #include "core/dispatch.h"
 #include "core/math.h"
+#include "core/nf4_linear_checks.h"
 #include "ops.h"
 
 #include <type_traits>
-
-// The CPU op also accepts float64 (the tests' exact path); the CUDA one does not.
-#define FT_CHECK_FLOATING_OR_DOUBLE(op, t)                                                     \
-  FT_CHECK_ARG((t).scalar_type() == at::kFloat || (t).scalar_type() == at::kHalf ||          \
-                   (t).scalar_type() == at::kBFloat16 || (t).scalar_type() == at::kDouble,   \
-               op, #t, "must be float64, float32, float16 or bfloat16, got ", (t).scalar_type())
 
 namespace fasttrain {
 namespace fm = fasttrain::math;
 
 namespace {
+
+// The CPU op also accepts float64 (the tests' exact path); the CUDA one does not.
+constexpr bool kXMayBeFloat64 = true;
 
 // Decode the flat NF4 range [i0, i1) (row-major index over the [N, K] matrix) into out[0 .. i1-i0).
 template <typename T>
@@ -163,63 +161,6 @@ at::ScalarType compute_dtype(const at::Tensor& x) {
   return at::kFloat;
 }
 
-struct Args {
-  int64_t M, K, N, r;
-  bool lora, dora;
-};
-
-Args check_args(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
-                int64_t blocksize, int64_t out_features, const std::optional<at::Tensor>& lora_a,
-                const std::optional<at::Tensor>& lora_b, const std::optional<at::Tensor>& dora_m,
-                const std::optional<at::Tensor>& weight_sq_norm) {
-  FT_CHECK_DIM(op, x, 2);
-  FT_CHECK_FLOATING_OR_DOUBLE(op, x);
-  FT_CHECK_DTYPE(op, packed, at::kByte);
-  FT_CHECK_DTYPE(op, absmax, at::kFloat);
-  FT_CHECK_SAME_DEVICE(op, x, packed);
-  FT_CHECK_SAME_DEVICE(op, x, absmax);
-  TORCH_CHECK(blocksize >= 2 && blocksize % 2 == 0, op, ": blocksize must be even and >= 2, got ", blocksize);
-  Args a{x.size(0), x.size(1), out_features, 0, false, false};
-  FT_CHECK_ARG(a.K > 0, op, "x", "must have in_features > 0, got shape ", x.sizes());
-  FT_CHECK_ARG(a.N > 0, op, "out_features", "must be positive, got ", a.N);
-  const int64_t numel = a.N * a.K;
-  FT_CHECK_ARG(packed.numel() == (numel + 1) / 2, op, "packed", "must hold ceil(out*in/2) = ", (numel + 1) / 2,
-               " bytes for a [", a.N, ", ", a.K, "] weight, got ", packed.numel());
-  FT_CHECK_ARG(absmax.numel() == (numel + blocksize - 1) / blocksize, op, "absmax", "must hold ",
-               (numel + blocksize - 1) / blocksize, " block scales, got ", absmax.numel());
-  FT_CHECK_ARG(lora_a.has_value() == lora_b.has_value(), op, "lora_b",
-               "must be given exactly when lora_a is given");
-  if (lora_a.has_value()) {
-    const at::Tensor& A = *lora_a;
-    const at::Tensor& B = *lora_b;
-    FT_CHECK_DIM(op, A, 2);
-    FT_CHECK_DIM(op, B, 2);
-    FT_CHECK_SAME_DEVICE(op, x, A);
-    FT_CHECK_SAME_DEVICE(op, x, B);
-    FT_CHECK_FLOATING_OR_DOUBLE(op, A);
-    FT_CHECK_FLOATING_OR_DOUBLE(op, B);
-    FT_CHECK_ARG(A.size(1) == a.K, op, "lora_a", "must be [r, in_features=", a.K, "], got ", A.sizes());
-    FT_CHECK_ARG(B.size(0) == a.N && B.size(1) == A.size(0), op, "lora_b", "must be [out_features=", a.N,
-                 ", r=", A.size(0), "], got ", B.sizes());
-    a.r = A.size(0);
-    a.lora = a.r > 0;
-  }
-  if (dora_m.has_value()) {
-    FT_CHECK_ARG(a.lora, op, "dora_m", "needs lora_a and lora_b (DoRA is LoRA plus a magnitude)");
-    FT_CHECK_ARG(dora_m->dim() == 1 && dora_m->size(0) == a.N, op, "dora_m", "must be [out_features=", a.N,
-                 "], got ", dora_m->sizes());
-    FT_CHECK_SAME_DEVICE(op, x, (*dora_m));
-    FT_CHECK_FLOATING_OR_DOUBLE(op, (*dora_m));
-    a.dora = true;
-  }
-  if (weight_sq_norm.has_value()) {
-    FT_CHECK_ARG(weight_sq_norm->dim() == 1 && weight_sq_norm->size(0) == a.N, op, "weight_sq_norm",
-                 "must be [out_features=", a.N, "], got ", weight_sq_norm->sizes());
-    FT_CHECK_SAME_DEVICE(op, x, (*weight_sq_norm));
-  }
-  return a;
-}
-
 // DoRA: 1 / ‖W + s·B·A‖ per row from the factorised form, in float32 (float64 when ct is double).
 // w: the dequantised W [N, K] in ct. Returns [N] in the statistics dtype.
 at::Tensor dora_rnorm(const at::Tensor& w, const at::Tensor& A, const at::Tensor& B, double scale,
@@ -251,7 +192,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cpu(
     double scale, const std::optional<at::Tensor>& dora_m, const std::optional<at::Tensor>& weight_sq_norm) {
   constexpr const char* op = "fasttrain::nf4_linear";
   FT_CHECK_DEVICE_TYPE(op, x_, at::kCPU);
-  const Args a = check_args(op, x_, packed_, absmax_, blocksize, out_features, lora_a, lora_b, dora_m, weight_sq_norm);
+  const NF4LinearArgs a = check_nf4_linear_args(op, kXMayBeFloat64, x_, packed_, absmax_, blocksize, out_features,
+                                                lora_a, lora_b, dora_m, weight_sq_norm);
   const at::ScalarType ct = compute_dtype(x_);
   const at::Tensor packed = packed_.contiguous(), absmax = absmax_.contiguous();
   const at::Tensor x = x_.to(ct).contiguous();
@@ -288,14 +230,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_backward_c
     const at::Tensor& xa, const at::Tensor& rnorm, const at::Tensor& z, std::array<bool, 4> mask) {
   constexpr const char* op = "fasttrain::nf4_linear_backward";
   FT_CHECK_DEVICE_TYPE(op, x_, at::kCPU);
-  const Args a = check_args(op, x_, packed_, absmax_, blocksize, out_features, lora_a, lora_b, dora_m, std::nullopt);
-  FT_CHECK_ARG(dy_.dim() == 2 && dy_.size(0) == a.M && dy_.size(1) == a.N, op, "dy", "must be [", a.M, ", ",
-               a.N, "], got ", dy_.sizes());
-  if (a.lora) FT_CHECK_ARG(xa.dim() == 2 && xa.size(0) == a.M && xa.size(1) == a.r, op, "xa", "must be [M, r]");
-  if (a.dora) {
-    FT_CHECK_ARG(rnorm.numel() == a.N, op, "rnorm", "must be [out_features]");
-    FT_CHECK_ARG(z.dim() == 2 && z.size(0) == a.M && z.size(1) == a.N, op, "z", "must be [M, out_features]");
-  }
+  const NF4LinearArgs a = check_nf4_linear_args(op, kXMayBeFloat64, x_, packed_, absmax_, blocksize, out_features,
+                                                lora_a, lora_b, dora_m, std::nullopt);
+  check_nf4_linear_backward_args(op, a, dy_, xa, rnorm, z);
   const at::ScalarType ct = compute_dtype(x_);
   const at::Tensor dy = dy_.to(ct);
   at::Tensor dz = dy;
@@ -327,7 +264,8 @@ at::Tensor nf4_dora_norm_cpu(const at::Tensor& packed, const at::Tensor& absmax,
   FT_CHECK_DEVICE_TYPE(op, lora_a, at::kCPU);
   FT_CHECK_DIM(op, lora_a, 2);
   const at::Tensor probe = at::empty({0, lora_a.size(1)}, lora_a.options());
-  check_args(op, probe, packed, absmax, blocksize, out_features, lora_a, lora_b, std::nullopt, weight_sq_norm);
+  check_nf4_linear_args(op, kXMayBeFloat64, probe, packed, absmax, blocksize, out_features, lora_a, lora_b,
+                        std::nullopt, weight_sq_norm);
   const at::ScalarType ct = lora_a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor w = dequant_weight(packed.contiguous(), absmax.contiguous(), blocksize, out_features,
                                       lora_a.size(1), ct);
@@ -339,7 +277,8 @@ at::Tensor nf4_weight_sq_norm_cpu(const at::Tensor& packed, const at::Tensor& ab
   constexpr const char* op = "fasttrain::nf4_weight_sq_norm";
   FT_CHECK_DEVICE_TYPE(op, packed, at::kCPU);
   const at::Tensor probe = at::empty({0, in_features}, absmax.options());
-  check_args(op, probe, packed, absmax, blocksize, out_features, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  check_nf4_linear_args(op, kXMayBeFloat64, probe, packed, absmax, blocksize, out_features, std::nullopt,
+                        std::nullopt, std::nullopt, std::nullopt);
   const at::Tensor w = dequant_weight(packed.contiguous(), absmax.contiguous(), blocksize, out_features,
                                       in_features, at::kDouble);
   return w.square().sum(1).to(at::kFloat);

@@ -28,6 +28,7 @@
 #include <algorithm>
 
 #include "core/checks.h"
+#include "core/fused_logprob_checks.h"
 #include "core/math.h"
 #include "ops.h"
 
@@ -292,13 +293,7 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cuda(
   fused_logprob_check_args(op, hidden, weight, targets, bias, temperature);
   const at::ScalarType acc_dt = acc_type_of(hidden.scalar_type());
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
-  FT_CHECK_ARG(grad_logp.dim() == 1 && grad_logp.size(0) == N, op, "grad_logp", "must be [N] with N = ", N,
-               ", got shape ", grad_logp.sizes());
-  FT_CHECK_ARG(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N, op, "stats",
-               "must be [2, N] with N = ", N, " (the forward's third output), got shape ", stats.sizes());
-  FT_CHECK_DTYPE(op, stats, acc_dt);
-  FT_CHECK_SAME_DEVICE(op, hidden, grad_logp);
-  FT_CHECK_SAME_DEVICE(op, hidden, stats);
+  fused_logprob_check_backward_weight_args(op, hidden, grad_logp, stats, acc_dt);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const at::Tensor h = hidden.contiguous(), w = weight.contiguous(), tg = targets.contiguous();
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();

@@ -10,6 +10,7 @@
 
 #include "core/checks.h"
 #include "core/dispatch.h"
+#include "core/nf4_checks.h"
 #include "core/math.h"
 #include "ops.h"
 
@@ -91,17 +92,10 @@ int grid_for(int64_t work, int threads) {
 }
 }  // namespace
 
-static void check_blocksize_cuda(const char* op, int64_t blocksize) {
-  TORCH_CHECK(blocksize >= 2 && blocksize % 2 == 0 && blocksize <= 65536, op,
-              ": blocksize must be an even number in [2, 65536], got ", blocksize);
-}
-
 std::tuple<at::Tensor, at::Tensor> nf4_quantize_cuda(const at::Tensor& w, int64_t blocksize) {
   constexpr const char* op = "fasttrain::nf4_quantize";
   FT_CHECK_DEVICE_TYPE(op, w, at::kCUDA);
-  FT_CHECK_FLOATING(op, w);
-  FT_CHECK_ARG(w.numel() > 0, op, "w", "is empty");
-  check_blocksize_cuda(op, blocksize);
+  check_nf4_quantize(op, w, blocksize);
   const c10::cuda::CUDAGuard guard(w.device());
   const at::Tensor x = w.contiguous();
   const int64_t n = x.numel(), nblocks = (n + blocksize - 1) / blocksize;
@@ -122,16 +116,7 @@ at::Tensor nf4_dequantize_cuda(const at::Tensor& packed, const at::Tensor& absma
                                int64_t numel, at::ScalarType dtype) {
   constexpr const char* op = "fasttrain::nf4_dequantize";
   FT_CHECK_DEVICE_TYPE(op, packed, at::kCUDA);
-  FT_CHECK_SAME_DEVICE(op, packed, absmax);
-  FT_CHECK_DTYPE(op, packed, at::kByte);
-  FT_CHECK_DTYPE(op, absmax, at::kFloat);
-  check_blocksize_cuda(op, blocksize);
-  FT_CHECK_ARG(numel > 0, op, "numel", "must be positive, got ", numel);
-  FT_CHECK_ARG(packed.numel() == (numel + 1) / 2, op, "packed", "must hold ceil(numel/2) bytes");
-  FT_CHECK_ARG(absmax.numel() == (numel + blocksize - 1) / blocksize, op, "absmax",
-               "must hold one value per block");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
-              ": dtype must be float32, float16 or bfloat16, got ", dtype);
+  check_nf4_dequantize(op, packed, absmax, blocksize, numel, dtype);
   const c10::cuda::CUDAGuard guard(packed.device());
   const at::Tensor q = packed.contiguous(), a = absmax.contiguous();
   at::Tensor out = at::empty({numel}, packed.options().dtype(dtype));
@@ -149,12 +134,7 @@ std::tuple<at::Tensor, at::Tensor> blockwise8_quantize_cuda(const at::Tensor& x_
                                                             int64_t blocksize) {
   constexpr const char* op = "fasttrain::blockwise8_quantize";
   FT_CHECK_DEVICE_TYPE(op, x_, at::kCUDA);
-  FT_CHECK_SAME_DEVICE(op, x_, code);
-  FT_CHECK_DTYPE(op, x_, at::kFloat);
-  FT_CHECK_DTYPE(op, code, at::kFloat);
-  FT_CHECK_ARG(code.numel() == 256, op, "code", "must have 256 entries, got ", code.numel());
-  FT_CHECK_ARG(x_.numel() > 0, op, "x", "is empty");
-  check_blocksize_cuda(op, blocksize);
+  check_blockwise8_quantize(op, x_, code, blocksize);
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor x = x_.contiguous(), c = code.contiguous();
   const int64_t n = x.numel(), nblocks = (n + blocksize - 1) / blocksize;
@@ -172,14 +152,10 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q_, const at::Tensor& ab
                                       int64_t blocksize) {
   constexpr const char* op = "fasttrain::blockwise8_dequantize";
   FT_CHECK_DEVICE_TYPE(op, q_, at::kCUDA);
-  FT_CHECK_DTYPE(op, q_, at::kByte);
-  FT_CHECK_DTYPE(op, absmax, at::kFloat);
-  FT_CHECK_DTYPE(op, code, at::kFloat);
-  check_blocksize_cuda(op, blocksize);
+  check_blockwise8_dequantize(op, q_, absmax, code, blocksize);
   const c10::cuda::CUDAGuard guard(q_.device());
   const at::Tensor q = q_.contiguous(), a = absmax.contiguous(), c = code.contiguous();
   const int64_t n = q.numel();
-  FT_CHECK_ARG(a.numel() == (n + blocksize - 1) / blocksize, op, "absmax", "must hold one value per block");
   at::Tensor out = at::empty({n}, a.options());
   blockwise8_dequantize_kernel<<<grid_for(n, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
       q.const_data_ptr<uint8_t>(), a.const_data_ptr<float>(), c.const_data_ptr<float>(), out.data_ptr<float>(), n,

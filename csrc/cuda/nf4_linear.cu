@@ -25,12 +25,16 @@
 #include "core/checks.h"
 #include "core/dispatch.h"
 #include "core/math.h"
+#include "core/nf4_linear_checks.h"
 #include "ops.h"
 
 namespace fasttrain {
 namespace fm = fasttrain::math;
 
 namespace {
+
+// x must be float32, float16 or bfloat16 here: the CPU op also takes float64, these kernels do not.
+constexpr bool kXMayBeFloat64 = false;
 
 constexpr int kDecodeMaxM = 64;
 constexpr int kTileN = 64;    // W rows per block
@@ -159,49 +163,6 @@ at::Tensor skinny(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   return out;
 }
 
-struct Args {
-  int64_t M, K, N, r;
-  bool lora, dora;
-};
-
-Args check_args(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
-                int64_t blocksize, int64_t out_features, const std::optional<at::Tensor>& lora_a,
-                const std::optional<at::Tensor>& lora_b, const std::optional<at::Tensor>& dora_m,
-                const std::optional<at::Tensor>& weight_sq_norm) {
-  FT_CHECK_DEVICE_TYPE(op, x, at::kCUDA);
-  FT_CHECK_DIM(op, x, 2);
-  FT_CHECK_FLOATING(op, x);
-  FT_CHECK_DTYPE(op, packed, at::kByte);
-  FT_CHECK_DTYPE(op, absmax, at::kFloat);
-  FT_CHECK_SAME_DEVICE(op, x, packed);
-  FT_CHECK_SAME_DEVICE(op, x, absmax);
-  TORCH_CHECK(blocksize >= 2 && blocksize % 2 == 0, op, ": blocksize must be even and >= 2, got ", blocksize);
-  Args a{x.size(0), x.size(1), out_features, 0, false, false};
-  FT_CHECK_ARG(a.K > 0 && a.N > 0, op, "x", "and out_features must be non-empty");
-  const int64_t numel = a.N * a.K;
-  FT_CHECK_ARG(packed.numel() == (numel + 1) / 2, op, "packed", "must hold ceil(out*in/2) bytes");
-  FT_CHECK_ARG(absmax.numel() == (numel + blocksize - 1) / blocksize, op, "absmax", "must hold one scale per block");
-  FT_CHECK_ARG(lora_a.has_value() == lora_b.has_value(), op, "lora_b", "must be given exactly when lora_a is given");
-  if (lora_a.has_value()) {
-    FT_CHECK_SAME_DEVICE(op, x, (*lora_a));
-    FT_CHECK_SAME_DEVICE(op, x, (*lora_b));
-    FT_CHECK_ARG(lora_a->dim() == 2 && lora_a->size(1) == a.K, op, "lora_a", "must be [r, in_features]");
-    FT_CHECK_ARG(lora_b->dim() == 2 && lora_b->size(0) == a.N && lora_b->size(1) == lora_a->size(0), op, "lora_b",
-                 "must be [out_features, r]");
-    a.r = lora_a->size(0);
-    a.lora = a.r > 0;
-  }
-  if (dora_m.has_value()) {
-    FT_CHECK_ARG(a.lora, op, "dora_m", "needs lora_a and lora_b");
-    FT_CHECK_ARG(dora_m->dim() == 1 && dora_m->size(0) == a.N, op, "dora_m", "must be [out_features]");
-    FT_CHECK_SAME_DEVICE(op, x, (*dora_m));
-    a.dora = true;
-  }
-  if (weight_sq_norm.has_value())
-    FT_CHECK_ARG(weight_sq_norm->numel() == a.N, op, "weight_sq_norm", "must be [out_features]");
-  return a;
-}
-
 // 1/‖W + sBA‖ [N] fp32. AW = A·Wᵀ through the skinny kernel (one pass over the 4-bit weight) when
 // r ≤ 64, else from a dequantised W.
 at::Tensor dora_rnorm(const at::Tensor& packed, const at::Tensor& absmax, int64_t bs, int64_t N, int64_t K,
@@ -234,7 +195,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cuda(
     int64_t out_features, const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
     double scale, const std::optional<at::Tensor>& dora_m, const std::optional<at::Tensor>& weight_sq_norm) {
   constexpr const char* op = "fasttrain::nf4_linear";
-  const Args a = check_args(op, x_, packed_, absmax_, blocksize, out_features, lora_a, lora_b, dora_m, weight_sq_norm);
+  FT_CHECK_DEVICE_TYPE(op, x_, at::kCUDA);
+  const NF4LinearArgs a = check_nf4_linear_args(op, kXMayBeFloat64, x_, packed_, absmax_, blocksize, out_features,
+                                                lora_a, lora_b, dora_m, weight_sq_norm);
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor x = x_.contiguous(), packed = packed_.contiguous(), absmax = absmax_.contiguous();
   const at::ScalarType ct = x.scalar_type();
@@ -277,8 +240,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_backward_c
     const std::optional<at::Tensor>& lora_b, double scale, const std::optional<at::Tensor>& dora_m,
     const at::Tensor& xa, const at::Tensor& rnorm, const at::Tensor& z, std::array<bool, 4> mask) {
   constexpr const char* op = "fasttrain::nf4_linear_backward";
-  const Args a = check_args(op, x_, packed_, absmax_, blocksize, out_features, lora_a, lora_b, dora_m, std::nullopt);
-  FT_CHECK_ARG(dy_.dim() == 2 && dy_.size(0) == a.M && dy_.size(1) == a.N, op, "dy", "must be [M, out_features]");
+  FT_CHECK_DEVICE_TYPE(op, x_, at::kCUDA);
+  const NF4LinearArgs a = check_nf4_linear_args(op, kXMayBeFloat64, x_, packed_, absmax_, blocksize, out_features,
+                                                lora_a, lora_b, dora_m, std::nullopt);
+  check_nf4_linear_backward_args(op, a, dy_, xa, rnorm, z);
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::ScalarType ct = x_.scalar_type();
   const at::Tensor dy = dy_.to(ct).contiguous();
@@ -307,9 +272,11 @@ at::Tensor nf4_dora_norm_cuda(const at::Tensor& packed, const at::Tensor& absmax
                               int64_t out_features, const at::Tensor& lora_a, const at::Tensor& lora_b, double scale,
                               const std::optional<at::Tensor>& weight_sq_norm) {
   constexpr const char* op = "fasttrain::nf4_dora_norm";
+  FT_CHECK_DEVICE_TYPE(op, lora_a, at::kCUDA);
   FT_CHECK_DIM(op, lora_a, 2);
   const at::Tensor probe = at::empty({0, lora_a.size(1)}, lora_a.options().dtype(at::kFloat));
-  check_args(op, probe, packed, absmax, blocksize, out_features, lora_a, lora_b, std::nullopt, weight_sq_norm);
+  check_nf4_linear_args(op, kXMayBeFloat64, probe, packed, absmax, blocksize, out_features, lora_a, lora_b,
+                        std::nullopt, weight_sq_norm);
   const c10::cuda::CUDAGuard guard(lora_a.device());
   return dora_rnorm(packed.contiguous(), absmax.contiguous(), blocksize, out_features, lora_a.size(1), lora_a, lora_b,
                     scale, weight_sq_norm)
@@ -319,9 +286,10 @@ at::Tensor nf4_dora_norm_cuda(const at::Tensor& packed, const at::Tensor& absmax
 at::Tensor nf4_weight_sq_norm_cuda(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
                                    int64_t out_features, int64_t in_features) {
   constexpr const char* op = "fasttrain::nf4_weight_sq_norm";
+  FT_CHECK_DEVICE_TYPE(op, packed, at::kCUDA);
   const at::Tensor probe = at::empty({0, in_features}, absmax.options());
-  check_args(op, probe, packed, absmax, blocksize, out_features, std::nullopt, std::nullopt, std::nullopt,
-             std::nullopt);
+  check_nf4_linear_args(op, kXMayBeFloat64, probe, packed, absmax, blocksize, out_features, std::nullopt,
+                        std::nullopt, std::nullopt, std::nullopt);
   const c10::cuda::CUDAGuard guard(packed.device());
   return dequant_weight(packed.contiguous(), absmax.contiguous(), blocksize, out_features, in_features, at::kFloat)
       .to(at::kDouble).square().sum(1).to(at::kFloat);
