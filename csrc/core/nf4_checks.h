@@ -48,6 +48,8 @@ inline void check_blockwise8_quantize(const char* op, const at::Tensor& x_, cons
 
 inline void check_blockwise8_dequantize(const char* op, const at::Tensor& q_, const at::Tensor& absmax,
                                         const at::Tensor& code, int64_t blocksize) {
+  FT_CHECK_SAME_DEVICE(op, q_, absmax);
+  FT_CHECK_SAME_DEVICE(op, q_, code);
   FT_CHECK_DTYPE(op, q_, at::kByte);
   FT_CHECK_DTYPE(op, absmax, at::kFloat);
   FT_CHECK_DTYPE(op, code, at::kFloat);

@@ -45,3 +45,12 @@ def test_cuda_graph_capture_dequantize():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, out2)
+
+
+def test_blockwise8_dequantize_rejects_tables_on_another_device():
+    x = torch.randn(512, device="cuda")
+    q, absmax = torch.ops.fasttrain.blockwise8_quantize(x, ops.dynamic_map().cuda(), 256)
+    with pytest.raises(RuntimeError, match="absmax"):
+        torch.ops.fasttrain.blockwise8_dequantize(q, absmax.cpu(), ops.dynamic_map().cuda(), 256)
+    with pytest.raises(RuntimeError, match="code"):
+        torch.ops.fasttrain.blockwise8_dequantize(q, absmax, ops.dynamic_map(), 256)
