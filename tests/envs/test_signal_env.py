@@ -185,7 +185,7 @@ def test_prompts_are_deterministic_versioned_and_probe_unseen(env_a):
     train, probe = env_a.prompts("train"), env_a.prompts("probe")
     assert len(train) == 500 and len(probe) == 50
     assert len({p.id for p in train + probe}) == 550
-    assert all("signal-prompts-v1" in p.id for p in train + probe)
+    assert all("signal-prompts-v2" in p.id for p in train + probe)
     assert {p.fields["key"] for p in train}.isdisjoint({p.fields["key"] for p in probe})
     again = SignalEnvironment("a").prompts("train")
     assert [(p.id, p.spec) for p in again] == [(p.id, p.spec) for p in train]
@@ -239,3 +239,15 @@ def test_hostile_answers_are_fast_and_invalid(env_a):
     # seconds to minutes here (or crash); the limits reject these in milliseconds.
     assert time.perf_counter() - t < 5.0
     assert not any(s.valid for s in out) and all(s.reason for s in out)
+
+
+def test_the_answer_format_examples_are_distinct_valid_answers(env_a):
+    """The prompt shows several example answers (one example was copied by every valid answer of
+    the real model, leaving GDPO nothing to rank): each must be a valid, scorable answer."""
+    import re
+    examples = re.findall(r"<signal>(.*?)</signal>", env_a.answer_format)
+    examples = [e for e in examples if e != "..."]
+    assert len(examples) >= 3 and len(set(examples)) == len(examples)
+    scores = [env_a.score(OPEN, f"<signal>{e}</signal>", record=False) for e in examples]
+    assert all(s.valid for s in scores), [s.reason for s in scores]
+    assert len({round(s.core, 9) for s in scores}) == len(examples)      # they score differently

@@ -12,7 +12,7 @@ import numpy as np
 
 from .protocol import Prompt
 
-PROMPT_VERSION = "signal-prompts-v1"
+PROMPT_VERSION = "signal-prompts-v2"      # v2: answer format with three examples
 N_TRAIN, N_PROBE = 500, 50
 _SEEDS = {"train": 1_000_003, "probe": 2_000_029}
 
