@@ -240,7 +240,8 @@ def run_start(a, root: Path) -> None:
     G = cfg.rollout.group_size
     roll, texts = sample_answers(tr.model, tr.tokenizer, tr.env, prompts, group_size=G,
                                  max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                 seed=step_seed(cfg.run.seed, 1), answer_prefix=cfg.rollout.answer_prefix)
+                                 seed=step_seed(cfg.run.seed, 1), answer_prefix=cfg.rollout.answer_prefix,
+                                 stop_strings=cfg.rollout.stop_strings)
     rep = [p for p in prompts for _ in range(G)]
     scores = score_answers(tr.env, rep, texts, cfg.env.train_slice, record=False)
     rewards = torch.tensor([[s.channels[c] for c in tr.channel_names] for s in scores], dtype=torch.float64)

@@ -197,3 +197,27 @@ def test_bad_arguments_name_the_argument():
         sample(model, [[1]], group_size=0, **kw)
     with pytest.raises(ValueError, match="temperature"):
         sample(model, [[1]], group_size=1, temperature=-1.0, **kw)
+
+
+def test_stop_strings_cut_each_row_where_its_text_first_contains_one():
+    """Token i reads as the letter chr(97 + i % 26), so texts are letter strings; a stop string
+    cuts each row right after the token completing its first occurrence, and the tokens before
+    are the ones the same seed samples without stop strings (the noise is drawn for every row)."""
+    model = tiny_llama(vocab_size=64, seed=4)
+    text = lambda i: chr(97 + i % 26)
+    kw = dict(group_size=6, max_new_tokens=24, temperature=1.5, eos_token_ids=[], seed=3)
+    free = sample(model, PROMPTS, **kw)
+    free_texts = ["".join(text(i) for i in row) for row in free.completion_ids.tolist()]
+    stops = ["ab", "c"]
+    assert sum(any(s in t for s in stops) for t in free_texts) >= 3       # some rows do stop
+    r = sample(model, PROMPTS, stop_strings=stops, token_text=text, **kw)
+    for b, full in enumerate(free_texts):
+        hits = [full.find(s) + len(s) for s in stops if s in full]
+        n = min(hits) if hits else len(full)
+        assert int(r.lengths[b]) == n
+        assert r.completion_ids[b, :n].tolist() == free.completion_ids[b, :n].tolist()
+        assert bool(r.finished[b]) == bool(hits)
+    if r.finished.all():
+        assert r.completion_ids.shape[1] == int(r.lengths.max())
+    with pytest.raises(ValueError, match="token_text"):
+        sample(model, PROMPTS, stop_strings=["x"], **kw)

@@ -11,7 +11,7 @@ seeded by a torch.Generator; temperature 0 is greedy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ class Rollout:
     prompt_index: Tensor     # [B] long: b // group_size
     logprobs: Tensor         # [B, T] fp32: behaviour log-probs of the sampled tokens under
                              # softmax(logits / temperature) (temperature 1 when greedy); 0 off-mask
-    finished: Tensor         # [B] bool: the row ended with an EOS token
+    finished: Tensor         # [B] bool: the row ended with an EOS token or a stop string
     group_size: int
 
     def completion_texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
@@ -73,17 +73,28 @@ def _default_pad(model, eos: list[int]) -> int:
 @torch.no_grad()
 def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int,
            temperature: float = 1.0, eos_token_ids: Sequence[int] | int | None, seed: int,
-           pad_token_id: int | None = None) -> Rollout:
+           pad_token_id: int | None = None, stop_strings: Sequence[str] = (),
+           token_text: Callable[[int], str] | None = None) -> Rollout:
     """Sample `group_size` completions of at most `max_new_tokens` for each prompt.
 
     eos_token_ids: ids that end a row (included in its completion); [] or None never stops
-    early. The computation runs in the model's parameter dtype; log-probs and sampling in fp32.
-    Plain temperature sampling: no top-k/top-p (the behaviour policy is exactly the model's).
+    early. stop_strings: a row also ends once its decoded text contains one of them (the
+    tokens that complete it are part of the completion, like EOS); `token_text(id)` gives a
+    token's text and is required with stop_strings. Matching is on text, not token ids, since
+    BPE splits a string differently by context (SmolLM2: "</signal>" is 3 tokens, "</signal>."
+    ends in the token ">."). The computation runs in the model's parameter dtype; log-probs and
+    sampling in fp32. Plain temperature sampling: no top-k/top-p (the behaviour policy is exactly
+    the model's).
     """
     dec = LlamaFamilyDecoder(model)
     vocab = model.config.vocab_size
     _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
+    stops = [str(x) for x in stop_strings]
+    if any(not x for x in stops):
+        raise ValueError("sample: stop_strings must be non-empty strings")
+    if stops and token_text is None:
+        raise ValueError("sample: stop_strings need token_text (a token id -> its text)")
     pad = _default_pad(model, eos) if pad_token_id is None else int(pad_token_id)
     device = dec.device
     n, G = len(prompt_ids), group_size
@@ -125,6 +136,10 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
     live = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)
+    keep = max((len(x) for x in stops), default=0)
+    tails = [""] * B                      # each row's last `keep` characters (stop strings only)
+    piece: dict[int, str] = {}
     steps = 0
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
@@ -139,6 +154,21 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         live[:, t] = active
         if eos_t.numel():
             done = done | (active & torch.isin(tok, eos_t))
+        if stops:
+            hit = []
+            for b, (i, a) in enumerate(zip(tok.tolist(), active.tolist())):
+                if not a:
+                    continue
+                if i not in piece:
+                    piece[i] = token_text(i)
+                text = tails[b] + piece[i]
+                if any(x in text for x in stops):
+                    hit.append(b)
+                tails[b] = text[-keep:]
+            if hit:
+                idx = torch.tensor(hit, dtype=torch.long, device=device)
+                stopped[idx] = True
+                done[idx] = True
         steps = t + 1
         if t + 1 == max_new_tokens or bool(done.all()):
             break
@@ -158,6 +188,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     if eos_t.numel():
         last = completion_ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
         finished = torch.isin(last, eos_t) & (lengths > 0)
+    finished = finished | stopped
     return Rollout(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         prompt_len=P, completion_ids=completion_ids, completion_mask=completion_mask,

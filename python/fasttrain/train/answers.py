@@ -35,9 +35,11 @@ def prompt_token_ids(tokenizer, env, prompts: Sequence[Prompt], answer_prefix: s
 
 @torch.no_grad()
 def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
-                   max_new_tokens: int, temperature: float, seed: int, answer_prefix: str = ""):
+                   max_new_tokens: int, temperature: float, seed: int, answer_prefix: str = "",
+                   stop_strings: Sequence[str] = ()):
     """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
-    Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn."""
+    Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn;
+    a row stops at EOS or once its text contains one of `stop_strings`."""
     from fasttrain.models import extract_answer
     from fasttrain.rollout import sample
 
@@ -50,7 +52,8 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
     try:
         roll = sample(model, prompt_token_ids(tokenizer, env, prompts, answer_prefix), group_size=group_size,
                       max_new_tokens=max_new_tokens, temperature=temperature,
-                      eos_token_ids=eos_ids(model, tokenizer), seed=seed)
+                      eos_token_ids=eos_ids(model, tokenizer), seed=seed, stop_strings=stop_strings,
+                      token_text=lambda i: tokenizer.decode([i]))
     finally:
         if cfg is not None:
             cfg.use_cache = use_cache

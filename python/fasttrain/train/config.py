@@ -71,6 +71,9 @@ class RolloutSection:
     # Text prefilled at the start of every answer (e.g. "<signal>"): part of the prompt, not
     # trained on, prepended to the answer the verifier scores. Also used by the probe and filter.
     answer_prefix: str = ""
+    # An answer also ends once its text contains one of these (e.g. "</signal>"): the verifier
+    # reads nothing after it, so neither sampling nor the update pays for trailing chatter.
+    stop_strings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "rollout.group_size": (lambda v: v >= 2, "an integer >= 2 (GDPO needs a group)"),
     "rollout.max_new_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "rollout.temperature": (lambda v: v > 0, "a number > 0"),
+    "rollout.stop_strings": (lambda v: all(len(x) > 0 for x in v), "a list of non-empty strings"),
     "advantages.floor": (lambda v: not math.isnan(v) and v != math.inf, "a number or -inf"),
     "advantages.warn_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "advantages.warn_steps": (lambda v: v >= 1, "an integer >= 1"),

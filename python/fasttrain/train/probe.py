@@ -31,7 +31,7 @@ def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, ste
     _, texts = sample_answers(model, tokenizer, env, prompts, group_size=G,
                               max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
                               temperature=cfg.probe.temperature, seed=cfg.probe.seed,
-                              answer_prefix=cfg.rollout.answer_prefix)
+                              answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings)
     rep = [p for p in prompts for _ in range(G)]
     out: dict[str, Any] = {"step": step, "prompts": len(prompts), "samples": G}
     out.update(_summary(score_answers(env, rep, texts, cfg.env.train_slice, record=False), "train"))

@@ -40,7 +40,8 @@ def filter_prompts(cfg: Config, out: str | Path | None = None, env=None, progres
         _, texts = sample_answers(model, tokenizer, env, part, group_size=k,
                                   max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, seed=cfg.run.seed * 7919 + i,
-                                  answer_prefix=cfg.rollout.answer_prefix)
+                                  answer_prefix=cfg.rollout.answer_prefix,
+                                  stop_strings=cfg.rollout.stop_strings)
         rep = [p for p in part for _ in range(k)]
         scores = score_answers(env, rep, texts, cfg.env.train_slice, record=False)
         for j, p in enumerate(part):

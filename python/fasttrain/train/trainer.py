@@ -149,7 +149,8 @@ class Trainer:
         prompts = self._prompts_for_step(step)
         roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts, group_size=R.group_size,
                                      max_new_tokens=R.max_new_tokens, temperature=R.temperature,
-                                     seed=step_seed(cfg.run.seed, step), answer_prefix=R.answer_prefix)
+                                     seed=step_seed(cfg.run.seed, step), answer_prefix=R.answer_prefix,
+                                     stop_strings=R.stop_strings)
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
         rep = [p for p in prompts for _ in range(R.group_size)]
