@@ -31,8 +31,8 @@ TORCH_LIBRARY(fasttrain, m) {
         "Tensor? bias, Tensor stats, float temperature, int ignore_index, int chunk_bytes) -> (Tensor, Tensor)");
 
   // ---- policy_loss (issue 4) ----------------------------------------------------------
-  // logp, old_logp, ref_logp [B,T] fp32|fp16|bf16 (one dtype); advantages fp32 [B] or [B,T]; mask fp32 [B,T]
-  // (0 = inactive, else the token's weight); token_normalizer fp32 [] or [1] (or the float value, used
+  // logp, old_logp, ref_logp [B,T] fp32|fp16|bf16 (one dtype); advantages fp32 [B] or [B,T]; mask [B,T] bool or
+  // fp32 (0 = inactive, else the token's weight); token_normalizer fp32 [] or [1] (or the float value, used
   // when > 0): the divisor of the token-level loss (GRPO: the number of sequences).
   // loss_type 0 cispo, 1 dapo, 2 grpo. Returns loss fp32 [], stats fp32 [7] (ratio_mean, clip_low_frac,
   // clip_high_frac, cap_frac, kl_mean, repo_r_factor_mean, active_tokens), and for backward the

@@ -20,7 +20,8 @@ inline void check_inputs(const char* op, const at::Tensor& logp, const at::Tenso
   FT_CHECK_SAME_DEVICE(op, logp, old_logp);
   FT_CHECK_ARG(mask.sizes() == logp.sizes(), op, "mask", "must have logp's shape ", logp.sizes(), ", got ",
                mask.sizes());
-  FT_CHECK_DTYPE(op, mask, at::kFloat);
+  FT_CHECK_ARG(mask.scalar_type() == at::kFloat || mask.scalar_type() == at::kBool, op, "mask",
+               "must have dtype float32 (token weights) or bool, got ", mask.scalar_type());
   FT_CHECK_SAME_DEVICE(op, logp, mask);
   FT_CHECK_DTYPE(op, advantages, at::kFloat);
   FT_CHECK_SAME_DEVICE(op, logp, advantages);

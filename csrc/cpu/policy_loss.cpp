@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/checks.h"
+#include "core/policy_loss_autograd.h"
 #include "core/policy_loss_checks.h"
 #include "core/dispatch.h"
 #include "core/math.h"
@@ -34,6 +35,10 @@ namespace {
 constexpr int64_t kChunk = 2048;  // tokens per partial sum (fixed: results independent of threads)
 constexpr int kBlock = 256;       // tokens per stack buffer (9 x 1 KB, stays in L1)
 constexpr int kLanes = 8;         // one AVX2 register of floats; independent per-lane sums
+// Fewer tokens than this per thread and the thread pool's wake-up costs more than the split saves
+// (at ~3 ns/token, 16k tokens are ~50 us; a wake-up on a busy 2-core machine is 10-20 us): small
+// batches run on the calling thread. Same fixed chunks either way, so the results do not change.
+constexpr int64_t kMinTokensPerThread = 16384;
 
 struct PolicyArgs {
   float beta, eps_low, eps_high, cap, zeta;
@@ -44,16 +49,27 @@ struct PolicyArgs {
 // reassociation needed) accumulate them. coef is written in the same loop.
 template <typename scalar_t, bool kCispo, bool kKl, bool kAdvPerToken>
 void policy_chunk(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ old,
-                  const float* __restrict__ adv, const float* __restrict__ mask,
+                  const float* __restrict__ adv, const void* mask_, bool mask_bool,
                   const scalar_t* __restrict__ ref, float* __restrict__ coef, int64_t n,
                   float adv_row, const PolicyArgs& a, double* __restrict__ out_sums) {
   alignas(64) float buf[fm::kPolicySums][kBlock];
+  alignas(64) float mbuf[kBlock];
   float acc[fm::kPolicySums][kLanes] = {};
   for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
     const int m = static_cast<int>(std::min<int64_t>(kBlock, n - b0));
+    // A bool mask becomes 0/1 floats block by block (the values a float mask would hold), so one
+    // token loop serves both and the caller need not convert the whole mask first.
+    const float* __restrict__ mk;  // this block's mask values
+    if (mask_bool) {
+      const uint8_t* mb = static_cast<const uint8_t*>(mask_) + b0;
+      for (int j = 0; j < m; ++j) mbuf[j] = mb[j] != 0 ? 1.0f : 0.0f;
+      mk = mbuf;
+    } else {
+      mk = static_cast<const float*>(mask_) + b0;
+    }
     for (int j = 0; j < m; ++j) {
       const int64_t i = b0 + j;
-      const float w = mask[i];
+      const float w = mk[j];
       const float A = kAdvPerToken ? adv[i] : adv_row;
       const float r = kKl ? static_cast<float>(ref[i]) : 0.0f;
       const fm::PolicyToken t = fm::policy_token<kCispo, kKl>(
@@ -74,8 +90,11 @@ void policy_chunk(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ 
     const int mp = (m + kLanes - 1) / kLanes * kLanes;
     for (int k = 0; k < fm::kPolicySums; ++k)
       for (int j = m; j < mp; ++j) buf[k][j] = 0.0f;
-    for (int k = 0; k < fm::kPolicySums; ++k)
-      for (int j = 0; j < mp; j += kLanes)
+    // j outer, k inner: kPolicySums independent vector accumulators per step instead of one
+    // dependent chain per sum (that chain's add latency was most of the block's time). Each
+    // acc[k][l] still adds its terms in j order, so the sums are bit-identical to the k-outer loop.
+    for (int j = 0; j < mp; j += kLanes)
+      for (int k = 0; k < fm::kPolicySums; ++k)
         for (int l = 0; l < kLanes; ++l) acc[k][l] += buf[k][j + l];
   }
   for (int k = 0; k < fm::kPolicySums; ++k) {
@@ -98,10 +117,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
   const bool has_kl = ref_logp_.has_value() && beta != 0.0;
   const at::Tensor logp = logp_.contiguous(), old_logp = old_logp_.contiguous();
   const at::Tensor adv = advantages_.contiguous(), mask = mask_.contiguous();
+  const bool mask_bool = mask.scalar_type() == at::kBool;  // else float32 (check_inputs)
   const at::Tensor ref = has_kl ? ref_logp_->contiguous() : at::Tensor();
   const bool adv_per_token = adv.dim() == 2;
   const int64_t B = logp.size(0), T = logp.size(1);
   const int64_t nc = std::max<int64_t>((T + kChunk - 1) / kChunk, 1);
+  const int64_t grain = std::max<int64_t>(1, kMinTokensPerThread / std::max<int64_t>(std::min(T, kChunk), 1));
 
   at::Tensor coef = at::empty({B, T}, logp.options().dtype(at::kFloat));
   at::Tensor rowscale = at::empty({B}, logp.options().dtype(at::kFloat));
@@ -119,16 +140,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     const scalar_t* od = old_logp.const_data_ptr<scalar_t>();
     const scalar_t* rf = has_kl ? ref.const_data_ptr<scalar_t>() : nullptr;
     const float* ap = adv.const_data_ptr<float>();
-    const float* mp = mask.const_data_ptr<float>();
+    const char* mp = static_cast<const char*>(mask.const_data_ptr());
+    const int64_t mask_elem = mask_bool ? 1 : static_cast<int64_t>(sizeof(float));
     float* cp = coef.data_ptr<float>();
     double* pp = partial.data();
     auto run = [&](auto kernel) {
-      at::parallel_for(0, B * nc, 1, [&](int64_t c0, int64_t c1) {
+      at::parallel_for(0, B * nc, grain, [&](int64_t c0, int64_t c1) {
         for (int64_t c = c0; c < c1; ++c) {
           const int64_t b = c / nc, start = (c % nc) * kChunk, n = std::min(kChunk, T - start);
           if (n <= 0) continue;
           const int64_t off = b * T + start;
-          kernel(lp + off, od + off, adv_per_token ? ap + off : ap, mp + off, has_kl ? rf + off : nullptr, cp + off, n,
+          kernel(lp + off, od + off, adv_per_token ? ap + off : ap, mp + off * mask_elem, mask_bool,
+                 has_kl ? rf + off : nullptr, cp + off, n,
                  adv_per_token ? 0.0f : ap[b], args, pp + c * fm::kPolicySums);
         }
       });
@@ -146,8 +169,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
   // Reduce: batch sums in chunk order; GRPO also per-row sums.
   double sums[fm::kPolicySums] = {};
   float* rs = rowscale.data_ptr<float>();
-  const double norm_given = token_normalizer.has_value() ? static_cast<double>(token_normalizer->item<float>())
-                                                          : token_normalizer_value;
+  // A CPU float32 tensor of one element (check_inputs): read it, no op call.
+  const double norm_given = token_normalizer.has_value()
+                                ? static_cast<double>(*token_normalizer->const_data_ptr<float>())
+                                : token_normalizer_value;
   double loss_value = 0.0;
   if (loss_type == fm::kGrpo) {
     // Per-sequence mean, then mean over the sequences with an active token (or over the given count).
@@ -179,7 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     loss_value = sums[fm::kSumLoss] * inv;
     for (int64_t b = 0; b < B; ++b) rs[b] = static_cast<float>(inv);
   }
-  loss.fill_(loss_value);
+  *loss.data_ptr<float>() = static_cast<float>(loss_value);  // what fill_ stored, without an op call
   fm::policy_stats(sums, stats.data_ptr<float>());
   return {loss, stats, coef, rowscale};
 }
@@ -198,7 +223,9 @@ at::Tensor policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tenso
               ": dtype must be float32, float16 or bfloat16, got ", dtype);
   const at::Tensor coef = coef_.contiguous(), rowscale = rowscale_.contiguous();
   const int64_t B = coef.size(0), T = coef.size(1);
-  const float g = grad_loss.to(at::kFloat).item<float>();  // CPU tensor: a read, not a device sync
+  // CPU tensor: a read, not a device sync (float32, the usual case, without an op call).
+  const float g = grad_loss.scalar_type() == at::kFloat ? *grad_loss.const_data_ptr<float>()
+                                                         : grad_loss.to(at::kFloat).item<float>();
   at::Tensor out = at::empty({B, T}, coef.options().dtype(dtype));
   const float* cp = coef.const_data_ptr<float>();
   const float* rp = rowscale.const_data_ptr<float>();
@@ -223,4 +250,9 @@ at::Tensor policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tenso
 TORCH_LIBRARY_IMPL(fasttrain, CPU, m) {
   m.impl("policy_loss", &fasttrain::policy_loss_cpu);
   m.impl("policy_loss_backward", &fasttrain::policy_loss_backward_cpu);
+}
+
+// Autograd for every backend (CPU and CUDA): this file is compiled in every build, the .cu is not.
+TORCH_LIBRARY_IMPL(fasttrain, Autograd, m) {
+  m.impl("policy_loss", &fasttrain::policy_loss_autograd);
 }

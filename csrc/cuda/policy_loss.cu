@@ -36,7 +36,8 @@ __device__ __forceinline__ T warp_sum(T v) {
 template <typename scalar_t, bool kCispo, bool kKl, bool kAdvPerToken>
 __global__ void policy_chunk_kernel(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ old,
                                     const float* __restrict__ adv, const float* __restrict__ mask,
-                                    const scalar_t* __restrict__ ref, float* __restrict__ coef,
+                                    const uint8_t* __restrict__ mask_bool, const scalar_t* __restrict__ ref,
+                                    float* __restrict__ coef,
                                     float* __restrict__ partial, int64_t T, int64_t nc, float beta, float eps_low,
                                     float eps_high, float cap, float zeta) {
   const int64_t c = blockIdx.x;
@@ -48,7 +49,8 @@ __global__ void policy_chunk_kernel(const scalar_t* __restrict__ lp, const scala
   const float adv_row = kAdvPerToken ? 0.0f : adv[b];
   for (int64_t t = start + threadIdx.x; t < end; t += kThreads) {
     const int64_t i = b * T + t;
-    const float w = mask[i];
+    // A bool mask reads as the 0/1 a float mask would hold (a uniform branch: one of the two is null).
+    const float w = mask_bool != nullptr ? (mask_bool[i] != 0 ? 1.0f : 0.0f) : mask[i];
     const float A = kAdvPerToken ? adv[i] : adv_row;
     const float r = kKl ? static_cast<float>(ref[i]) : 0.0f;
     const fm::PolicyToken tk = fm::policy_token<kCispo, kKl>(static_cast<float>(lp[i]), static_cast<float>(old[i]), A,
@@ -175,6 +177,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
   const at::Tensor ref = has_kl ? ref_logp_->contiguous() : at::Tensor();
   const at::Tensor norm = token_normalizer.has_value() ? token_normalizer->contiguous() : at::Tensor();
   const bool adv_per_token = adv.dim() == 2;
+  const bool mask_is_bool = mask.scalar_type() == at::kBool;  // else float32 (check_inputs)
   const int64_t B = logp.size(0), T = logp.size(1);
   const int64_t nc = std::max<int64_t>((T + kChunk - 1) / kChunk, 1);
   const auto f32 = logp.options().dtype(at::kFloat);
@@ -193,7 +196,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
       auto launch = [&](auto kernel) {
         kernel<<<(unsigned)(B * nc), kThreads, 0, stream>>>(
             logp.const_data_ptr<scalar_t>(), old_logp.const_data_ptr<scalar_t>(), adv.const_data_ptr<float>(),
-            mask.const_data_ptr<float>(), rf, coef.data_ptr<float>(), partial.data_ptr<float>(), T, nc,
+            mask_is_bool ? nullptr : mask.const_data_ptr<float>(),
+            mask_is_bool ? static_cast<const uint8_t*>(mask.const_data_ptr()) : nullptr, rf, coef.data_ptr<float>(),
+            partial.data_ptr<float>(), T, nc,
             static_cast<float>(beta), el, eh, static_cast<float>(cispo_cap), static_cast<float>(zeta));
       };
       if (loss_type == fm::kCispo) {

@@ -313,7 +313,43 @@ def _samples(device="cpu"):
                     0.01, 0.0))
     out.append((f(logp).requires_grad_(), f(old), f(adv)[:, None].expand(3, 9).contiguous(), f(mask), None,
                 torch.tensor(20.0, device=device), 1, 0.0, 0.2, 0.28, 1.2, 0.0, 0.0))
+    out.append((f(logp).requires_grad_(), f(old), f(adv), mask.to(device), f(ref), None, 2, 0.05, 0.2, 0.28, 1.2,
+                0.01, 0.0))  # bool mask, read by the kernels as it is
     return out
+
+
+def test_only_logp_gets_a_gradient():
+    """The C++ autograd treats old_logp, advantages, mask and ref_logp as data, as the detached inputs
+    of the recipe: no gradient reaches them, and without a logp that requires grad the loss has none."""
+    logp, old, adv, mask, ref = make_batch(seed=23)
+    old_g, adv_g, ref_g = (t.float().requires_grad_() for t in (old, adv, ref))
+    out, stats = ops.policy_loss(logp.float(), old_g, adv_g, mask, loss="dapo", ref_logp=ref_g, beta=0.04)
+    assert not out.requires_grad and not any(v.requires_grad for v in stats.values())
+    lp = logp.float().requires_grad_()
+    out, stats = ops.policy_loss(lp, old_g, adv_g, mask, loss="dapo", ref_logp=ref_g, beta=0.04)
+    assert out.requires_grad and not any(v.requires_grad for v in stats.values())
+    out.backward()
+    assert lp.grad is not None and old_g.grad is None and adv_g.grad is None and ref_g.grad is None
+    # The same gradient as the recipe's with every other input detached (float64 reference).
+    _, g64, _ = run(reference, logp, old, adv, mask, ref, torch.float64, loss="dapo", beta=0.04)
+    assert max_err(lp.grad.double(), g64) < 1e-6
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_count_does_not_change_results(threads):
+    """Big enough to be split across threads (more than the kernel's per-thread minimum): the fixed
+    chunks make the results bit-identical whatever the thread count."""
+    logp, old, adv, mask, ref = make_batch(B=24, T=3000, seed=29)
+    before = torch.get_num_threads()
+    try:
+        res = []
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            res.append(run(ops, logp, old, adv, mask, ref, torch.float32, loss="grpo", beta=0.04, zeta=0.01))
+    finally:
+        torch.set_num_threads(before)
+    (l1, g1, s1), (l2, g2, s2) = res
+    assert torch.equal(l1, l2) and torch.equal(g1, g2) and all(torch.equal(s1[k], s2[k]) for k in s1)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,7 +12,8 @@ active tokens of this batch, or `token_normalizer` (the whole batch's count, so 
 accumulate to the big batch's gradient). GRPO: `token_normalizer` replaces the number of sequences.
 
 One registered op computes the loss, the stats and each token's gradient coefficient in one pass;
-a second registered op (backward) scales the saved coefficients. Nothing syncs with the host.
+a second registered op (backward) scales the saved coefficients; the autograd formula joining them is
+registered in C++ (csrc/core/policy_loss_autograd.h). Nothing syncs with the host.
 """
 from __future__ import annotations
 
@@ -43,9 +44,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     stats: dict of fp32 [] tensors named in POLICY_LOSS_STATS); stats are over this batch's active tokens
     (KL without beta; the REPO-R factor over tokens with A != 0) and carry no gradient.
     """
-    if loss not in POLICY_LOSSES:
+    # This wrapper's cost is the op's fixed cost at small batches (15k tokens: the kernel is tens of
+    # microseconds): it converts only what does not already fit, and the gradient is the op's C++
+    # autograd (csrc/core/policy_loss_autograd.h), which treats every input but logp as data.
+    loss_type = POLICY_LOSSES.get(loss)
+    if loss_type is None:
         raise ValueError(f"policy_loss: loss must be one of {sorted(POLICY_LOSSES)}, got {loss!r}")
-    for name, t in (("logp", logp), ("old_logp", old_logp)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
+    for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp)):
+        if t is None and name == "ref_logp":
+            continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"policy_loss: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _FLOATS:
@@ -66,8 +73,17 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"policy_loss: zeta must be >= 0, got {zeta}")
     # One dtype for the log-probs: the widest of the three (a bf16 old_logp against an fp32 logp
     # would otherwise round the fp32 side).
-    dtype = logp.dtype if ref_logp is None else torch.promote_types(logp.dtype, ref_logp.dtype)
-    dtype = torch.promote_types(dtype, old_logp.dtype)
+    dtype = logp.dtype
+    if old_logp.dtype != dtype or (ref_logp is not None and ref_logp.dtype != dtype):
+        if ref_logp is not None:
+            dtype = torch.promote_types(dtype, ref_logp.dtype)
+        dtype = torch.promote_types(dtype, old_logp.dtype)
+        logp, old_logp = logp.to(dtype), old_logp.to(dtype)
+        ref_logp = None if ref_logp is None else ref_logp.to(dtype)
+    if advantages.dtype != torch.float32:
+        advantages = advantages.float()
+    if mask.dtype != torch.bool and mask.dtype != torch.float32:  # the kernels read bool and float32
+        mask = mask.float()
     norm_tensor, norm_value = None, 0.0
     if isinstance(token_normalizer, torch.Tensor):
         norm_tensor = token_normalizer.detach().reshape(()).to(device=logp.device, dtype=torch.float32)
@@ -75,11 +91,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         if not token_normalizer > 0:
             raise ValueError(f"policy_loss: token_normalizer must be > 0, got {token_normalizer}")
         norm_value = float(token_normalizer)
-    out, stats, _, _ = _ops.policy_loss(
-        logp.to(dtype), old_logp.detach().to(dtype), advantages.detach().float(), mask.detach().float(),
-        None if ref_logp is None else ref_logp.detach().to(dtype), norm_tensor, POLICY_LOSSES[loss], float(beta),
-        float(eps_low), float(eps_high), float(cispo_cap), float(zeta), norm_value)
-    return out, dict(zip(POLICY_LOSS_STATS, stats.detach().unbind()))  # views: one op, no copies
+    out, stats, _, _ = _policy_loss(logp, old_logp, advantages, mask, ref_logp, norm_tensor, loss_type, float(beta),
+                                    float(eps_low), float(eps_high), float(cispo_cap), float(zeta), norm_value)
+    return out, dict(zip(POLICY_LOSS_STATS, stats.unbind()))  # views: one op, no copies; stats has no grad
+
+
+_policy_loss = _ops.policy_loss.default
 
 
 @torch.library.register_fake("fasttrain::policy_loss")
@@ -94,20 +111,3 @@ def _(logp, old_logp, advantages, mask, ref_logp, token_normalizer, loss_type, b
 @torch.library.register_fake("fasttrain::policy_loss_backward")
 def _(grad_loss, coef, rowscale, dtype):
     return coef.new_empty(coef.shape, dtype=dtype)
-
-
-def _setup_context(ctx, inputs, output):
-    _, _, coef, rowscale = output
-    ctx.save_for_backward(coef, rowscale)
-    ctx.logp_dtype = inputs[0].dtype
-
-
-def _backward(ctx, grad_loss, grad_stats, grad_coef, grad_rowscale):
-    coef, rowscale = ctx.saved_tensors
-    grad_logp = None
-    if ctx.needs_input_grad[0]:
-        grad_logp = _ops.policy_loss_backward(grad_loss.float(), coef, rowscale, ctx.logp_dtype)
-    return (grad_logp,) + (None,) * 12
-
-
-torch.library.register_autograd("fasttrain::policy_loss", _backward, setup_context=_setup_context)
