@@ -39,6 +39,20 @@ def scale_overrides(a: argparse.Namespace) -> list[str]:
     return o + list(a.set or [])
 
 
+def demo_answer_style() -> list[str]:
+    """The demo's answer settings as overrides for the ladder rungs (the same for every rung):
+    the prefilled "<signal>", the stop string, the sampling and probe temperature, and no
+    gradient checkpointing (135M fits; the shared-prefix forward needs the KV cache). The seed's
+    rungs sample at temperature 1.0 with no prefix, where the untrained 135M model gives ~3%
+    valid answers and no rung could learn at this scale."""
+    from fasttrain.train.config import load_config
+    d = load_config("demo")
+    return [f"rollout.answer_prefix={json.dumps(d.rollout.answer_prefix)}",
+            f"rollout.stop_strings={json.dumps(list(d.rollout.stop_strings))}",
+            f"rollout.temperature={d.rollout.temperature}", f"probe.temperature={d.probe.temperature}",
+            f"probe.samples={d.probe.samples}", "policy.gradient_checkpointing=false"]
+
+
 def train(recipe: str, overrides: list[str], out: Path) -> dict[str, Any]:
     from fasttrain.train.config import load_config
     from fasttrain.train.trainer import Trainer
@@ -208,8 +222,9 @@ def run_ladder(a, root: Path) -> None:
     unknown = [r for r in rungs if r not in LADDER]
     if unknown:
         raise SystemExit(f"--rungs: unknown rung(s) {unknown}; the ladder: {','.join(LADDER)}")
-    over = scale_overrides(a) + [f"filter.samples={a.filter_samples}", f"filter.max_prompts={a.filter_prompts}",
-                                 f"filter.min_keep={a.filter_min_keep}"]
+    over = scale_overrides(a) + demo_answer_style() + [
+        f"filter.samples={a.filter_samples}", f"filter.max_prompts={a.filter_prompts}",
+        f"filter.min_keep={a.filter_min_keep}"]
     for r in rungs:
         extra = []
         if r == "cispo_repo_r_filtered":
@@ -271,9 +286,9 @@ def main(argv=None) -> None:
     g = ap.add_argument_group("scale (applied to every run of the experiment)")
     g.add_argument("--steps", type=int, default=12)
     g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--threads", type=int, default=1, help="1 lets two experiments share 2 cores")
     g.add_argument("--prompts-per-step", type=int, default=2)
-    g.add_argument("--group-size", type=int, default=4)
+    g.add_argument("--group-size", type=int, default=8)
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--probe-every", type=int, default=4)
     g.add_argument("--probe-prompts", type=int, default=8)
