@@ -1,13 +1,16 @@
 """Run every benchmark (bench/bench_*.py) and write bench/results/<machine>-<date>.md and .csv.
 
-Each benchmark prints its own comparison (ours vs the peer, same input, same run) and appends
-long-format rows to the CSV via --csv. The markdown collects each benchmark's printed table.
+Each benchmark prints its own comparison (ours vs the peer, same input, same run) and writes its
+rows (its own columns) to a CSV via --csv; this script folds them into one long-format CSV,
+one line per value: bench, row, column, value. The markdown collects each printed table.
 Usage: python bench/run_all.py [--only nf4,logprob] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime as dt
+import tempfile
 import subprocess
 import sys
 import time
@@ -16,6 +19,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from harness import RESULTS, machine_name, versions  # noqa: E402
+
+
+def fold_csv(bench: str, src: Path, dst: Path) -> int:
+    """Append `src` (a benchmark's own CSV, any columns) to `dst` as bench,row,column,value."""
+    if not src.exists():
+        return 0
+    with src.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    new = not dst.exists()
+    with dst.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["bench", "row", "column", "value"])
+        for i, r in enumerate(rows):
+            for k, v in r.items():
+                w.writerow([bench, i, k, v])
+    return len(rows)
 
 
 def main() -> int:
@@ -38,13 +58,15 @@ def main() -> int:
     for script in scripts:
         t0 = time.time()
         print(f"== {script.name}", flush=True)
+        own_csv = Path(tempfile.mkdtemp()) / f"{script.stem}.csv"
         try:
-            proc = subprocess.run([sys.executable, str(script), "--csv", str(csv_path)], capture_output=True,
+            proc = subprocess.run([sys.executable, str(script), "--csv", str(own_csv)], capture_output=True,
                                   text=True, timeout=a.timeout, cwd=HERE)
             text, rc = proc.stdout + (proc.stderr[-3000:] if proc.returncode else ""), proc.returncode
         except subprocess.TimeoutExpired:
             text, rc = f"timed out after {a.timeout} s", 124
         print(text, flush=True)
+        fold_csv(script.stem.removeprefix("bench_"), own_csv, csv_path)
         failed += rc != 0
         md += [f"## {script.stem}  ({time.time() - t0:.0f} s{'' if rc == 0 else f', FAILED rc={rc}'})", "",
                "```", text.strip(), "```", ""]

@@ -129,3 +129,34 @@ def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny):
         scale = float(a.abs().max())
         assert a.dtype == torch.float32 and scale > 0
         torch.testing.assert_close(b, a, rtol=0, atol=8 * torch.finfo(torch.float32).eps * scale)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_old_logprobs_from_the_first_pass_equal_a_separate_forward(tiny, passes):
+    """score_batch(need_old=False): the update's first pass fills old_logp and entropy; they and
+    every pass's gradient equal those of the run with the separate no-grad forward."""
+    from fasttrain.train.policy_update import score_batch, update_policy
+    model, params, roll = _setup(tiny)
+    adv = torch.linspace(-1.5, 1.5, roll.completion_ids.shape[0])
+    mask = roll.completion_mask.bool()
+    cfg = LossSection(kind="cispo", beta=0.08, passes=passes)
+    start = [p.detach().clone() for p in params]
+    runs = []
+    for need_old in (True, False):
+        with torch.no_grad():
+            for p, s in zip(params, start):
+                p.copy_(s)
+        scores = score_batch(model, roll, 3, 1.0, need_ref=True, need_old=need_old)
+        assert (scores.old_logp is None) == (not need_old)
+        opt = RecordingSGD(params)
+        stats = update_policy(model, params, opt, roll, scores, adv, mask, cfg, zeta=0.01, micro_batch=3,
+                              grad_clip=0.0, temperature=1.0)
+        runs.append((scores, opt.seen, stats))
+    (a, ga, sa), (b, gb, sb) = runs
+    torch.testing.assert_close(b.old_logp, a.old_logp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(b.entropy, a.entropy, rtol=0, atol=1e-5)
+    assert float(a.old_logp[mask].abs().min()) > 0
+    for pa, pb in zip(ga, gb):
+        for x, y in zip(pa, pb):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6 * float(x.abs().max()) + 1e-9)
+    assert sb[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)

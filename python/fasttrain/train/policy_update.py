@@ -114,8 +114,8 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
 
 @dataclass
 class BatchScores:
-    old_logp: torch.Tensor          # [B, T] pre-update policy
-    entropy: torch.Tensor           # [B, T]
+    old_logp: torch.Tensor | None   # [B, T] pre-update policy (None: pass 1 of the update fills it)
+    entropy: torch.Tensor | None    # [B, T] (filled with old_logp)
     ref_logp: torch.Tensor | None   # [B, T] base model (adapters off), None when beta == 0
 
 
@@ -125,7 +125,12 @@ def _chunks(n: int, size: int):
 
 
 @torch.no_grad()
-def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: bool) -> BatchScores:
+def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: bool,
+                need_old: bool = True) -> BatchScores:
+    """No-grad scores of the batch. `need_old=False` skips the pre-update policy's forward: the
+    update's first pass runs on that same policy and fills old_logp and entropy from its own
+    forward (DESIGN.md §5: old log-probs come from the first pass), which saves one forward per
+    step. Only a token mask that needs the entropies before the update (top-entropy) needs them here."""
     from fasttrain.nn import adapters_disabled
 
     was = model.training
@@ -135,14 +140,16 @@ def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: boo
     for sl in _chunks(B, micro_batch):
         args = (roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len, roll.completion_ids[sl],
                 roll.completion_mask[sl], temperature)
-        lp, ent = answer_logprobs(model, *args)
-        olds.append(lp)
-        ents.append(ent)
+        if need_old:
+            lp, ent = answer_logprobs(model, *args)
+            olds.append(lp)
+            ents.append(ent)
         if need_ref:
             with adapters_disabled(model):
                 refs.append(answer_logprobs(model, *args)[0])
     model.train(was)
-    return BatchScores(torch.cat(olds), torch.cat(ents), torch.cat(refs) if need_ref else None)
+    return BatchScores(torch.cat(olds) if need_old else None, torch.cat(ents) if need_old else None,
+                       torch.cat(refs) if need_ref else None)
 
 
 def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, roll,
@@ -162,27 +169,41 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
         normalizer = loss_mask.sum().to(torch.float32).clamp_min(1)
     model.train()
     out = []
-    for _ in range(loss_cfg.passes):
+    fill_old = scores.old_logp is None          # pass 1 provides the old log-probs and entropy
+    for k in range(loss_cfg.passes):
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         acc: dict[str, float] = {}
+        olds, ents = [], []
         for sl in _chunks(B, micro_batch):
             m = loss_mask[sl]
+            first_fill = fill_old and k == 0
+            if not bool(m.any()) and not first_fill:
+                continue
+            with torch.set_grad_enabled(bool(m.any())):
+                logp, ent = answer_logprobs(model, roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len,
+                                            roll.completion_ids[sl], roll.completion_mask[sl], temperature)
+            if first_fill:
+                olds.append(logp.detach())
+                ents.append(ent)
+                old = olds[-1]
+            else:
+                old = scores.old_logp[sl]
             if not bool(m.any()):
                 continue
-            logp, _ = answer_logprobs(model, roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len,
-                                      roll.completion_ids[sl], roll.completion_mask[sl], temperature)
             loss, stats = policy_loss(
-                logp, scores.old_logp[sl], advantages[sl], m, loss=loss_cfg.kind,
+                logp, old, advantages[sl], m, loss=loss_cfg.kind,
                 ref_logp=None if scores.ref_logp is None else scores.ref_logp[sl], beta=loss_cfg.beta,
                 eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high, cispo_cap=loss_cfg.cispo_cap,
                 zeta=zeta, token_normalizer=normalizer)
             loss.backward()
             total += loss.detach().double().cpu()
             w = float(m.sum()) / float(loss_mask.sum())      # stats: token-weighted over the batch
-            for k, v in stats.items():
-                if k != "active_tokens":
-                    acc[k] = acc.get(k, 0.0) + w * float(v)
+            for key, v in stats.items():
+                if key != "active_tokens":
+                    acc[key] = acc.get(key, 0.0) + w * float(v)
+        if fill_old and k == 0:
+            scores.old_logp, scores.entropy = torch.cat(olds), torch.cat(ents)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
         loss_v, gn = float(total), float(grad_norm)
         if not (math.isfinite(loss_v) and math.isfinite(gn)):

@@ -163,16 +163,15 @@ class Trainer:
 
         t = time.perf_counter()
         L = cfg.loss
-        batch = score_batch(self.model, roll, cfg.optim.micro_batch, R.temperature, need_ref=L.beta > 0)
+        top_entropy = L.token_mask == "top_entropy"
+        # the entropy mask needs the entropies before the update; otherwise pass 1 of the update
+        # gives the old log-probs and entropy from its own forward (one forward less per step)
+        batch = score_batch(self.model, roll, cfg.optim.micro_batch, R.temperature, need_ref=L.beta > 0,
+                            need_old=top_entropy)
         mask = roll.completion_mask.bool()
         n_tok = int(mask.sum())
-        mean_entropy = float((batch.entropy * mask).sum() / max(1, n_tok))
-        kl = 0.0
-        if batch.ref_logp is not None:
-            d = batch.ref_logp - batch.old_logp
-            kl = float(((torch.exp(d) - d - 1) * mask).sum() / max(1, n_tok))
         loss_mask = mask
-        if L.token_mask == "top_entropy":
+        if top_entropy:
             from fasttrain.rl.masks import top_entropy_mask
             loss_mask = top_entropy_mask(batch.entropy, mask, rho=L.rho).bool() & mask
         times["logprob"] = time.perf_counter() - t
@@ -189,6 +188,12 @@ class Trainer:
             self.nonfinite_in_row += 1
             self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
+        # entropy and KL of the pre-update policy (old_logp is filled by the update's first pass)
+        mean_entropy = float((batch.entropy * mask).sum() / max(1, n_tok))
+        kl = 0.0
+        if batch.ref_logp is not None:
+            d = batch.ref_logp - batch.old_logp
+            kl = float(((torch.exp(d) - d - 1) * mask).sum() / max(1, n_tok))
         if L.repo_r:
             self.thermostat.update(mean_entropy)
         times["update"] = time.perf_counter() - t
