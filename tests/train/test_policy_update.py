@@ -18,21 +18,28 @@ class RecordingSGD(torch.optim.SGD):
         self.seen.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
 
 
-def _setup(tiny):
+def _adapted_tiny_policy(dtype: str, seed: int):
+    """The tiny policy in NF4 with LoRA adapters whose B is non-zero (so they matter for log p)."""
     import tiny_world
     from fasttrain.nn import attach_adapters, quantize_model
-    from fasttrain.train.answers import sample_answers
-    model, tok = tiny_world.tiny_policy("float32")
+    model, tok = tiny_world.tiny_policy(dtype)
     for p in model.parameters():
         p.requires_grad_(False)
     quantize_model(model)
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     params = attach_adapters(model, kind="lora", r=4, alpha=8)
-    with torch.no_grad():           # non-zero B so the adapters matter for log p
+    with torch.no_grad():
         for p in params:
             p.normal_(0, 0.2)
     for p in params:
         p.requires_grad_(True)
+    return model, tok, params
+
+
+def _setup(tiny):
+    import tiny_world
+    from fasttrain.train.answers import sample_answers
+    model, tok, params = _adapted_tiny_policy("float32", 3)
     env = tiny_world.make_env()
     roll, _ = sample_answers(model, tok, env, env.prompts("train")[:2], group_size=4, max_new_tokens=6,
                              temperature=1.0, seed=11)
@@ -91,19 +98,9 @@ def test_non_finite_loss_leaves_adapters_untouched(tiny):
 def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny):
     """Running each prompt once and sharing its KV cache across the group gives the full
     forward's log-probs and adapter gradients (float64: equal to rounding)."""
-    import tiny_world
-    from fasttrain.nn import attach_adapters, quantize_model
     from fasttrain.rollout import sample
     from fasttrain.train.policy_update import answer_logprobs
-    model, tok = tiny_world.tiny_policy("float64")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    quantize_model(model)
-    torch.manual_seed(5)
-    params = attach_adapters(model, kind="lora", r=4, alpha=8)
-    with torch.no_grad():
-        for p in params:
-            p.normal_(0, 0.2)
+    model, tok, params = _adapted_tiny_policy("float64", 5)
     prompt_ids = [tok.encode(t) for t in ("say a word", "a longer prompt, with more bytes in it", "hi")]
     roll = sample(model, prompt_ids, group_size=3, max_new_tokens=7, temperature=1.0,
                   eos_token_ids=[tok.eos_token_id], seed=2)
