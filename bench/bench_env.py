@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--group", type=int, default=48)
     ap.add_argument("--env", default="signal-a")
+    ap.add_argument("--csv", default="", help="append rows (bench/harness.py layout) to this CSV")
     args = ap.parse_args()
     t0 = time.perf_counter()
     env = load_env(args.env)
@@ -74,6 +75,15 @@ def main() -> None:
           f"{args.group / med:.0f} answers/s (floor: 200/s, 250 ms per step) ratio {args.group / med / 200:.2f}x")
     print(f"cold (cache cleared per answer): median {cold_med * 1e3:.0f} ms per {args.group} = "
           f"{args.group / cold_med:.0f} answers/s")
+    if args.csv:
+        from pathlib import Path
+
+        from harness import row, write_csv
+        case = f"{args.env}, group {args.group}"
+        write_csv([row("env", case, "fasttrain", "answers_per_s_warm", args.group / med, "1/s"),
+                   row("env", case, "fasttrain", "answers_per_s_cold", args.group / cold_med, "1/s"),
+                   row("env", case, "fasttrain/floor", "ratio_to_200_per_s", args.group / med / 200, "x")],
+                  Path(args.csv))
 
 
 if __name__ == "__main__":
