@@ -90,7 +90,8 @@ def fasttrain_config(a, out_dir: str, selection: str):
     return load_config({
         "run": {"name": "bench_step", "seed": a.seed, "steps": a.warmup + a.steps, "out": out_dir,
                 "device": a.device},
-        "policy": {"dtype": "bfloat16", "rank": a.rank, "alpha": float(a.alpha)},
+        "policy": {"dtype": "float32" if a.fasttrain_dtype == "fp32" else "bfloat16", "rank": a.rank,
+                   "alpha": float(a.alpha)},
         "env": {"name": "signal-a", "prompts": selection},
         "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new,
                     "temperature": 1.0},
@@ -137,7 +138,7 @@ def worker_fasttrain(a) -> dict:
                   f"{row['tokens']} tokens", file=sys.stderr, flush=True)
         mem = peaks(a.device, base)
     return {"steps": steps[a.warmup:], "memory": mem, "prompt_order": order,
-            "setting": "bf16 base quantized to NF4 + fp32 LoRA masters (trainer defaults)"}
+            "setting": f"{a.fasttrain_dtype} base quantized to NF4 + fp32 LoRA masters"}
 
 
 def worker_trl(a) -> dict:
@@ -318,6 +319,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-precision", choices=["bf16", "bf16-autocast", "fp32"], default="bf16")
     ap.add_argument("--rollout-dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--fasttrain-dtype", choices=["bf16", "fp32"], default="bf16",
+                    help="fasttrain's base dtype before NF4 (non-quantized layers compute in it); fp32 is "
+                         "faster on CPUs without avx512_bf16")
     ap.add_argument("--rollout-reps", type=int, default=3)
     ap.add_argument("--only", default="fasttrain,trl,rollout", help="comma-separated: fasttrain,trl,rollout")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per worker")
