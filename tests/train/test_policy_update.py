@@ -107,6 +107,11 @@ def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny):
     pad = (roll.attention_mask[:, :roll.prompt_len] == 0).sum(1)
     assert int(pad.max()) > int(pad.min())        # prompts of different lengths: left padding is exercised
     model.train()
+    from fasttrain.train.policy_update import _shared_prefix_hidden
+    pos = (roll.attention_mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():         # the shared path really runs here (it returns None when it falls back)
+        assert _shared_prefix_hidden(model.model, roll.input_ids, roll.attention_mask, pos, roll.prompt_len,
+                                     roll.completion_ids.shape[1]) is not None
     out = {}
     for shared in (False, True):
         for p in params:

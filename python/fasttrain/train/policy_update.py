@@ -60,8 +60,10 @@ def _shared_prefix_hidden(decoder, input_ids, attention_mask, position_ids, prom
     decoder cannot return a cache; the caller then runs the full forward.
     """
     name = _cache_arg(decoder)
-    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in decoder.modules())
-    if name is None or (checkpointing and decoder.training and torch.is_grad_enabled()):
+    if name is None:
+        return None
+    if decoder.training and torch.is_grad_enabled() and any(
+            getattr(m, "gradient_checkpointing", False) for m in decoder.modules()):
         return None       # HF turns the cache off under gradient checkpointing
     P = prompt_len
     key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
