@@ -27,7 +27,7 @@ from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_c
 from fasttrain.train.answers import is_stateful, sample_answers, score_answers
 from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from fasttrain.train.config import Config, ConfigError, config_hash, config_to_toml, load_config
-from fasttrain.train.policy import build_policy, pick_device
+from fasttrain.train.policy import build_policy, pick_device, rollout_weights
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.probe import run_probe, select_shipped
 from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
@@ -106,6 +106,7 @@ class Trainer:
         cfg = self.cfg
         self.model, self.tokenizer, self.named_params = build_policy(cfg, self.device)
         self.params = list(self.named_params.values())
+        self.rollout_weights = rollout_weights(cfg, self.model)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=False)
@@ -150,7 +151,8 @@ class Trainer:
         roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts, group_size=R.group_size,
                                      max_new_tokens=R.max_new_tokens, temperature=R.temperature,
                                      seed=step_seed(cfg.run.seed, step), answer_prefix=R.answer_prefix,
-                                     stop_strings=R.stop_strings)
+                                     stop_strings=R.stop_strings, weights=self.rollout_weights,
+                                     compile_decode=R.compile)
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
         rep = [p for p in prompts for _ in range(R.group_size)]
