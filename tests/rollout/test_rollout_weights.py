@@ -84,3 +84,14 @@ def test_compiled_decode_samples_the_eager_tokens(dense):
     plain = sample(model, PROMPTS[:2], group_size=3, max_new_tokens=4, temperature=1.0, eos_token_ids=[2],
                    seed=5, pad_token_id=0, weights=w)
     assert torch.equal(other.completion_ids, plain.completion_ids)     # a new batch shape: a new cache
+
+
+def test_rollout_base_weights_setting_picks_the_weights():
+    from fasttrain.train.config import ConfigError, load_config
+    from fasttrain.train.policy import rollout_weights
+    model, _ = adapted("lora")
+    pick = {v: rollout_weights(load_config({"rollout": {"base_weights": v}}), model) for v in ("nf4", "dequantized")}
+    assert pick["nf4"] is None and isinstance(pick["dequantized"], RolloutWeights)
+    with pytest.raises(ConfigError, match=r"rollout.base_weights: 'bf16' is not allowed; allowed values: 'auto', "
+                                          r"'nf4', 'dequantized'"):
+        load_config({"rollout": {"base_weights": "bf16"}})
