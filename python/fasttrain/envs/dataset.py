@@ -85,17 +85,19 @@ def load_rows(path: str, key: str = "env.dataset") -> list[dict[str, Any]]:
             if fmt is None:
                 raise DatasetError(f"{key}: {path!r}: unknown format {p.suffix!r}; use .jsonl, .json, "
                                    ".parquet, .csv or a save_to_disk folder")
+            if _has_no_rows(p, fmt):
+                raise DatasetError(f"{key}: {path!r} has no rows")
             ds = datasets.load_dataset(fmt, data_files=str(p), split="train")
     except DatasetError:
         raise
     except Exception as e:   # the datasets library's parse errors, with its own explanation
         raise DatasetError(f"{key}: cannot read {path!r}: {type(e).__name__}: {e}") from None
+    if len(ds) == 0:
+        raise DatasetError(f"{key}: {path!r} has no rows")
     if "prompt" not in ds.column_names:
         raise DatasetError(f"{key}: {path!r} has no 'prompt' column; its columns are "
                            f"{', '.join(ds.column_names) or '(none)'}. Rename the one holding the prompts, "
                            "e.g. ds.rename_column('question', 'prompt')")
-    if len(ds) == 0:
-        raise DatasetError(f"{key}: {path!r} has no rows")
     rows = ds.to_list()
     for i, r in enumerate(rows):
         _check_prompt(r["prompt"], i, key, path)
@@ -104,6 +106,20 @@ def load_rows(path: str, key: str = "env.dataset") -> list[dict[str, Any]]:
             rm = r["reward_model"]
             r["ground_truth"] = rm.get("ground_truth") if isinstance(rm, dict) else None
     return rows
+
+
+def _has_no_rows(p: Path, fmt: str) -> bool:
+    """True for a file without data rows (the datasets library fails on those with unclear errors)."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+        return pq.ParquetFile(p).metadata.num_rows == 0
+    lines = 0
+    with open(p, "rb") as f:
+        for line in f:
+            lines += bool(line.strip())
+            if lines >= 2:
+                break
+    return lines == 0 or (fmt == "csv" and lines == 1)         # a CSV header alone
 
 
 def _check_prompt(v: Any, i: int, key: str, path: str) -> None:
@@ -251,7 +267,9 @@ class DatasetEnvironment:
         if n == 0:
             return []
         kw = self.reward_inputs(prompts, answers, completion_ids)
-        deadlines = [f.send("batch", kw) for f in self.rewards]          # all workers at once
+        for f in self.rewards:                                          # restarts first: they take time
+            f.ensure_started()
+        deadlines = [f.send("batch", kw) for f in self.rewards]          # then every worker at once
         replies = [f.receive(d) for f, d in zip(self.rewards, deadlines)]
         results = {f.name: f.finish(kw, n, r) for f, r in zip(self.rewards, replies)}
         worst = {k: min((v for v, _ in res if v is not None), default=None) for k, res in results.items()}

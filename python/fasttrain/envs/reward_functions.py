@@ -85,9 +85,8 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
     """n bytes from fd, or None at EOF; raises TimeoutError past `deadline` (time.monotonic)."""
     chunks, got = [], 0
     while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if deadline is not None:           # a reply already waiting is read even past the deadline
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 raise TimeoutError
         chunk = os.read(fd, min(n - got, 1 << 20))
         if not chunk:
@@ -168,14 +167,21 @@ class RewardFunction:
         self._proc, self._finalizer = None, None
 
     # calls
-    def send(self, mode: str, kwargs: dict[str, Any]) -> float:
-        """Start a call ("batch" or "rows"); returns its deadline. Use `receive` for the result."""
+    def ensure_started(self) -> None:
+        """Start a fresh worker if the last one was killed or died."""
         if self._proc is None or self._proc.poll() is not None:
             self.close()
             self.restarts += 1
             self._start()
+
+    def send(self, mode: str, kwargs: dict[str, Any]) -> float:
+        """Start a call ("batch" or "rows"); returns its deadline. Use `receive` for the result."""
+        self.ensure_started()
         assert self._proc is not None
-        _write_frame(self._proc.stdin.fileno(), (mode, kwargs))
+        try:
+            _write_frame(self._proc.stdin.fileno(), (mode, kwargs))
+        except OSError:                    # died since; `receive` reports it
+            pass
         return time.monotonic() + self.timeout
 
     def receive(self, deadline: float) -> tuple[str, Any]:
@@ -188,9 +194,12 @@ class RewardFunction:
             self.close()
             return "failed", f"timed out after {self.timeout:g} s"
         except (EOFError, OSError):
-            code = self._proc.poll() if self._proc is not None else None
+            try:
+                code = self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = None
             self.close()
-            return "failed", f"its worker process died (exit code {code})"
+            return "failed", f"crashed (its worker process exited with code {code})"
 
     def score(self, kwargs: dict[str, Any], n: int) -> list[tuple[float | None, str | None]]:
         return self.finish(kwargs, n, self.receive(self.send("batch", kwargs)))
