@@ -218,3 +218,16 @@ def test_load_env_builds_it_by_name_with_a_module_spec(jsonl, monkeypatch):
     env = load_env("dataset", dataset=jsonl, rewards=["dataset_rewards:matches"], probe_rows=1)
     assert env.name == "dataset:data.jsonl" and env.score(env.prompts("probe")[0], "8").core == 1.0
     env.close()
+
+
+def test_a_worker_that_cannot_restart_costs_answers_not_the_run(tmp_path, jsonl):
+    copy = tmp_path / "gone.py"
+    copy.write_text(Path(REWARDS).read_text())
+    env = DatasetEnvironment(dataset=jsonl, rewards=[f"{copy}:stuck", f"{REWARDS}:matches"], probe_rows=1)
+    p = env.prompts("train")[0]
+    assert env.score_many([p], ["die"])[0].reason.startswith("reward 'stuck' crashed")
+    copy.unlink()                                                    # the next start cannot import it
+    s = env.score_many([p], ["0"])[0]
+    assert not s.valid and s.channels["matches"] == 1.0
+    assert s.reason.startswith("reward 'stuck' could not be restarted: env.rewards: cannot load")
+    env.close()

@@ -132,6 +132,7 @@ class RewardFunction:
         self.is_async = False
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
+        self._failure: str | None = None
         self._finalizer: weakref.finalize | None = None
         self._start()                                   # import errors surface now, not at step 1
 
@@ -168,26 +169,32 @@ class RewardFunction:
 
     # calls
     def ensure_started(self) -> None:
-        """Start a fresh worker if the last one was killed or died."""
+        """Start a fresh worker if the last one was killed or died. A worker that cannot start
+        again mid-run makes this call's answers invalid (`receive` says why), not the run fail."""
         if self._proc is None or self._proc.poll() is not None:
             self.close()
             self.restarts += 1
-            self._start()
+            try:
+                self._start()
+            except RewardSpecError as e:
+                self._failure = f"could not be restarted: {e}"
 
     def send(self, mode: str, kwargs: dict[str, Any]) -> float:
         """Start a call ("batch" or "rows"); returns its deadline. Use `receive` for the result."""
         self.ensure_started()
-        assert self._proc is not None
-        try:
-            _write_frame(self._proc.stdin.fileno(), (mode, kwargs))
-        except OSError:                    # died since; `receive` reports it
-            pass
+        if self._proc is not None:
+            try:
+                _write_frame(self._proc.stdin.fileno(), (mode, kwargs))
+            except OSError:                # died since; `receive` reports it
+                pass
         return time.monotonic() + self.timeout
 
     def receive(self, deadline: float) -> tuple[str, Any]:
         """("ok", values) | ("raised", message) | ("failed", reason): failed covers timeouts and
         a dying worker (both restart it on the next call)."""
-        assert self._proc is not None
+        if self._proc is None:
+            why, self._failure = self._failure or "has no worker process", None
+            return "failed", why
         try:
             return _read_frame(self._proc.stdout.fileno(), deadline)
         except TimeoutError:

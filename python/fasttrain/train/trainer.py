@@ -25,7 +25,7 @@ import torch
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
 from fasttrain.train.answers import answer_token_ids, is_stateful, sample_answers, score_answers
 from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from fasttrain.train.config import Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
@@ -74,8 +74,10 @@ class Trainer:
         names = [c.name for c in self.env.channels]
         unknown = [k for k in self.cfg.advantages.priorities if k not in names]
         if unknown:
-            # The seed's priorities name signal channels; other environments keep their own.
-            if self.cfg.env.name.startswith("signal"):
+            # The seed's priorities name signal channels; other environments keep their own,
+            # unless the recipe wrote priorities for its reward functions (a typo is an error).
+            own = self.cfg.env.name == "dataset" and self.cfg.advantages.priorities != SEED_PRIORITIES
+            if self.cfg.env.name.startswith("signal") or own:
                 raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; "
                                   f"channels of {self.env.name}: {', '.join(names)}")
         self.channel_names = names
