@@ -15,11 +15,11 @@ def _text(completion):
 
 
 def correct(completions, answer, **kwargs):
-    """1.0 when the first whole number in the answer is the expected one, else 0.0."""
+    """1.0 when the last whole number in the answer is the expected one ("2 x 3 = 6"), else 0.0."""
     scores = []
     for completion, expected in zip(completions, answer):
-        found = re.search(r"-?\d+", _text(completion))
-        scores.append(1.0 if found and int(found.group()) == int(expected) else 0.0)
+        numbers = re.findall(r"-?\d+", _text(completion))
+        scores.append(1.0 if numbers and int(numbers[-1]) == int(expected) else 0.0)
     return scores
 
 
