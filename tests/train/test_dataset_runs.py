@@ -47,6 +47,9 @@ def test_init_starter_trains_three_steps_on_the_tiny_model(tiny, monkeypatch):
     assert [p["step"] for p in _jsonl(run / "probes.jsonl")] == [0, 3]
     assert (run / "shipped" / "adapter" / "adapter_model.safetensors").exists()
     assert "holdout -" in (run / "report.md").read_text()           # no holdout slice: shown as "-"
+    res = r.invoke(app, ["eval", str(run)])                          # the saved config finds the data again
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "eval.json").read_text())["prompts"] == 4
 
 
 def test_the_probe_rows_are_never_drawn_for_training(tiny):
