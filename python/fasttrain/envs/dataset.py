@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .protocol import INVALID_CORE, Channel, Prompt, Score
-from .reward_functions import RewardFunction
+from .reward_functions import RewardFunction, parse_reward_spec
 
 __all__ = ["DatasetEnvironment", "DatasetError", "load_rows"]
 
@@ -162,22 +162,29 @@ class DatasetEnvironment:
         if not probe_dataset and not probe_rows:
             raise DatasetError("the probe needs prompts it never trains on: set env.probe_rows = N (the "
                                "last N rows of env.dataset are held out) or env.probe_dataset = PATH")
+        names = [parse_reward_spec(spec).name for spec in rewards]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise DatasetError(f"env.rewards: two reward functions are named {dup[0]!r}; each is one "
+                               "channel, so names must differ")
+        if core and core not in names:
+            raise DatasetError(f"env.core: {core!r} is not one of the rewards: {', '.join(names)}")
         rows = load_rows(dataset, "env.dataset")
         if probe_dataset:
             train_rows = list(enumerate(rows))
-            probe_rows_ = list(enumerate(load_rows(probe_dataset, "env.probe_dataset")))
+            probe_set = list(enumerate(load_rows(probe_dataset, "env.probe_dataset")))
             probe_tag = "probe_dataset"
         else:
             if probe_rows >= len(rows):
                 raise DatasetError(f"env.probe_rows = {probe_rows} holds out every row of {dataset!r} "
                                    f"({len(rows)} rows); keep some for training")
             cut = len(rows) - probe_rows
-            train_rows, probe_rows_ = list(enumerate(rows))[:cut], list(enumerate(rows))[cut:]
+            train_rows, probe_set = list(enumerate(rows))[:cut], list(enumerate(rows))[cut:]
             probe_tag = "dataset"
-        self._check_overlap(train_rows, probe_rows_, probe_tag)
+        self._check_overlap(train_rows, probe_set, probe_tag)
         columns = [c for c in rows[0] if c not in NOT_REWARD_COLUMNS]
         if probe_dataset:
-            probe_cols = set(probe_rows_[0][1])
+            probe_cols = set(probe_set[0][1])
             missing = [c for c in columns if c not in probe_cols]
             if missing:
                 raise DatasetError(f"env.probe_dataset: {probe_dataset!r} lacks the column(s) {missing} that "
@@ -188,23 +195,15 @@ class DatasetEnvironment:
         self._raw: dict[str, Any] = {}
         self._messages: dict[str, list[dict[str, str]]] = {}
         self._prompts = {"train": [self._prompt("dataset", i, r) for i, r in train_rows],
-                         "probe": [self._prompt(probe_tag, i, r) for i, r in probe_rows_]}
+                         "probe": [self._prompt(probe_tag, i, r) for i, r in probe_set]}
 
         self.rewards: list[RewardFunction] = []
         try:
-            for spec in rewards:
+            for spec in rewards:                      # one worker each; import errors surface here
                 self.rewards.append(RewardFunction(spec, reward_timeout))
-                names = [f.name for f in self.rewards]
-                if len(set(names)) != len(names):
-                    raise DatasetError(f"env.rewards: two reward functions are named {names[-1]!r}; "
-                                       "each is one channel, so names must differ")
         except BaseException:
             self.close()
             raise
-        names = [f.name for f in self.rewards]
-        if core and core not in names:
-            self.close()
-            raise DatasetError(f"env.core: {core!r} is not one of the rewards: {', '.join(names)}")
         self.core = core or names[0]
         self.channels = [Channel(f.name, 1.0, f"reward function {f.spec.spec}") for f in self.rewards]
         self.invalid_counts = {n: 0 for n in names}
