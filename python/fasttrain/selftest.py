@@ -26,8 +26,10 @@ Tolerances (each is an elementwise bound, derived here, never measured on a host
     Σ_n |g|(p + 1[t=v])|h|/T, plus the output's rounding.
   policy_loss: a token's ratio r = exp(logp − old) carries the rounding of its argument, so each
     token term is off by ε_t = (8 + K)u_a with K = 1 + max(|logp| + |old| + |ref|); the loss sums n
-    tokens: (ε_t + (n+2)u_a)·Σ|term|/normalizer; the gradient is per token: (ε_t + 4u_a) times the sum
-    of its parts' magnitudes (|A'|r(1 + cap) + β(1 + e^d), weighted and normalized: they may cancel)
+    tokens: (ε_t + (n+2)u_a) times the sum over tokens of their parts' magnitudes (the parts may cancel:
+    REPO-R's factor 1 ± ζ log p counts as 1 + ζ|log p|, the policy term as |A|·factor·(r + 2)(1 + |log p|),
+    the KL term as β(e^d + |d| + 1)) over the normalizer; the gradient is per token: (ε_t + 4u_a) times
+    |A|·factor·r(1 + cap) + β(1 + e^d), weighted and normalized,
     plus its rounding to the input dtype (half the subnormal spacing below the smallest normal);
     each statistic is a weighted mean: (ε_t + (n+2)u_a)·(1 + max|x_t|)
     (KL: x = e^d + |d| + 1). Tokens within 1e-3 of a clip edge are masked out (a token on an edge may
@@ -316,28 +318,31 @@ def _policy_case(dev, B, T, loss, dtype, per_token_adv=False, float_mask=False, 
             terms = R.policy_loss_terms(lp_r.detach(), old.to(dev, torch.float64), adv.to(dev, torch.float64),
                                         mask.to(dev), loss=loss, ref_logp=ref.to(dev, torch.float64), beta=beta,
                                         eps_low=eps_low, eps_high=eps_high, cispo_cap=cap, zeta=zeta)
-            per_abs, w = terms["loss"].abs(), terms["weight"]
+            # Each token's parts before they add up (they may cancel): the REPO-R factor 1 ± ζ·log p as
+            # 1 + ζ|log p|, the policy term |A|·factor·(r + 2)(1 + |log p|) (any branch), the KL term
+            # β(e^d + |d| + 1), its gradient |A|·factor·r(1 + cap) + β(1 + e^d); weighted by the mask
+            # and divided by the token's normalizer (GRPO: its row's weight times the sequence count).
+            w = terms["weight"]
+            lp64 = lp_r.detach()
+            d = ref.to(dev, torch.float64) - lp64
+            adv64 = adv.to(dev, torch.float64)
+            adv64 = (adv64[:, None].expand(B, T) if adv64.dim() == 1 else adv64).abs()
+            fac = 1 + zeta * lp64.clamp(min=-20).abs()
+            r64 = terms["ratio"]
+            loss_mag = (adv64 * fac * (r64 + 2) * (1 + lp64.abs()) + beta * (d.exp() + d.abs() + 1)) * w
+            grad_mag = (adv64 * fac * r64 * (1 + cap) + beta * (1 + d.exp())) * w
             if loss == "grpo":
-                row_w = w.sum(-1)
+                row_w = w.sum(-1, keepdim=True)
                 S = norm if norm is not None else float((row_w > 0).sum())
-                abs_scale = float((per_abs.sum(-1) / row_w.clamp(min=1e-300)).where(row_w > 0, 0 * row_w).sum() / S)
+                per_norm = (row_w * S).clamp(min=1e-300)
             else:
-                abs_scale = float(per_abs.sum() / (norm if norm is not None else w.sum()))
+                per_norm = max(norm if norm is not None else float(w.sum()), 1e-300)
+            abs_scale = float((loss_mag / per_norm).sum())
             sum_f = et + (n + 2) * ua
             check.close("loss", ok_, orf, sum_f * abs_scale + ua * abs(float(orf)), torch.float32)
             g64 = lp_r.grad
-            # the gradient's parts before they add up (they may cancel): |A'|·r·(1 + cap) for the policy
-            # term, beta·(1 + e^d) for the KL term, times the token's weight over its normalizer
-            d = ref.to(dev, torch.float64) - lp_r.detach()
-            adv64 = adv.to(dev, torch.float64)
-            adv64 = adv64[:, None].expand(B, T) if adv64.dim() == 1 else adv64
-            G = (adv64.abs() * terms["factor"] * terms["ratio"] * (1 + cap) + beta * (1 + d.exp())) * w
-            if loss == "grpo":
-                G = G / (w.sum(-1, keepdim=True).clamp(min=1e-300) * S)
-            else:
-                G = G / (norm if norm is not None else w.sum())
-            check.close("d_logp", lp_k.grad, g64, (et + 4 * ua) * G + _rounding(g64, dtype), dtype)
-            mags = {"ratio_mean": terms["ratio"], "kl_mean": d.exp() + d.abs() + 1, "repo_r_factor_mean": terms["factor"]}
+            check.close("d_logp", lp_k.grad, g64, (et + 4 * ua) * grad_mag / per_norm + _rounding(g64, dtype), dtype)
+            mags = {"ratio_mean": r64, "kl_mean": d.exp() + d.abs() + 1, "repo_r_factor_mean": fac}
             for k in sk:
                 x = mags.get(k)
                 m = 1.0 + (float(torch.where(on, x.abs(), torch.zeros_like(x)).max()) if x is not None else 0.0)
