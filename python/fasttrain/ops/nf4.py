@@ -94,12 +94,7 @@ class NF4State:
 
 def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -> tuple[torch.Tensor, NF4State]:
     """Quantize `w` (fp32/fp16/bf16, any shape) to NF4. Returns (packed uint8 [ceil(n/2)], state)."""
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"nf4_quantize: w must be a torch.Tensor, got {type(w).__name__}")
-    if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"nf4_quantize: w must be float32, float16 or bfloat16, got {w.dtype}")
-    if w.numel() == 0:
-        raise ValueError("nf4_quantize: w is empty")
+    _reference.check_nf4_quantize_input(w)
     if _use_reference():
         return _reference.nf4_quantize(w, blocksize, double_quant)
     packed, absmax = _ops.nf4_quantize(w.detach(), blocksize)

@@ -31,17 +31,10 @@ def nf4_linear(x: torch.Tensor, qweight: torch.Tensor, state: NF4State, lora_a: 
     weight_sq_norm [out] fp32: ‖W‖² per row, to skip recomputing it (DoRA only).
     Autograd: x, lora_a, lora_b, dora_m.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"nf4_linear: x must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(state, NF4State) or len(state.shape) != 2:
+    if not isinstance(state, NF4State):
         raise ValueError("nf4_linear: state must be the NF4State of a 2-D weight [out_features, in_features]")
+    _reference.check_nf4_linear_args(x, state, lora_a, lora_b, dora_m)
     out_features, in_features = state.shape
-    if x.dim() < 1 or x.shape[-1] != in_features:
-        raise ValueError(f"nf4_linear: x must have shape [..., {in_features}], got {tuple(x.shape)}")
-    if (lora_a is None) != (lora_b is None):
-        raise ValueError("nf4_linear: lora_a and lora_b must be given together")
-    if dora_m is not None and lora_a is None:
-        raise ValueError("nf4_linear: dora_m needs lora_a and lora_b")
     if _use_reference():
         return _reference.nf4_linear(x, qweight, state, lora_a, lora_b, scale, dora_m, weight_sq_norm)
     lead = x.shape[:-1]

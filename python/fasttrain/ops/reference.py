@@ -119,18 +119,23 @@ def nf4_decode_weight(packed: torch.Tensor, state, dtype: torch.dtype = torch.fl
     return w.to(dtype).view(tuple(state.shape))
 
 
-def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False):
-    """Quantize `w` (fp32/fp16/bf16) to NF4: (packed uint8 [ceil(n/2)], fasttrain.ops.NF4State).
-    Double quantization subtracts the absmax vector's mean and stores the rest in 8 bits (256 per
-    block) against the signed dynamic map, as bitsandbytes."""
-    from fasttrain.ops.nf4 import NF4State, dynamic_map  # the state's plain dataclass and the table
-
+def check_nf4_quantize_input(w) -> None:
+    """The argument errors of nf4_quantize (the fused face raises the same ones through this)."""
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"nf4_quantize: w must be a torch.Tensor, got {type(w).__name__}")
     if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"nf4_quantize: w must be float32, float16 or bfloat16, got {w.dtype}")
     if w.numel() == 0:
         raise ValueError("nf4_quantize: w is empty")
+
+
+def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False):
+    """Quantize `w` (fp32/fp16/bf16) to NF4: (packed uint8 [ceil(n/2)], fasttrain.ops.NF4State).
+    Double quantization subtracts the absmax vector's mean and stores the rest in 8 bits (256 per
+    block) against the signed dynamic map, as bitsandbytes."""
+    from fasttrain.ops.nf4 import NF4State, dynamic_map  # the state's plain dataclass and the table
+
+    check_nf4_quantize_input(w)
     packed, absmax = nf4_quantize_blocks(w, blocksize)
     state = NF4State(shape=w.shape, dtype=w.dtype, blocksize=blocksize)
     if double_quant:
@@ -277,8 +282,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 
 # ---- nf4_linear --------------------------------------------------------------------------------
-def _check_linear(x, state, lora_a, lora_b, dora_m):
-    if len(state.shape) != 2:
+def check_nf4_linear_args(x, state, lora_a, lora_b, dora_m) -> None:
+    """The argument errors of nf4_linear (the fused face raises the same ones through this)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"nf4_linear: x must be a torch.Tensor, got {type(x).__name__}")
+    if len(getattr(state, "shape", ())) != 2:
         raise ValueError("nf4_linear: state must be the NF4State of a 2-D weight [out_features, in_features]")
     in_features = state.shape[1]
     if x.dim() < 1 or x.shape[-1] != in_features:
@@ -294,7 +302,7 @@ def nf4_linear(x: torch.Tensor, qweight: torch.Tensor, state, lora_a: torch.Tens
                weight_sq_norm: torch.Tensor | None = None) -> torch.Tensor:
     """y = g ⊙ (x·Wᵀ + scale·(x·Aᵀ)·Bᵀ), g = dora_m / ‖W + scale·B·A‖_row (detached) or 1; in x.dtype.
     Computed in float32 (float64 for float64 x); `weight_sq_norm` is accepted and not needed."""
-    _check_linear(x, state, lora_a, lora_b, dora_m)
+    check_nf4_linear_args(x, state, lora_a, lora_b, dora_m)
     ct = _acc(x.dtype)
     out_features, in_features = state.shape
     w = nf4_decode_weight(qweight, state, ct)
