@@ -256,9 +256,8 @@ def _logprob_cases(dev, quick: bool):
             out.append(_logprob_case(dev, N, H, V, dt, T=(0.9, 1.0, 0.7)[i % 3], bias=i % 2 == 0, chunk=small,
                                      small_grad=dt == torch.float16, seed=10 + i))
     out.append(_logprob_case(dev, 300, 96, 5003, torch.bfloat16, chunk=0, seed=40))
-    if dev.type == "cpu":  # the CPU kernels also take float64 (the tests' exact path)
-        out.append(_logprob_case(dev, 37, 19, 53, torch.float64, chunk=small, seed=41))
-        out.append(_logprob_case(dev, 130, 65, 1001, torch.float64, chunk=small, seed=42))
+    out.append(_logprob_case(dev, 37, 19, 53, torch.float64, chunk=small, seed=41))   # both backends take fp64
+    out.append(_logprob_case(dev, 130, 65, 1001, torch.float64, chunk=small, seed=42))
     return out
 
 
@@ -734,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{', sm ' + d['compute_capability'] if d['compute_capability'] else ''}) in {report['seconds']:.1f} s")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(report, indent=1))
+        from fasttrain.train.run_files import json_safe  # standard JSON: an infinite error as "inf"
+        a.json.write_text(json.dumps(json_safe(report), indent=1))
         print(f"report: {a.json}")
     record_verdict(report)
     if not report["passed"]:

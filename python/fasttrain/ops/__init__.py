@@ -2,7 +2,9 @@
 
 Each op is a schema in the `torch.ops.fasttrain` namespace with CPU and (when built) CUDA kernels,
 a fake (meta) kernel for torch.compile, and, where it has a backward, a registered autograd formula
-whose backward is itself an op.
+whose backward is itself an op. `fasttrain.ops.reference` holds every op in plain PyTorch (the
+oracle of the tests and of `fasttrain selftest`); FASTTRAIN_KERNELS=reference, or
+`use_kernels("reference")`, sends the op faces below to it (fasttrain.ops.kernels).
 """
 from fasttrain._native import build_info, load as _load
 
