@@ -10,8 +10,9 @@ definitions in the ops' docstrings, with torch's autograd doing every backward. 
   - the run-time fallback: `run.kernels = "reference"` in a recipe, or FASTTRAIN_KERNELS=reference
     for the ops called inside other trainers, sends every op face here (fasttrain.ops.kernels);
   - a readable statement of what each fused kernel computes.
-It imports torch only (the native extension is never called here), so it stays a check on the
-kernels rather than a second copy of them.
+No native kernel is called here, so it stays a check on the kernels rather than a second copy of
+them: the module imports torch only; nf4_quantize takes fasttrain's NF4State (a plain dataclass)
+and the dynamic-map table from fasttrain.ops.nf4 when it is called.
 
 Precision, as the fused ops promise: log-softmax, losses and their sums in float32 for
 bf16/fp16/fp32 inputs (float64 for float64), NF4 decoded exactly (a float32 level times a float32
