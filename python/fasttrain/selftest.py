@@ -595,7 +595,6 @@ def _nvidia_driver() -> str | None:
 def run_selftest(device: str | torch.device = "cpu", quick: bool = False, ops: list[str] | None = None,
                  progress: Callable[[Row], None] | None = None) -> dict[str, Any]:
     """Run the cases; returns the report (device info, rows, failing rows, passed)."""
-    from fasttrain.ops.kernels import fused_only
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("selftest --device cuda: no CUDA device is visible to torch")
@@ -603,6 +602,22 @@ def run_selftest(device: str | torch.device = "cpu", quick: bool = False, ops: l
         KERNELS.update(_kernel_faces())
     t0 = time.perf_counter()
     rows: list[Row] = []
+    # fp32 GEMMs in full fp32 while checking (TF32, a user's speed choice, would be judged as an error)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        _run_cases(dev, quick, ops, rows, progress)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    failing = [asdict(r) for r in rows if not r.passed]
+    return {"passed": not failing, "quick": quick, "device": device_info(dev),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.perf_counter() - t0))),
+            "seconds": round(time.perf_counter() - t0, 3), "cases": len(rows), "failed": len(failing),
+            "failing": failing, "rows": [asdict(r) for r in rows]}
+
+
+def _run_cases(dev, quick, ops, rows, progress) -> None:
+    from fasttrain.ops.kernels import fused_only
     with fused_only():
         for op, cases in CASES.items():
             if ops and op not in ops:
@@ -617,11 +632,6 @@ def run_selftest(device: str | torch.device = "cpu", quick: bool = False, ops: l
                 rows.append(row)
                 if progress:
                     progress(row)
-    failing = [asdict(r) for r in rows if not r.passed]
-    return {"passed": not failing, "quick": quick, "device": device_info(dev),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.perf_counter() - t0))),
-            "seconds": round(time.perf_counter() - t0, 3), "cases": len(rows), "failed": len(failing),
-            "failing": failing, "rows": [asdict(r) for r in rows]}
 
 
 # ---- the verdict cache (read by `fasttrain info` and the trainer) --------------------------------
