@@ -10,7 +10,11 @@ import fasttrain.ops as ops
 from fasttrain.ops import reference as R
 from fasttrain.ops.nf4 import NF4State
 
-bnb_f = pytest.importorskip("bitsandbytes.functional")
+
+def _bnb():
+    """bitsandbytes, imported by the tests that compare with it (the others run where it is absent)."""
+    return pytest.importorskip("bitsandbytes.functional")
+
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICES = ["cpu"]  # the CUDA kernels are checked against these CPU kernels in test_nf4_cuda.py
@@ -21,7 +25,7 @@ NF4_LEVELS = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098144
 
 
 def bnb_ref(w, blocksize=64, double_quant=False):
-    packed, st = bnb_f.quantize_4bit(w, blocksize=blocksize, quant_type="nf4", compress_statistics=double_quant)
+    packed, st = _bnb().quantize_4bit(w, blocksize=blocksize, quant_type="nf4", compress_statistics=double_quant)
     return packed.reshape(-1), st
 
 
@@ -111,7 +115,7 @@ def test_double_quant(n, dtype, device):
 
 
 def test_dynamic_map_equals_bitsandbytes():
-    assert torch.equal(ops.dynamic_map(), bnb_f.create_dynamic_map(signed=True))
+    assert torch.equal(ops.dynamic_map(), _bnb().create_dynamic_map(signed=True))
 
 
 def test_gaussian_roundtrip_error():
