@@ -36,7 +36,9 @@ def use_reference() -> bool:
     if _chosen == "reference":
         return True
     env = os.environ.get(ENV_VAR)
-    return env is not None and env != "fused" and _check(env.strip().lower(), ENV_VAR) == "reference"
+    if not env or env == "fused":  # unset or empty: the compiled kernels
+        return False
+    return _check(env.strip().lower(), ENV_VAR) == "reference"
 
 
 def kernels() -> str:
