@@ -321,6 +321,17 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        """Train (or continue) with the ops of run.kernels; on CUDA the compiled kernels are checked
+        against the reference first (fasttrain.train.kernel_check) and a failure stops the run."""
+        from fasttrain.ops.kernels import use_kernels
+        from fasttrain.train.kernel_check import check_kernels
+        with use_kernels(self.cfg.run.kernels):
+            problem = check_kernels(self.device, self.dir, self.console)
+            if problem:
+                raise TrainingStopped(problem)
+            return self._train_loop()
+
+    def _train_loop(self) -> dict[str, Any]:
         from fasttrain.train.report import write_outputs
         cfg = self.cfg
         self.dir.mkdir(parents=True, exist_ok=True)
