@@ -98,6 +98,7 @@ class RolloutSection:
     base_weights: Literal["auto", "nf4", "dequantized"] = "auto"
     # The decode step through torch.compile (CPU: inductor; CUDA: mode "reduce-overhead", CUDA
     # graphs over the static cache). Compile time is paid once per run (and per new batch shape).
+    # Off by default: on a CPU it measured slower than eager (bench/results, step-speed).
     compile: bool = False
 
 
