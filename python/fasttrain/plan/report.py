@@ -138,3 +138,13 @@ def as_json(p: Plan) -> dict:
         "seconds": {**p.time.seconds, "step": p.time.total}, "dominant": p.time.dominant,
         "assumptions": p.time.assumptions, "largest": p.limits,
     }
+
+
+def plan_for_run(cfg, model_config, prompt_tokens: int, device) -> tuple[str, bool]:
+    """(one-line summary, fits) for a run about to start on `device` (the trainer's faces)."""
+    from fasttrain.plan.gpus import gpu_for_device
+    from fasttrain.plan.run_shape import run_shape
+
+    p = make_plan(model_config, run_shape(cfg, prompt_tokens), gpu_for_device(device),
+                  name=str(cfg.policy.model), env=cfg.env.name, with_limits=False)
+    return summary_line(p), p.fits
