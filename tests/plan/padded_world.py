@@ -4,10 +4,13 @@ from tiny_world import LetterEnv, tiny_policy  # noqa: F401
 from fasttrain.envs import Prompt
 
 
+PADDING = ""   # tools/plan_check.py lengthens every prompt to reach a target token count
+
+
 class PaddedLetterEnv(LetterEnv):
     def prompts(self, split: str):
         n = 12 if split == "train" else 4
-        return [Prompt(f"letters/{split}/{i}", f"Say a word number {i}." + " Please." * (i % 5)) for i in range(n)]
+        return [Prompt(f"letters/{split}/{i}", f"Say a word number {i}." + " Please." * (i % 5) + PADDING) for i in range(n)]
 
 
 def make_env():

@@ -19,7 +19,7 @@ from fasttrain.plan import Device, meta_policy, plan_memory, run_shape
 TOL = 0.15
 
 
-def _compare(trainer, monkeypatch, dtype_threads=1):
+def _compare(trainer, monkeypatch):
     from measured_step import measure_steps
 
     measured = measure_steps(trainer, monkeypatch)
@@ -34,6 +34,8 @@ def _compare(trainer, monkeypatch, dtype_threads=1):
     out = {}
     for phase in ("rollout", "scores", "update"):
         out[phase] = (plan.total(phase), measured[phase])
+        print(f"{trainer.cfg.policy.model} {phase}: planned {out[phase][0]} measured {out[phase][1]} "
+              f"ratio {out[phase][0] / out[phase][1]:.3f}")
     return out
 
 

@@ -17,7 +17,8 @@ Phases (what is live at each one's peak):
 Resident in every phase: the NF4 base (packed 4-bit + absmax), the unquantised parts (embeddings,
 lm_head, norms), the fp32 adapter masters, DoRA's row norms, the AdamW moments (from step 2 on),
 the step's batch tensors (ids, masks, log-probs) after the rollout, and workspace: on the CPU the
-NF4 kernels' reusable dequantisation scratch (the largest projection, in the compute dtype).
+NF4 kernels' reusable dequantisation scratch (the largest projection, in the compute dtype); on
+CUDA the dequantised weight of one projection, a temporary of every call with more than 64 rows.
 
 Activation sizes follow the code paths: Hugging Face's Llama-family layer (RMSNorm upcasts to fp32,
 SDPA with grouped K/V repeated when a padding mask is present), fasttrain.ops.nf4_linear (saves its
@@ -43,7 +44,7 @@ PARTS = {
     "dora_norms": "adapters: DoRA row norms",
     "adam_moments": "adapters: AdamW moments",
     "adapter_grads": "adapters: gradients",
-    "workspace": "workspace (NF4 dequantisation scratch)",
+    "workspace": "workspace (dequantised NF4 projection)",
     "batch": "step batch (ids, masks, log-probs)",
     "kv_cache": "KV cache",
     "activations": "activations",
@@ -262,7 +263,9 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
     """Bytes by part for each phase of a step (steady state: AdamW moments exist)."""
     res = dict(m.resident)
     c = _compute_bytes(m, dev)
-    workspace = 0
+    # CPU: the NF4 kernels' reusable dequantisation scratch (thread-local, kept). CUDA: the dequantised
+    # weight of one projection, a temporary of every prefill/training call (M > 64), counted in every phase.
+    workspace = max(o * i for o, i in m.projections) * m.w if dev.kind == "cuda" else 0
     if dev.kind == "cpu":
         workspace = max(o * i for o, i in m.projections) * c
         if m.adapter_kind == "dora":
