@@ -147,7 +147,9 @@ def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path 
          model: Optional[str] = typer.Option(None, "--model", help="bundled config name (e.g. qwen2.5-32b), "
                                              "a config.json, or a model folder (default: the recipe's policy.model)"),
          gpu: str = typer.Option("h100-sxm-80gb", "--gpu", help="h100-sxm-80gb | h200-141gb | a100-80gb | l40s-48gb | cpu"),
-         prompt_tokens: int = typer.Option(300, "--prompt-tokens", help="tokens of the longest prompt, chat template included"),
+         prompt_tokens: int = typer.Option(
+             360, "--prompt-tokens", help="tokens of the longest prompt, chat template included (signal-a: 344-362 "
+             "with SmolLM2's tokenizer)"),
          mfu: float = typer.Option(0.4, "--mfu", help="assumed share of the bf16 peak reached by matmul phases"),
          as_json_: bool = typer.Option(False, "--json", help="print the plan as JSON")) -> None:
     """Will RECIPE fit a GPU, and how long will a step take? On paper: the model is built from its config.json
