@@ -35,7 +35,8 @@ def _compare(trainer, monkeypatch):
     for phase in ("rollout", "scores", "update"):
         out[phase] = (plan.total(phase), measured[phase])
         print(f"{trainer.cfg.policy.model} {phase}: planned {out[phase][0]} measured {out[phase][1]} "
-              f"ratio {out[phase][0] / out[phase][1]:.3f}")
+              f"ratio {out[phase][0] / out[phase][1]:.3f}; above the resident bytes: ratio "
+              f"{(out[phase][0] - resident) / (out[phase][1] - resident):.3f}")
     return out
 
 

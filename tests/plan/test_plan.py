@@ -101,3 +101,28 @@ def test_the_study_run_on_one_h100_and_a_run_that_cannot_fit():
                                  "--set", "rollout.group_size=64"])
     assert r.exit_code == 1
     assert "does not fit even at micro_batch 1" in r.output
+
+
+def test_plan_never_imports_the_trainer():
+    import subprocess
+    import sys
+    code = "import sys, fasttrain.plan, fasttrain.plan.report; print(any(m.startswith('fasttrain.train') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_trainer_prints_the_plan_and_warns_when_it_will_not_fit(worlds, tmp_path, monkeypatch):
+    from conftest_recipe import tiny_recipe
+    from rich.console import Console
+
+    import fasttrain.plan.gpus as gpus
+    from fasttrain.train import Trainer, load_config
+
+    console = Console(file=open(tmp_path / "out.txt", "w"), width=400)
+    tr = Trainer(load_config(tiny_recipe(tmp_path, 2, 2, 4, 3)), progress=False, console=console)
+    monkeypatch.setattr(gpus, "_host_memory", lambda: 1 << 20)      # a 1 MiB host: nothing fits
+    tr._setup()
+    console.file.close()
+    text = (tmp_path / "out.txt").read_text()
+    assert "plan: tiny_world:tiny_policy on this host's CPU: peak" in text and "DOES NOT FIT" in text
+    assert any("DOES NOT FIT" in w["message"] for w in tr.warnings)
