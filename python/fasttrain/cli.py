@@ -151,6 +151,10 @@ def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path 
              360, "--prompt-tokens", help="tokens of the longest prompt, chat template included (signal-a: 344-362 "
              "with SmolLM2's tokenizer)"),
          mfu: float = typer.Option(0.4, "--mfu", help="assumed share of the bf16 peak reached by matmul phases"),
+         decode_share: float = typer.Option(1.0, "--decode-share", help="measured share of the bandwidth floor "
+                                            "reached by decode (1.0: the floor)"),
+         verifier_rate: Optional[float] = typer.Option(None, "--verifier-answers-per-s",
+                                                       help="the verifier's measured answers per second"),
          as_json_: bool = typer.Option(False, "--json", help="print the plan as JSON")) -> None:
     """Will RECIPE fit a GPU, and how long will a step take? On paper: the model is built from its config.json
     on the meta device (no weights are read)."""
@@ -167,7 +171,8 @@ def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path 
             raise ConfigError(f"policy.model {spec!r} is a GGUF file; pass --model with a config.json")
         p = make_plan(model_config(spec), run_shape(cfg, prompt_tokens), gpu_spec(gpu),
                       name=Path(spec).stem if Path(spec).suffix == ".json" else Path(spec).name or spec,
-                      env=cfg.env.name, mfu=mfu)
+                      env=cfg.env.name, mfu=mfu, decode_share=decode_share,
+                      verifier_answers_per_s=verifier_rate)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if as_json_:

@@ -40,14 +40,16 @@ class Plan:
 
 
 def make_plan(config, shape: RunShape, gpu: GPU, name: str = "model", env: str = "", mfu: float = 0.4,
-              verifier_answers_per_s: float | None = None, with_limits: bool = True) -> Plan:
+              verifier_answers_per_s: float | None = None, with_limits: bool = True,
+              decode_share: float = 1.0) -> Plan:
     """Plan `shape` for the model of `config` (dict or transformers config) on `gpu`."""
     m = meta_policy(config, name=name, dtype=shape.dtype, adapter=shape.adapter, rank=shape.rank,
                     alpha=shape.alpha, targets=shape.targets)
     dev = device_for(gpu)
     mem = plan_memory(m, shape, dev)
     ok, headroom = fits(mem.peak, gpu.memory_bytes, gpu.context_bytes)
-    t = plan_time(m, shape, gpu, env=env, mfu=mfu, verifier_answers_per_s=verifier_answers_per_s)
+    t = plan_time(m, shape, gpu, env=env, mfu=mfu, verifier_answers_per_s=verifier_answers_per_s,
+                  decode_share=decode_share)
     lim = largest_settings(m, shape, gpu, dev) if with_limits else {}
     return Plan(m, shape, gpu, mem, t, ok, headroom, lim)
 

@@ -54,16 +54,22 @@ def _forward_flops(m: ModelShape, tokens: int, keys_per_token: float) -> float:
 
 
 def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 0.4,
-              verifier_answers_per_s: float | None = None) -> StepTime:
+              verifier_answers_per_s: float | None = None, decode_share: float = 1.0) -> StepTime:
+    """decode_share: the share of the bandwidth floor a measured decode reached (1.0 = the floor)."""
+    if not (0 < mfu <= 1) or not (0 < decode_share <= 1):
+        raise ValueError(f"mfu and decode share must be in (0, 1], got {mfu} and {decode_share}")
     flops = gpu.bf16_flops * mfu
-    bw = gpu.bandwidth
+    bw = gpu.bandwidth * decode_share
     n, B, P, T, S = s.prompts, s.rows, s.prompt_tokens, s.new_tokens, s.seq
     H, V, w = m.hidden, m.vocab, m.w
     t = StepTime()
     t.assumptions.append(f"matmul phases at {mfu:.0%} of {gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16 dense "
                          f"(assumed: not measured on a GPU yet)")
-    t.assumptions.append(f"decode at the memory-bandwidth floor of {gpu.bandwidth / 1e12:.2f} TB/s "
-                         f"(no GPU run has measured the share reached yet)")
+    if decode_share == 1.0:
+        t.assumptions.append(f"decode at the memory-bandwidth floor of {gpu.bandwidth / 1e12:.2f} TB/s "
+                             f"(no GPU run has measured the share reached yet; --decode-share sets it)")
+    else:
+        t.assumptions.append(f"decode at {decode_share:.0%} of {gpu.bandwidth / 1e12:.2f} TB/s (given)")
     # rollout: prefill of the distinct prompts, then T decode steps
     prefill = _forward_flops(m, n * P, P) + 2.0 * H * V * n
     weights = m.resident["nf4_base"] + m.resident["adapter_masters"] + V * H * w
