@@ -119,11 +119,23 @@ def render(p: Plan) -> str:
             cap = {"micro_batch": f" (all {s.rows} rows)" if v == s.rows else ""}.get(k, "")
             lines.append(f"  {k:16s}{'none: does not fit even at the smallest' if v is None else str(v) + cap}")
         if p.limits.get("micro_batch") is None:
-            lines.append(
-                f"  this run does not fit even at micro_batch 1: the resident parts alone are "
-                f"{gib(sum(v for k, v in p.memory.phases['rollout'].items() if k in ('nf4_base', 'dense_parts', 'adapter_masters', 'adam_moments', 'dora_norms'))):.2f} GiB "
-                f"and the rollout holds {gib(p.memory.total('rollout')):.2f} GiB; use a larger GPU, a smaller "
-                f"model, fewer rows (prompts_per_step x group_size) or fewer tokens")
+            knobs = {"rollout": "rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens",
+                     "probe": "probe.prompts or probe.max_new_tokens (the probe prefills all its prompts at once)",
+                     "scores": "optim.micro_batch", "update": "optim.micro_batch"}
+            upd = p.memory.phases["update"]
+            resident = sum(upd[k] for k in ("nf4_base", "dense_parts", "adapter_masters", "adam_moments",
+                                              "dora_norms", "workspace"))
+            worst = max((ph for ph in p.memory.phases if ph != "update"), key=p.memory.total)
+            if resident + g.context_bytes >= g.memory_bytes:
+                lines.append(
+                    f"  this run does not fit even at micro_batch 1: the resident parts alone (NF4 base, unquantised "
+                    f"parts, adapters and their AdamW moments) are {gib(resident):.2f} GiB of {gib(g.memory_bytes):.1f}; "
+                    f"use a larger GPU or a smaller model")
+            else:
+                lines.append(
+                    f"  this run does not fit even at micro_batch 1: the resident parts alone are {gib(resident):.2f} GiB "
+                    f"and the {worst} phase needs {gib(p.memory.total(worst)):.2f} GiB of {gib(g.memory_bytes):.1f}; "
+                    f"lower {knobs[worst]}, or use a larger GPU or a smaller model")
     return "\n".join(lines)
 
 
