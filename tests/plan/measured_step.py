@@ -78,4 +78,5 @@ def measure_steps(trainer, monkeypatch) -> dict[str, int]:
     from fasttrain.train.answers import prompt_token_ids
     ids = prompt_token_ids(trainer.tokenizer, trainer.env, trainer._prompts_for_step(2),
                            trainer.cfg.rollout.answer_prefix)
-    return {"resident": base, **peaks, "prompt_tokens": max(len(i) for i in ids)}
+    return {"resident": base, **peaks, "prompt_tokens": max(len(i) for i in ids),
+            "phase_start": {k: v for k, v in starts.items()}}

@@ -5,7 +5,9 @@ Measured (tests/plan/measured_step.py): every allocation and free through torch'
 during two real `Trainer._train_step` calls (profiler memory events), on top of the parameters and
 buffers resident when profiling starts; the phases of step 2 (rollout = sample_answers, scores =
 score_batch, update = update_policy with its optimizer step) are compared. Step 1 warms up: it
-creates the AdamW moments and the NF4 kernels' reusable scratch, which the plan counts as resident.
+creates the AdamW moments and the NF4 kernels' reusable scratch, which the plan counts as resident
+(the scratch is thread-local and kept: a later shape in the same process finds it allocated, and
+its measured peaks are low by its size, 32 KB for the tiny model, 3.5 MB for SmolLM2).
 Not measured: the probe phase (the rollout's formula with the probe's shape), and any CUDA
 allocation (tools/gpu_check.sh compares against torch.cuda.max_memory_allocated on a GPU).
 Prompts have different lengths and answers run to max_new_tokens (EOS disabled), as the plan
@@ -40,7 +42,7 @@ def _compare(trainer, monkeypatch):
     return out
 
 
-@pytest.mark.parametrize("n,G,T,mb", [(2, 2, 4, 3), (2, 4, 8, 6), (3, 4, 16, 12)])
+@pytest.mark.parametrize("n,G,T,mb", [(3, 2, 4, 3), (2, 4, 8, 6), (3, 4, 16, 12)])
 def test_tiny_model_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n, G, T, mb):
     from conftest_recipe import tiny_recipe
     from fasttrain.train import Trainer, load_config
@@ -51,14 +53,27 @@ def test_tiny_model_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
 
 
+@pytest.fixture(scope="module")
+def smollm2_fp32():
+    from fasttrain.models import load_policy
+    return load_policy(None, dtype=torch.float32)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("n,G,T,mb", [(2, 2, 3, 3), (2, 3, 4, 4), (3, 2, 6, 6)])
-def test_smollm2_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n, G, T, mb):
-    """SmolLM2-135M (fp32, tiny shapes: a few rows and tokens keep each step under a few seconds on
-    2 shared cores; the model load, ~25 s, is paid once per shape)."""
+@pytest.mark.parametrize("n,G,T,mb", [(3, 2, 3, 3), (2, 3, 3, 4), (3, 2, 4, 6)])
+def test_smollm2_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, smollm2_fp32, n, G, T, mb):
+    """SmolLM2-135M in fp32 at tiny shapes (a few rows and tokens: the profiled steps stay cheap on 2
+    shared cores; the model loads once, each shape trains a copy). Every shape after the first in a
+    process finds the NF4 kernels' thread-local dequantisation scratch (3.5 MB here) already
+    allocated, so its measured peaks are low by that much (under 2% of ~200 MB)."""
+    import copy
+
+    import fasttrain.train.policy as policy
     from conftest_recipe import tiny_recipe
     from fasttrain.train import Trainer, load_config
 
+    model, tok = smollm2_fp32
+    monkeypatch.setattr(policy, "_load_base", lambda spec, dtype: (copy.deepcopy(model), tok))
     r = tiny_recipe(tmp_path, n, G, T, mb)
     r["policy"]["model"] = "smollm2-135m"
     got = _compare(Trainer(load_config(r), progress=False), monkeypatch)

@@ -213,7 +213,7 @@ def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
         x = mb * T * H * w * 2                                          # answer hidden, h = cat(h0, rest)
         options = [
             (U * kvrow * P, _layer_forward_peak(m, U * P, P, U, P, c) + U * P * H * w + 2 * U * P * D * w),
-            (U * kvrow * P + mb * kvrow * P, U * P * H * w),
+            (mb * kvrow * P + U * kvrow * P // L, U * P * H * w),          # gathered layer by layer
             (mb * kvrow * (S - 1), _layer_forward_peak(m, mb * (T - 1), S - 1, mb, T - 1, c) + x +
              U * P * H * w + 2 * mb * (T - 1) * D * w),
         ]
@@ -283,7 +283,12 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
     if s.need_ref or s.need_old:
         plan.phases["scores"] = {**base, "batch": batch, **_scores(m, dev, s)}
     upd = _update(m, dev, s, s.gradient_checkpointing)
-    plan.phases["update"] = {**base, "batch": batch, "adapter_grads": res["adapter_masters"], **upd}
+    # Gradients: all of them once a micro-batch has run backward, so a second full micro-batch peaks
+    # with every gradient present; a step of one micro-batch (per pass: zero_grad frees them) peaks in
+    # its last layer's backward, when only that layer's gradients exist.
+    mb = min(s.micro_batch, B)
+    grads = res["adapter_masters"] if B >= 2 * mb else res["adapter_masters"] // m.layers
+    plan.phases["update"] = {**base, "batch": batch, "adapter_grads": grads, **upd}
     other = _update(m, dev, s, not s.gradient_checkpointing)
     n_tok = update_tokens(s)
     plan.notes = {

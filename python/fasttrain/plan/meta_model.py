@@ -124,7 +124,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
     quantize_model(model, double_quant=double_quant)
     adapters = attach_adapters(model, kind=adapter, r=rank, alpha=alpha, targets=list(targets) or None)
     layers = list(nf4_layers(model))
-    base = adapter_bytes = wsq = 0
+    base = wsq = 0
     counted: set[int] = set()
     for _, m in layers:
         for bn, b in m.named_buffers(recurse=False):
@@ -146,13 +146,12 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         if id(t) in inside or id(t) in other:
             continue
         other[id(t)] = _bytes(t)
-    text = cfg
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return ModelShape(
         name=name, model_type=cfg.model_type, architecture=type(model).__name__,
-        layers=text.num_hidden_layers, hidden=text.hidden_size, intermediate=text.intermediate_size,
-        heads=text.num_attention_heads, kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        head_dim=head_dim, vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
+        layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+        heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim, vocab=cfg.vocab_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
         dtype=td, params=params, linear_params=sum(m.in_features * m.out_features for _, m in layers),
         projections=[(m.out_features, m.in_features) for _, m in layers],
         adapter_params=sum(p.numel() for p in adapters), adapter_kind=adapter, rank=rank,
