@@ -88,6 +88,17 @@ class NF4State:
                    (self.absmax, self.qabsmax, self.absmax2, self.code, self.offset) if t is not None)
 
 
+def absmax_offset(absmax: torch.Tensor) -> torch.Tensor:
+    """The offset double quantization subtracts: the mean of the block scales, summed in float64 in
+    index order and rounded once to float32, on the CPU whatever absmax's device (CPU cumsum is one
+    sequential loop). The same weight therefore gets the same offset on every device, CPU and thread
+    count; float32 absmax.mean() (bitsandbytes' rule) does not: CUDA and the CPU sum in different
+    orders, and the CPU's order changes with the number of threads. The two agree to within the
+    rounding error of that float32 sum. Returns a 0-d float32 tensor on absmax's device."""
+    a = absmax.detach().to("cpu").to(torch.float64)
+    return (a.cumsum(0)[-1] / a.numel()).to(torch.float32).to(absmax.device)
+
+
 def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -> tuple[torch.Tensor, NF4State]:
     """Quantize `w` (fp32/fp16/bf16, any shape) to NF4. Returns (packed uint8 [ceil(n/2)], state)."""
     if not isinstance(w, torch.Tensor):
@@ -99,7 +110,7 @@ def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
     packed, absmax = _ops.nf4_quantize(w.detach(), blocksize)
     state = NF4State(shape=w.shape, dtype=w.dtype, blocksize=blocksize)
     if double_quant:
-        offset = absmax.mean()
+        offset = absmax_offset(absmax)
         q, a2 = _ops.blockwise8_quantize(absmax - offset, _dynamic_map_on(w.device), ABSMAX_BLOCKSIZE)
         state.qabsmax, state.absmax2, state.code, state.offset = q, a2, _dynamic_map_on(w.device), offset
     else:
