@@ -30,6 +30,7 @@ from fasttrain.train.config import Config, ConfigError, config_hash, config_to_t
 from fasttrain.train.policy import build_policy, pick_device
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.probe import run_probe, select_shipped
+from fasttrain.train.trackers import Trackers
 from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
 
 __all__ = ["Trainer", "TrainingStopped"]
@@ -39,6 +40,10 @@ MAX_NONFINITE = 3
 
 class TrainingStopped(RuntimeError):
     """The run cannot continue (three non-finite losses in a row); the message says why."""
+
+
+def _checkpoint_step(ckpt: Path | None) -> int:
+    return int(json.loads((ckpt / "trainer_state.json").read_text())["step"]) if ckpt is not None else 0
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -67,6 +72,7 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.low_share_in_row = 0
         self.zeta_log: list[float] = []
+        self.trackers = Trackers([], print)       # started by train() from run.report_to
         self._setup_done = False
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -225,7 +231,8 @@ class Trainer:
         }
         row["seconds_step"] = sum(times.values())
         samples = {"step": step, "prompt_ids": [p.id for p in prompts], "answers": texts,
-                   "core": [s.core for s in scores], "valid": [s.valid for s in scores]}
+                   "core": [s.core for s in scores], "valid": [s.valid for s in scores],
+                   "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names}}
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
 
@@ -253,6 +260,7 @@ class Trainer:
         res["seconds_with_save"] = time.perf_counter() - t
         self.probes.append(res)
         append_jsonl(self.dir / "probes.jsonl", res)
+        self.trackers.log_probe(res)
         return res
 
     def _state(self) -> dict[str, Any]:
@@ -317,11 +325,21 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        from fasttrain.train.report import write_outputs
         cfg = self.cfg
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._setup()
         resume_from = getattr(self, "_resume_from", None)
+        from fasttrain.train.trackers import start_trackers   # before the model: a bad tracker fails fast
+        self.trackers = start_trackers(cfg, self.dir, self.run_id, resume_step=_checkpoint_step(resume_from),
+                                       warn=lambda m: self._warn(self.step, m))
+        try:
+            return self._train(resume_from)
+        finally:
+            self.trackers.finish()
+
+    def _train(self, resume_from) -> dict[str, Any]:
+        from fasttrain.train.report import write_outputs
+        cfg = self.cfg
+        self._setup()
         from fasttrain.train.run_files import write_text
         write_text(self.dir / "config.toml", config_to_toml(cfg))   # resumed: with its overrides
         if resume_from is not None:
@@ -344,6 +362,7 @@ class Trainer:
                     self.zeta_log.append(row["zeta"])
                     append_jsonl(self.dir / "metrics.jsonl", row)
                     append_jsonl(self.dir / "samples.jsonl", samples)
+                    self.trackers.log_step(row, samples, {p.id: p.spec for p in self.train_prompts})
                     probe = None
                     if (cfg.probe.every and step % cfg.probe.every == 0) or step == cfg.run.steps:
                         probe = self._probe(step)
