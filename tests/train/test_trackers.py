@@ -1,4 +1,5 @@
-"""Trackers: a tiny run logged to TensorBoard, W&B (offline) and MLflow (file store) is read back
+"""Trackers: a tiny run logged to TensorBoard, W&B (offline), MLflow (file store) and Trackio (its
+local database) is read back
 from each tracker's own files and equals metrics.jsonl; a tracker that cannot start stops the run
 before the model loads; one that fails later is switched off and the run goes on."""
 import glob
@@ -22,6 +23,7 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
 
 
 def _rows(path):
@@ -64,9 +66,9 @@ def _wandb_history(run_dir):
     return rows
 
 
-def test_every_metric_reaches_tensorboard_wandb_and_mlflow(tiny, tiny_recipe, offline):
+def test_every_metric_reaches_tensorboard_wandb_mlflow_and_trackio(tiny, tiny_recipe, offline):
     cfg = load_config(tiny_recipe(tiny / "runs", **{"run.steps": 2, "probe.every": 2,
-                                                   "run.report_to": ["tensorboard", "wandb", "mlflow"]}))
+                                                   "run.report_to": ["tensorboard", "wandb", "mlflow", "trackio"]}))
     tr = Trainer(cfg, progress=False)
     tr.train()
     rows = _rows(tr.dir / "metrics.jsonl")
@@ -119,6 +121,19 @@ def test_every_metric_reaches_tensorboard_wandb_and_mlflow(tiny, tiny_recipe, of
         assert [(m.step, m.value) for m in hist] == want, key
     art = json.loads(open(client.download_artifacts(run.info.run_id, "completions/step_000002.json")).read())
     assert art["columns"][:4] == ["step", "prompt_id", "prompt", "completion"] and len(art["data"]) == G
+
+    # Trackio: its local SQLite database (one JSON object of metrics per log call)
+    import sqlite3
+    db = sqlite3.connect(tiny / "trackio" / "fasttrain.db")
+    logged = {}
+    for step, blob in db.execute("select step, metrics from metrics where run_name = ?", (tr.run_id,)):
+        logged.setdefault(step, {}).update(json.loads(blob))
+    db.close()
+    for row in rows:
+        for key, v in _expected(row).items():
+            assert logged[row["step"]][key] == v, key
+    assert logged[0]["probe/train_core"] == probes[0]["train_core"]
+    assert [r["completion"] for r in logged[2]["completions"]["_value"]] == samples[1]["answers"]
 
 
 def test_a_tracker_that_cannot_start_stops_the_run_before_the_model_loads(tiny, tiny_recipe, monkeypatch):

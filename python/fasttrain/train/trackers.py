@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -139,7 +140,7 @@ class _WandB:
         import wandb
         self.wandb = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fasttrain"), name=run_id,
-                              id=ids.get("wandb", run_id), dir=str(run_dir), config=cfg.to_dict(),
+                              id=ids.get("wandb", re.sub(r"[^A-Za-z0-9_.-]", "-", run_id)[-64:]), dir=str(run_dir), config=cfg.to_dict(),
                               resume="allow", reinit="create_new")
         ids["wandb"] = self.run.id
 
