@@ -188,3 +188,14 @@ def test_a_tracker_that_fails_later_is_switched_off_and_the_rest_go_on():
                                  "train/pass_losses/1": 2.0, "rewards/answer/mean": 0.5, "rewards/answer/std": 0.5}
     (w,) = warnings
     assert "tracker wandb failed to log (ConnectionError: server went away)" in w and t.names == ["tensorboard"]
+
+
+def test_the_completions_table_has_one_row_per_answer_and_chat_prompts_as_text():
+    from fasttrain.train.trackers import completions_table
+    samples = {"step": 3, "prompt_ids": ["a", "b"], "answers": ["x1", "x2", "y1", "y2"], "core": [1.0, 0.0, 0.0, 1.0],
+               "valid": [True, False, True, True], "rewards": {"answer": [1.0, 0.0, 0.0, 1.0], "format": [1, 1, 0.5, 1]}}
+    cols, rows = completions_table(samples, {"a": "plain", "b": [{"role": "system", "content": "s"},
+                                                                 {"role": "user", "content": "hi"}]})
+    assert cols == ["step", "prompt_id", "prompt", "completion", "valid", "core", "reward_answer", "reward_format"]
+    assert rows[1] == [3, "a", "plain", "x2", False, 0.0, 0.0, 1.0]
+    assert rows[2] == [3, "b", "system: s\nuser: hi", "y1", True, 0.0, 0.0, 0.5]

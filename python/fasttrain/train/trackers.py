@@ -81,7 +81,16 @@ def reward_stats(samples: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def completions_table(samples: dict[str, Any], prompt_texts: dict[str, str]) -> tuple[list[str], list[list[Any]]]:
+def _text(v: Any) -> str:
+    """A prompt as one string: text as is, chat messages as "role: content" lines."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, (list, tuple)):
+        return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in v)
+    return str(v)
+
+
+def completions_table(samples: dict[str, Any], prompt_texts: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """(columns, rows) of the step's answers; row b answers prompt_ids[b // G]."""
     answers = samples["answers"]
     ids = samples["prompt_ids"]
@@ -91,7 +100,7 @@ def completions_table(samples: dict[str, Any], prompt_texts: dict[str, str]) -> 
     rows = []
     for b, text in enumerate(answers):
         pid = ids[min(b // G, len(ids) - 1)]
-        rows.append([samples["step"], pid, prompt_texts.get(pid, "")[:MAX_TABLE_TEXT], text[:MAX_TABLE_TEXT],
+        rows.append([samples["step"], pid, _text(prompt_texts.get(pid, ""))[:MAX_TABLE_TEXT], text[:MAX_TABLE_TEXT],
                      bool(samples["valid"][b]), float(samples["core"][b]),
                      *[float(v[b]) for v in rewards.values()]])
     return columns, rows
@@ -237,7 +246,7 @@ class Trackers:
                           f"it is off for the rest of the run (metrics.jsonl has everything)")
 
     def log_step(self, row: dict[str, Any], samples: dict[str, Any] | None = None,
-                 prompt_texts: dict[str, str] | None = None) -> None:
+                 prompt_texts: dict[str, Any] | None = None) -> None:
         step = int(row["step"])
         values = {**scalars("train", row), **(reward_stats(samples) if samples else {})}
         self._each("log", lambda t: t.log(values, step))
@@ -261,7 +270,7 @@ def start_trackers(cfg: Config, run_dir: Path, run_id: str, resume_step: int = 0
     the fix) after finishing the ones already started."""
     run_dir = Path(run_dir)
     ids_file = run_dir / "trackers.json"
-    ids: dict[str, str] = json.loads(ids_file.read_text()) if resume_step and ids_file.exists() else {}
+    ids: dict[str, Any] = json.loads(ids_file.read_text()) if resume_step and ids_file.exists() else {}
     started: list = []
     for name in cfg.run.report_to:
         try:
