@@ -261,10 +261,13 @@ def format(prompts=None, completions=None, completion_ids=None, **kwargs) -> lis
 # ---- the generator ------------------------------------------------------------------------------
 
 def prompt_text(nums: Sequence[int], target: int) -> str:
+    """The user turn of one problem. The worked example is another problem on purpose: with a
+    literal example, "(1 + 2) * 3", the untrained SmolLM2-135M answered with a copy of it (every
+    answer its first probe showed), so a group's answers tie and nothing can be learned."""
     return (f"Using the numbers {list(nums)}, write an arithmetic expression that equals {target}. "
-            f"You may use + - * / and parentheses, and each number at most once. "
-            f"Give only the expression inside {OPEN_TAG}{CLOSE_TAG}, "
-            f"for example {OPEN_TAG}(1 + 2) * 3{CLOSE_TAG}.")
+            f"Use + - * / and parentheses, each number at most once. "
+            f"Put only the expression inside {OPEN_TAG}{CLOSE_TAG}. "
+            f"Example: for the numbers [2, 3, 7] and the target 13, answer {OPEN_TAG}2 * 3 + 7{CLOSE_TAG}.")
 
 
 def make_problem(rng: random.Random, n_numbers: int, max_number: int = 25,
