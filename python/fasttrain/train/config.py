@@ -39,6 +39,7 @@ class RunSection:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every: int = 0               # 0: at every probe and at the end
     threads: int = 0                        # torch CPU threads; 0 = torch's default
+    kernels: Literal["fused", "reference"] = "fused"  # "reference": plain-PyTorch ops (fasttrain.ops.reference)
     # experiment trackers fed every metrics line: any of "tensorboard", "wandb", "mlflow", "trackio"
     report_to: tuple[str, ...] = ()
 

@@ -325,6 +325,17 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        """Train (or continue) with the ops of run.kernels; on CUDA the compiled kernels are checked
+        against the reference first (fasttrain.train.kernel_check) and a failure stops the run."""
+        from fasttrain.ops.kernels import use_kernels
+        from fasttrain.train.kernel_check import check_kernels
+        with use_kernels(self.cfg.run.kernels):
+            problem = check_kernels(self.device, self.dir, self.console)
+            if problem:
+                raise TrainingStopped(problem)
+            return self._train_loop()
+
+    def _train_loop(self) -> dict[str, Any]:
         cfg = self.cfg
         self.dir.mkdir(parents=True, exist_ok=True)
         resume_from = getattr(self, "_resume_from", None)
@@ -332,11 +343,11 @@ class Trainer:
         self.trackers = start_trackers(cfg, self.dir, self.run_id, resume_step=_checkpoint_step(resume_from),
                                        warn=lambda m: self._warn(self.step, m))
         try:
-            return self._train(resume_from)
+            return self._run_steps(resume_from)
         finally:
             self.trackers.finish()
 
-    def _train(self, resume_from) -> dict[str, Any]:
+    def _run_steps(self, resume_from) -> dict[str, Any]:
         from fasttrain.train.report import write_outputs
         cfg = self.cfg
         self._setup()
