@@ -138,7 +138,8 @@ def too_big(t):
     if isinstance(t, int):
         return False
     v = reference(t)
-    big = v is not None and (abs(v.numerator) > cd.DEFAULT_LIMITS.max_magnitude or v.denominator > cd.DEFAULT_LIMITS.max_magnitude)
+    cap = cd.DEFAULT_LIMITS.max_magnitude
+    big = v is not None and (abs(v.numerator) > cap or v.denominator > cap)
     return big or too_big(t[0]) or too_big(t[2])
 
 

@@ -93,7 +93,8 @@ def test_every_metric_reaches_tensorboard_wandb_mlflow_and_trackio(tiny, tiny_re
     assert [e.value for e in acc.Scalars("probe/train_core")] == [np.float32(p["train_core"]) for p in probes]
     text = [e for e in acc.Tensors("completions/text_summary") if e.step == 2][0]
     md = text.tensor_proto.string_val[0].decode()
-    assert md.startswith("| step | prompt_id | prompt | completion | valid | core | reward_core | reward_action_cost | reward_format |")
+    assert md.startswith("| step | prompt_id | prompt | completion | valid | core | reward_core | "
+                         "reward_action_cost | reward_format |")
     assert len(md.splitlines()) == 2 + G
 
     # W&B offline: the run folder's transaction log and table file
@@ -104,7 +105,8 @@ def test_every_metric_reaches_tensorboard_wandb_mlflow_and_trackio(tiny, tiny_re
     assert hist[0]["probe/train_core"] == probes[0]["train_core"]
     assert hist[2]["probe/holdout_core"] == probes[1]["holdout_core"]
     assert hist[2]["completions/_type"] == "table-file"
-    table = json.loads((tr.dir / "wandb").glob(f"offline-run-*/files/{hist[2]['completions/path']}").__next__().read_text())
+    (table_file,) = (tr.dir / "wandb").glob(f"offline-run-*/files/{hist[2]['completions/path']}")
+    table = json.loads(table_file.read_text())
     samples = _rows(tr.dir / "samples.jsonl")
     assert [r[3] for r in table["data"]] == samples[1]["answers"]
     assert [r[-1] for r in table["data"]] == samples[1]["rewards"]["format"]
@@ -193,7 +195,8 @@ def test_a_tracker_that_fails_later_is_switched_off_and_the_rest_go_on():
 def test_the_completions_table_has_one_row_per_answer_and_chat_prompts_as_text():
     from fasttrain.train.trackers import completions_table
     samples = {"step": 3, "prompt_ids": ["a", "b"], "answers": ["x1", "x2", "y1", "y2"], "core": [1.0, 0.0, 0.0, 1.0],
-               "valid": [True, False, True, True], "rewards": {"answer": [1.0, 0.0, 0.0, 1.0], "format": [1, 1, 0.5, 1]}}
+               "valid": [True, False, True, True],
+               "rewards": {"answer": [1.0, 0.0, 0.0, 1.0], "format": [1, 1, 0.5, 1]}}
     cols, rows = completions_table(samples, {"a": "plain", "b": [{"role": "system", "content": "s"},
                                                                  {"role": "user", "content": "hi"}]})
     assert cols == ["step", "prompt_id", "prompt", "completion", "valid", "core", "reward_answer", "reward_format"]

@@ -148,9 +148,9 @@ class _WandB:
     def __init__(self, cfg: Config, run_dir: Path, run_id: str, resume_step: int, ids: dict):
         import wandb
         self.wandb = wandb
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fasttrain"), name=run_id,
-                              id=ids.get("wandb", re.sub(r"[^A-Za-z0-9_.-]", "-", run_id)[-64:]), dir=str(run_dir), config=cfg.to_dict(),
-                              resume="allow", reinit="create_new")
+        run_key = ids.get("wandb", re.sub(r"[^A-Za-z0-9_.-]", "-", run_id)[-64:])   # W&B's id alphabet
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fasttrain"), name=run_id, id=run_key,
+                              dir=str(run_dir), config=cfg.to_dict(), resume="allow", reinit="create_new")
         ids["wandb"] = self.run.id
 
     def log(self, values: dict[str, float], step: int) -> None:
@@ -183,7 +183,8 @@ class _MLflow:
             ids["mlflow"] = self.run_id
             from mlflow.entities import Param
             params = [Param(f"{sec}.{k}", str(v)[:500]) for sec, vals in cfg.to_dict().items() for k, v in vals.items()]
-            c.log_batch(self.run_id, params=params)
+            for i in range(0, len(params), 100):            # MLflow takes at most 100 params a request
+                c.log_batch(self.run_id, params=params[i:i + 100])
 
     def log(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
