@@ -101,9 +101,24 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
         _fail(str(e))
     sh = export["shipped"]
     if sh:
-        console.print(f"shipped step {sh['step']}: train core {sh['train_core']:+.4f}, "
-                      f"holdout core {sh['holdout_core']:+.4f}")
+        hold = sh["holdout_core"]
+        console.print(f"shipped step {sh['step']}: train core {sh['train_core']:+.4f}"
+                      + (f", holdout core {hold:+.4f}" if isinstance(hold, float) and hold == hold else ""))
     console.print(f"report: {trainer.dir / 'report.md'}")
+
+
+@app.command()
+def init(name: str = typer.Argument(..., help="folder to create for the task, e.g. my_task")) -> None:
+    """Write a starter task (a 20-row dataset, two reward functions, a recipe) to train at once."""
+    from fasttrain.starter import write_starter
+
+    try:
+        files = write_starter(name)
+    except (FileExistsError, ValueError) as e:
+        _fail(str(e))
+    for f in files:
+        console.print(f"wrote {f}")
+    console.print(f"train it: [bold]fasttrain run {Path(name) / 'recipe.toml'}[/bold]")
 
 
 @app.command()

@@ -22,16 +22,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from fasttrain.envs import load_env
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
-from fasttrain.train.answers import is_stateful, sample_answers, score_answers
+from fasttrain.train.answers import answer_token_ids, is_stateful, sample_answers, score_answers
 from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from fasttrain.train.config import Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.probe import run_probe, select_shipped
-from fasttrain.train.trackers import Trackers
 from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
+from fasttrain.train.trackers import Trackers
 
 __all__ = ["Trainer", "TrainingStopped"]
 
@@ -59,7 +59,7 @@ class Trainer:
         self.console = console or Console(stderr=True)
         self.run_id = Path(run_dir).name if run_dir else new_run_id(cfg.run.name, config_hash(cfg))
         self.dir = Path(run_dir) if run_dir else Path(cfg.run.out) / self.run_id
-        self.env = env if env is not None else load_env(cfg.env.name)
+        self.env = env if env is not None else load_run_env(cfg)
         self.device = pick_device(cfg.run.device)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -80,8 +80,10 @@ class Trainer:
         names = [c.name for c in self.env.channels]
         unknown = [k for k in self.cfg.advantages.priorities if k not in names]
         if unknown:
-            # The seed's priorities name signal channels; other environments keep their own.
-            if self.cfg.env.name.startswith("signal"):
+            # The seed's priorities name signal channels; other environments keep their own,
+            # unless the recipe wrote priorities for its reward functions (a typo is an error).
+            own = self.cfg.env.name == "dataset" and self.cfg.advantages.priorities != SEED_PRIORITIES
+            if self.cfg.env.name.startswith("signal") or own:
                 raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; "
                                   f"channels of {self.env.name}: {', '.join(names)}")
         self.channel_names = names
@@ -160,7 +162,8 @@ class Trainer:
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
         rep = [p for p in prompts for _ in range(R.group_size)]
-        scores = score_answers(self.env, rep, texts, cfg.env.train_slice, record=True)
+        scores = score_answers(self.env, rep, texts, cfg.env.train_slice, record=True,
+                               completion_ids=answer_token_ids(roll))
         times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         adv, adv_info = self._advantages(scores)
@@ -232,7 +235,8 @@ class Trainer:
         row["seconds_step"] = sum(times.values())
         samples = {"step": step, "prompt_ids": [p.id for p in prompts], "answers": texts,
                    "core": [s.core for s in scores], "valid": [s.valid for s in scores],
-                   "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names}}
+                   "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names},
+                   "reasons": [s.reason for s in scores]}
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
 
