@@ -24,6 +24,8 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    for name in [m for m in sys.modules if m == "trackio" or m.startswith("trackio.")]:
+        monkeypatch.delitem(sys.modules, name)      # trackio reads TRACKIO_DIR once, at import (TRL imports it)
 
 
 def _rows(path):
