@@ -14,11 +14,12 @@ in fasttrain's dataset environment and in TRL unchanged:
 
 What it is not: an evaluator of code. Model output is tokenized over a closed alphabet (digits,
 + - * / = and parentheses, with the unicode signs models write: × ÷ −) and parsed by recursive
-descent with exact rational arithmetic (fractions.Fraction: 6/4*2 is 3, never 2.9999999999999996).
+descent with exact rational arithmetic (fractions.Fraction: 1/10 + 2/10 is 3/10, where floats give
+0.30000000000000004).
 It is written by hand because `eval` and `ast.literal_eval` are unsafe or do not do arithmetic,
 and because every limit below is checked as the text is read, so hostile input (10,000
-parentheses, 10**10**10, a division by zero, a megabyte of text) ends in a CountdownError in
-microseconds rather than a hang, a RecursionError or an OverflowError.
+parentheses, 999999*999999*999999..., a division by zero, a megabyte of text) ends in a
+CountdownError before any large work, rather than a hang, a RecursionError or an OverflowError.
 
 Grammar (left-associative, * and / bind tighter than + and -; no unary minus, no concatenation):
     answer := expr ['=' INTEGER]          a stated result must equal the expression's value
