@@ -63,8 +63,9 @@ def init_from_env(timeout_s: float = 1800.0) -> bool:
         return False
     if dist.is_initialized():
         return True
-    # NCCL: a failed or hung peer raises in the others instead of hanging them (torch's own switch).
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # NCCL: a rank whose collective fails or passes the timeout is torn down instead of hanging
+    # (mode 3, torch's current default, made explicit; a value the user set wins).
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
