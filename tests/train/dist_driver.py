@@ -71,9 +71,13 @@ def run(recipe: dict, record_dir: Path) -> dict[str, torch.Tensor]:
     return rec
 
 
+class RankCrash(BaseException):
+    """An error no layer of the trainer handles (the plugin wrapper turns Exceptions into scores)."""
+
+
 class DyingEnv:
-    """The tiny letter environment, except that rank 1 kills itself (SIGKILL, no clean-up) when it
-    scores training answers for the DIE_AT_CALL-th time."""
+    """The tiny letter environment, except that rank 1 kills itself (SIGKILL, no clean-up), or raises
+    with DIE_HOW=raise, when it scores training answers for the DIE_AT_CALL-th time."""
 
     def __init__(self):
         from tiny_world import make_env
@@ -92,6 +96,8 @@ class DyingEnv:
         if data_slice == "train" and len(prompts) and os.environ.get("RANK") == "1":
             self.calls += 1
             if self.calls == int(os.environ.get("DIE_AT_CALL", "0")):
+                if os.environ.get("DIE_HOW") == "raise":      # past the plugin's `except Exception`
+                    raise RankCrash("the test environment failed on purpose on rank 1")
                 os.kill(os.getpid(), signal.SIGKILL)
         return self.inner.score_many(prompts, answers, data_slice)
 
