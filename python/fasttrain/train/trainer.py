@@ -4,11 +4,15 @@ policy update (REPO-R, CISPO/DAPO, β·KL) -> log / probe / checkpoint.
     trainer = Trainer(cfg)                     # or Trainer.resume(run_dir)
     result = trainer.train()                   # writes runs/<run-id>/ as DESIGN.md §7
 
-Determinism: the prompts of step s, the rollout seed and torch's global seed at step s are pure
-functions of (run.seed, s), and checkpoints hold adapters, AdamW moments, the thermostat and RNG
+Determinism: the prompts of step s, each prompt's rollout seed (run.seed, s, its place in the step)
+and torch's global seed at step s are pure functions of (run.seed, s), and checkpoints hold adapters, AdamW moments, the thermostat and RNG
 states, so a resumed run repeats an uninterrupted one bit for bit on CPU. A stateful
 environment (one whose score_many takes `record`, like the signal novelty archive) is brought
 back to its state by replaying the recorded answers of samples.jsonl.
+
+Under torchrun each rank runs this loop on its block of the step's prompts; the values that span
+the batch go through fasttrain.train.distributed (the identity in one process), and rank 0 alone
+writes the run folder.
 """
 from __future__ import annotations
 
