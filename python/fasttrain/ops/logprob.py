@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from fasttrain._native import load as _load
+from fasttrain.ops import reference as _reference
+from fasttrain.ops.kernels import use_reference as _use_reference
 
 _load()
 _ops = torch.ops.fasttrain
@@ -57,6 +59,8 @@ def fused_logprob(
     targets [N] int64. Returns (logp [N], entropy [N]) in fp32 (fp64 for fp64 inputs); entropy is
     detached. Leading dimensions of hidden/targets ([B, T, H] / [B, T]) are flattened and restored.
     """
+    if _use_reference():
+        return _reference.fused_logprob(hidden, weight, targets, temperature, ignore_index, bias)
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fused_logprob: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -66,7 +70,7 @@ def fused_logprob(
         raise ValueError(f"fused_logprob: targets must have shape {tuple(hidden.shape[:-1])} (hidden's leading "
                          f"dims), got {tuple(targets.shape)}")
     lead = hidden.shape[:-1]
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = hidden.reshape(targets.numel(), hidden.shape[-1])  # not -1: hidden may be [N, 0]
     t1 = targets.reshape(-1)
     compute_grad = torch.is_grad_enabled() and hidden.requires_grad
     logp, entropy = _FusedLogprob(h2, weight, t1, bias, float(temperature), int(ignore_index), compute_grad,

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from fasttrain.envs import Prompt
 from fasttrain.train import distributed
-from fasttrain.train.answers import group_seeds, has_slice, sample_answers, score_answers
+from fasttrain.train.answers import answer_token_ids, group_seeds, has_slice, sample_answers, score_answers
 from fasttrain.train.config import Config
 
 __all__ = ["run_probe", "select_shipped"]
@@ -35,13 +35,15 @@ def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, ste
     texts, train, hold = [], [], []
     holdout = has_slice(env, cfg.env.holdout_slice)
     if hi > lo:
-        _, texts = sample_answers(model, tokenizer, env, prompts[lo:hi], group_size=G,
-                                  max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
-                                  temperature=cfg.probe.temperature, seed=group_seeds([cfg.probe.seed], lo, hi),
-                                  answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings)
+        roll, texts = sample_answers(model, tokenizer, env, prompts[lo:hi], group_size=G,
+                                     max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
+                                     temperature=cfg.probe.temperature, seed=group_seeds([cfg.probe.seed], lo, hi),
+                                     answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings)
         rep = [p for p in prompts[lo:hi] for _ in range(G)]
-        train = score_answers(env, rep, texts, cfg.env.train_slice, record=False)
-        hold = score_answers(env, rep, texts, cfg.env.holdout_slice, record=False) if holdout else [None] * len(texts)
+        ids = answer_token_ids(roll)
+        train = score_answers(env, rep, texts, cfg.env.train_slice, record=False, completion_ids=ids)
+        hold = score_answers(env, rep, texts, cfg.env.holdout_slice, record=False, completion_ids=ids) \
+            if holdout else [None] * len(texts)
     every = distributed.gather_list(list(zip(texts, train, hold)))      # all prompts, in order
     texts, train, hold = [x[0] for x in every], [x[1] for x in every], [x[2] for x in every]
     out: dict[str, Any] = {"step": step, "prompts": len(prompts), "samples": G}

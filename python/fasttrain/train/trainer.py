@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from fasttrain.envs import load_env
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
 from fasttrain.train import distributed
-from fasttrain.train.answers import group_seeds, is_stateful, sample_answers, score_answers
+from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers
 from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from fasttrain.train.config import Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.probe import run_probe, select_shipped
@@ -64,7 +64,7 @@ class Trainer:
         self.run_id = Path(run_dir).name if run_dir else distributed.broadcast_object(
             new_run_id(cfg.run.name, config_hash(cfg)))
         self.dir = Path(run_dir) if run_dir else Path(cfg.run.out) / self.run_id
-        self.env = env if env is not None else load_env(cfg.env.name)
+        self.env = env if env is not None else load_run_env(cfg)
         self.device = pick_device(cfg.run.device)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -84,8 +84,10 @@ class Trainer:
         names = [c.name for c in self.env.channels]
         unknown = [k for k in self.cfg.advantages.priorities if k not in names]
         if unknown:
-            # The seed's priorities name signal channels; other environments keep their own.
-            if self.cfg.env.name.startswith("signal"):
+            # The seed's priorities name signal channels; other environments keep their own,
+            # unless the recipe wrote priorities for its reward functions (a typo is an error).
+            own = self.cfg.env.name == "dataset" and self.cfg.advantages.priorities != SEED_PRIORITIES
+            if self.cfg.env.name.startswith("signal") or own:
                 raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; "
                                   f"channels of {self.env.name}: {', '.join(names)}")
         self.channel_names = names
@@ -166,7 +168,7 @@ class Trainer:
                                      stop_strings=R.stop_strings)
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
-        scores, texts = self._score_step(prompts, lo, hi, texts)  # the whole step's, on every rank
+        scores, texts = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll))  # whole step, every rank
         times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         adv, adv_info = self._advantages(scores)
@@ -239,21 +241,24 @@ class Trainer:
         row["seconds_step"] = sum(times.values())
         row["seconds_collectives"] = distributed.collective_seconds()   # part of the above; 0 in one process
         samples = {"step": step, "prompt_ids": [p.id for p in prompts], "answers": texts,
-                   "core": [s.core for s in scores], "valid": [s.valid for s in scores]}
+                   "core": [s.core for s in scores], "valid": [s.valid for s in scores],
+                   "reasons": [s.reason for s in scores]}
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
 
-    def _score_step(self, prompts, lo: int, hi: int, texts: list[str]):
+    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]]):
         """(scores, answer texts) of the whole step in the one-process order, on every rank. A
         stateful environment scores every answer on every rank, in that order, so its state stays
         the one-process state; a stateless one scores each rank's answers where they are."""
         G = self.cfg.rollout.group_size
         if is_stateful(self.env) or distributed.world_size() == 1:
-            texts = distributed.gather_list(texts)
+            both = distributed.gather_list(list(zip(texts, ids)))
+            texts, ids = [tx for tx, _ in both], [i for _, i in both]
             rep = [p for p in prompts for _ in range(G)]
-            return score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True), texts
+            return score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True,
+                                 completion_ids=ids), texts
         rep = [p for p in prompts[lo:hi] for _ in range(G)]
-        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True)
+        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids)
         both = distributed.gather_list(list(zip(mine, texts)))
         return [sc for sc, _ in both], [tx for _, tx in both]
 
@@ -352,6 +357,17 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        """Train (or continue) with the ops of run.kernels; on CUDA the compiled kernels are checked
+        against the reference first (fasttrain.train.kernel_check) and a failure stops the run."""
+        from fasttrain.ops.kernels import use_kernels
+        from fasttrain.train.kernel_check import check_kernels
+        with use_kernels(self.cfg.run.kernels):
+            problem = check_kernels(self.device, self.dir, self.console)
+            if problem:
+                raise TrainingStopped(problem)
+            return self._train_loop()
+
+    def _train_loop(self) -> dict[str, Any]:
         from fasttrain.train.report import write_outputs
         cfg = self.cfg
         if self.main:                                  # rank 0 alone writes the run folder
