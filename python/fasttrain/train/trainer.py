@@ -362,7 +362,7 @@ class Trainer:
         from fasttrain.ops.kernels import use_kernels
         from fasttrain.train.kernel_check import check_kernels
         with use_kernels(self.cfg.run.kernels):
-            problem = check_kernels(self.device, self.dir, self.console)
+            problem = check_kernels(self.device, self.dir, self.console, write=self.main)
             if problem:
                 raise TrainingStopped(problem)
             return self._train_loop()
