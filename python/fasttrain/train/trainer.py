@@ -36,6 +36,7 @@ from fasttrain.train.policy import build_policy, pick_device
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.probe import run_probe, select_shipped
 from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
+from fasttrain.train.trackers import Trackers
 
 __all__ = ["Trainer", "TrainingStopped"]
 
@@ -44,6 +45,10 @@ MAX_NONFINITE = 3
 
 class TrainingStopped(RuntimeError):
     """The run cannot continue (three non-finite losses in a row); the message says why."""
+
+
+def _checkpoint_step(ckpt: Path | None) -> int:
+    return int(json.loads((ckpt / "trainer_state.json").read_text())["step"]) if ckpt is not None else 0
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -77,6 +82,7 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.low_share_in_row = 0
         self.zeta_log: list[float] = []
+        self.trackers = Trackers([], print)       # started by train() from run.report_to
         self._setup_done = False
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -242,6 +248,7 @@ class Trainer:
         row["seconds_collectives"] = distributed.collective_seconds()   # part of the above; 0 in one process
         samples = {"step": step, "prompt_ids": [p.id for p in prompts], "answers": texts,
                    "core": [s.core for s in scores], "valid": [s.valid for s in scores],
+                   "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names},
                    "reasons": [s.reason for s in scores]}
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
@@ -288,6 +295,7 @@ class Trainer:
         self.probes.append(res)
         if self.main:
             append_jsonl(self.dir / "probes.jsonl", res)
+            self.trackers.log_probe(res)
         return res
 
     def _state(self) -> dict[str, Any]:
@@ -368,12 +376,23 @@ class Trainer:
             return self._train_loop()
 
     def _train_loop(self) -> dict[str, Any]:
-        from fasttrain.train.report import write_outputs
         cfg = self.cfg
         if self.main:                                  # rank 0 alone writes the run folder
             self.dir.mkdir(parents=True, exist_ok=True)
-        self._setup()
         resume_from = getattr(self, "_resume_from", None)
+        if self.main:                                  # rank 0 alone reports to trackers
+            from fasttrain.train.trackers import start_trackers   # before the model: a bad tracker fails fast
+            self.trackers = start_trackers(cfg, self.dir, self.run_id, resume_step=_checkpoint_step(resume_from),
+                                           warn=lambda m: self._warn(self.step, m))
+        try:
+            return self._run_steps(resume_from)
+        finally:
+            self.trackers.finish()
+
+    def _run_steps(self, resume_from) -> dict[str, Any]:
+        from fasttrain.train.report import write_outputs
+        cfg = self.cfg
+        self._setup()
         from fasttrain.train.run_files import write_text
         if self.main:
             write_text(self.dir / "config.toml", config_to_toml(cfg))   # resumed: with its overrides
@@ -400,6 +419,7 @@ class Trainer:
                     if self.main:
                         append_jsonl(self.dir / "metrics.jsonl", row)
                         append_jsonl(self.dir / "samples.jsonl", samples)
+                        self.trackers.log_step(row, samples, {p.id: p.spec for p in self.train_prompts})
                     probe = None
                     if (cfg.probe.every and step % cfg.probe.every == 0) or step == cfg.run.steps:
                         probe = self._probe(step)
