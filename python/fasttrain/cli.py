@@ -83,28 +83,65 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
         set_: list[str] = typer.Option([], "--set", help=SET_HELP),
         resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this folder"),
         out: Optional[str] = typer.Option(None, "--out", help="parent folder of the run (default runs/)"),
-        no_progress: bool = typer.Option(False, "--no-progress", help="no live progress bar")) -> None:
+        no_progress: bool = typer.Option(False, "--no-progress", help="no live progress bar"),
+        nproc: int = typer.Option(1, "--nproc", min=1, help="data-parallel processes on this machine "
+                                  "(one per GPU; starts torchrun)")) -> None:
     """Train a policy with RECIPE (default: the CPU demo) and write runs/<run-id>/."""
-    from fasttrain.train import ConfigError, Trainer, TrainingStopped, load_config
+    from fasttrain.train import ConfigError, Trainer, TrainingStopped, distributed, load_config
 
+    if nproc > 1:
+        _launch(nproc, recipe, set_, resume, out, no_progress)
+    trainer = None
     try:
         if resume is not None:
             trainer = Trainer.resume(resume, set_, progress=not no_progress, console=console)
         else:
             overrides = list(set_) + ([f"run.out={json.dumps(out)}"] if out else [])
             trainer = Trainer(load_config(recipe, overrides), progress=not no_progress, console=console)
-        console.print(f"run [bold]{trainer.run_id}[/bold] -> {trainer.dir}")
+        if trainer.main:
+            console.print(f"run [bold]{trainer.run_id}[/bold] -> {trainer.dir}")
         export = trainer.train()
     except (ConfigError, FileNotFoundError) as e:
         _fail(str(e))
     except TrainingStopped as e:
         _fail(str(e))
+    except distributed.RankLost as e:
+        _fail(str(e).replace("RUN_DIR", str(trainer.dir) if trainer else "RUN_DIR"))
+    distributed.finish()
+    if not trainer.main:
+        return
     sh = export["shipped"]
     if sh:
         hold = sh["holdout_core"]
         console.print(f"shipped step {sh['step']}: train core {sh['train_core']:+.4f}"
                       + (f", holdout core {hold:+.4f}" if isinstance(hold, float) and hold == hold else ""))
     console.print(f"report: {trainer.dir / 'report.md'}")
+
+
+def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], out: Optional[str],
+            no_progress: bool) -> None:
+    """`run --nproc N`: check the recipe here, then start the same command under torchrun."""
+    import os
+    import tomllib
+
+    from fasttrain.train import ConfigError, distributed, load_config
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _fail("--nproc starts torchrun itself; under torchrun, leave it out")
+    try:
+        if resume is not None:
+            if not (resume / "config.toml").exists():
+                raise FileNotFoundError(f"--resume {resume}: no config.toml there (not a fasttrain run folder)")
+            cfg = load_config(tomllib.loads((resume / "config.toml").read_text()), set_)
+        else:
+            cfg = load_config(recipe, set_)
+        distributed.check_prompts_per_step(cfg.rollout.prompts_per_step, nproc)
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(str(e))
+    argv = ["run", recipe] + [x for s in set_ for x in ("--set", s)]
+    argv += (["--resume", str(resume)] if resume is not None else []) + (["--out", out] if out else [])
+    argv += ["--no-progress"] if no_progress else []
+    raise typer.Exit(distributed.launch_local(nproc, argv))
 
 
 @app.command()
