@@ -154,11 +154,17 @@ def as_json(p: Plan) -> dict:
     }
 
 
-def plan_for_run(cfg, model_config, prompt_tokens: int, device) -> tuple[str, bool]:
-    """(one-line summary, fits) for a run about to start on `device` (the trainer's faces)."""
+def plan_for_run(cfg, model_config, prompt_tokens: int, device, world: int = 1) -> tuple[str, bool]:
+    """(one-line summary, fits) for a run about to start on `device` (the trainer's faces); with
+    `world` data-parallel ranks, each rank holds prompts_per_step / world prompts and its share
+    of the probe."""
     from fasttrain.plan.gpus import gpu_for_device
     from fasttrain.plan.run_shape import run_shape
 
-    p = make_plan(model_config, run_shape(cfg, prompt_tokens), gpu_for_device(device),
+    shape = run_shape(cfg, prompt_tokens)
+    if world > 1:
+        shape = shape.with_(prompts=max(1, shape.prompts // world),
+                            probe_prompts=max(1, -(-shape.probe_prompts // world)))
+    p = make_plan(model_config, shape, gpu_for_device(device),
                   name=str(cfg.policy.model), env=cfg.env.name, with_limits=False)
     return summary_line(p), p.fits

@@ -140,10 +140,12 @@ class Trainer:
         from fasttrain.train.answers import prompt_token_ids
         try:
             ids = prompt_token_ids(self.tokenizer, self.env, self.train_prompts[:16], self.cfg.rollout.answer_prefix)
-            line, ok = plan_for_run(self.cfg, self.model.config, max(len(i) for i in ids), self.device)
+            line, ok = plan_for_run(self.cfg, self.model.config, max(len(i) for i in ids), self.device,
+                                    world=distributed.world_size())
         except Exception as e:  # the plan informs; it never stops a run
             line, ok = f"plan: not available ({type(e).__name__}: {e})", True
-        self.console.print(line, markup=False, highlight=False)
+        if distributed.is_main():
+            self.console.print(line, markup=False, highlight=False)
         if not ok:
             self._warn(0, f"{line}; see `fasttrain plan` for the largest micro_batch, group_size and max_new_tokens that fit")
 
