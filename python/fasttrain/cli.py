@@ -211,6 +211,48 @@ def eval_(run_dir: Path = typer.Argument(..., help="a finished run folder"),
     console.print(table)
 
 
+@app.command()
+def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path to a .toml"),
+         set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+         model: Optional[str] = typer.Option(None, "--model", help="bundled config name (e.g. qwen2.5-32b), "
+                                             "a config.json, or a model folder (default: the recipe's policy.model)"),
+         gpu: str = typer.Option("h100-sxm-80gb", "--gpu", help="h100-sxm-80gb | h200-141gb | a100-80gb | l40s-48gb | cpu"),
+         prompt_tokens: int = typer.Option(
+             360, "--prompt-tokens", help="tokens of the longest prompt, chat template included (signal-a: 344-362 "
+             "with SmolLM2's tokenizer)"),
+         mfu: float = typer.Option(0.4, "--mfu", help="assumed share of the bf16 peak reached by matmul phases"),
+         decode_share: float = typer.Option(1.0, "--decode-share", help="measured share of the bandwidth floor "
+                                            "reached by decode (1.0: the floor)"),
+         verifier_rate: Optional[float] = typer.Option(None, "--verifier-answers-per-s",
+                                                       help="the verifier's measured answers per second"),
+         as_json_: bool = typer.Option(False, "--json", help="print the plan as JSON")) -> None:
+    """Will RECIPE fit a GPU, and how long will a step take? On paper: the model is built from its config.json
+    on the meta device (no weights are read)."""
+    from fasttrain.plan import gpu_spec, model_config, run_shape
+    from fasttrain.plan.report import as_json, make_plan, render
+    from fasttrain.train import ConfigError, load_config
+
+    try:
+        cfg = load_config(recipe, set_)
+        spec = model or (cfg.policy.model if cfg.policy.model not in ("", "default") else "smollm2-135m")
+        if ":" in spec and not Path(spec).exists():
+            raise ConfigError(f"policy.model {spec!r} is a factory; pass --model with its config.json")
+        if spec.lower().endswith(".gguf"):
+            raise ConfigError(f"policy.model {spec!r} is a GGUF file; pass --model with a config.json")
+        p = make_plan(model_config(spec), run_shape(cfg, prompt_tokens), gpu_spec(gpu),
+                      name=Path(spec).stem if Path(spec).suffix == ".json" else Path(spec).name or spec,
+                      env=cfg.env.name, mfu=mfu, decode_share=decode_share,
+                      verifier_answers_per_s=verifier_rate)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    if as_json_:
+        print(json.dumps(as_json(p), indent=2, default=str))
+    else:
+        print(render(p))
+    if not p.fits:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

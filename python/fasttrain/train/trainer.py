@@ -132,6 +132,22 @@ class Trainer:
         L = cfg.loss
         self.thermostat = Thermostat(zeta_min=L.zeta_min, zeta_max=L.zeta_max, warmup=L.thermostat_warmup)
         self._setup_done = True
+        self._print_plan()
+
+    def _print_plan(self) -> None:
+        """The plan's one-line summary before the first step; a warning when it will not fit."""
+        from fasttrain.plan.report import plan_for_run
+        from fasttrain.train.answers import prompt_token_ids
+        try:
+            ids = prompt_token_ids(self.tokenizer, self.env, self.train_prompts[:16], self.cfg.rollout.answer_prefix)
+            line, ok = plan_for_run(self.cfg, self.model.config, max(len(i) for i in ids), self.device,
+                                    world=distributed.world_size())
+        except Exception as e:  # the plan informs; it never stops a run
+            line, ok = f"plan: not available ({type(e).__name__}: {e})", True
+        if distributed.is_main():
+            self.console.print(line, markup=False, highlight=False)
+        if not ok:
+            self._warn(0, f"{line}; see `fasttrain plan` for the largest micro_batch, group_size and max_new_tokens that fit")
 
     def _prompts_for_step(self, step: int):
         n, P = len(self.train_prompts), self.cfg.rollout.prompts_per_step
