@@ -7,7 +7,8 @@ mode "reduce-overhead" replays the whole step as one CUDA graph.
 
 How the shapes stay fixed: `LlamaFamilyDecoder.decode_static` writes the new keys/values at a
 column given as a tensor and attends over every cache column under the key mask, so one compiled
-graph serves every step of a rollout. The cache length is rounded up to a multiple of `BUCKET`
+graph serves every step of a rollout; each layer's keys and values are their own tensors, so the
+compiled step writes one column in place. The cache length is rounded up to a multiple of `BUCKET`
 and the cache buffer is kept here across rollouts, so prompts of different lengths share a few
 compiled graphs (and, on CUDA, the captured graphs keep their static cache address).
 Sampling stays outside the compiled step (it owns the seeded generator).
@@ -41,23 +42,27 @@ class CompiledDecode:
         self.compile_seconds = 0.0     # first call per shape (compile + first run), summed
         self._shapes_run: set[tuple] = set()
 
-    def _step(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
+    def _step(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: list,
               column: Tensor) -> Tensor:
         h = self.dec.decode_static(tokens, key_valid, cos, sin, cache, column)
         return self.dec.lm_head(h).float()
 
-    def cache(self, batch: int, seq: int) -> Tensor:
-        """The cache [layers, 2, B, kv, S_max, D] for `batch` rows and at least `seq` columns."""
+    def cache(self, batch: int, seq: int) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer (keys, values) [B, kv, S_max, D] for `batch` rows and at least `seq` columns."""
         seq = -(-seq // BUCKET) * BUCKET
         key = (batch, seq)
         if key not in self._caches:
-            c = self.dec.new_cache(batch, seq).zero_()
-            if c.is_cuda:
-                torch._dynamo.mark_static_address(c)
+            d = self.dec
+            c = [tuple(torch.zeros(batch, d.n_kv, seq, d.head_dim, dtype=d.dtype, device=d.device) for _ in range(2))
+                 for _ in d.layers]
+            if d.device.type == "cuda":
+                for kv in c:
+                    for t in kv:
+                        torch._dynamo.mark_static_address(t)
             self._caches = {key: c}        # one live shape at a time: a new batch shape frees the old
         return self._caches[key]
 
-    def step(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
+    def step(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: list,
              column: Tensor) -> Tensor:
         shape = (tuple(key_valid.shape), tokens.shape[0])
         first = shape not in self._shapes_run

@@ -92,7 +92,10 @@ class LlamaFamilyDecoder:
                       column: Tensor) -> Tensor:
         """`decode` with shapes that do not change from step to step (for torch.compile): the new
         keys/values go to cache column `column` (a one-element long tensor) and the query attends
-        over all S_max columns, key_valid bool [B, S_max] masking the ones not written yet."""
+        over all S_max columns, key_valid bool [B, S_max] masking the ones not written yet.
+        `cache` here is per layer: cache[i] = (keys, values), each its own [B, kv, S_max, D]
+        tensor, so a compiled step writes one column in place (a write into a view of one big
+        cache tensor makes the compiled graph copy the whole tensor)."""
         x = self.embed(tokens[:, None])  # [B, 1, H]
         x = self._layers(x, cos[:, None, None], sin[:, None, None], cache, column,
                          key_valid[:, None, None, :], decode=True)
@@ -102,7 +105,7 @@ class LlamaFamilyDecoder:
                 decode: bool) -> Tensor:
         B, S, _ = x.shape
         static = isinstance(start, Tensor)  # decode_static: write at a tensor column, read every column
-        end = cache.shape[4] if static else start + S
+        end = cache[0][0].shape[2] if static else start + S
         D, G = self.head_dim, self.group
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -117,12 +120,12 @@ class LlamaFamilyDecoder:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             if static:
-                cache[i, 0].index_copy_(2, start, k)
-                cache[i, 1].index_copy_(2, start, v)
+                cache[i][0].index_copy_(2, start, k)
+                cache[i][1].index_copy_(2, start, v)
             else:
-                cache[i, 0, :, :, start:end] = k
-                cache[i, 1, :, :, start:end] = v
-            keys, values = cache[i, 0, :, :, :end], cache[i, 1, :, :, :end]  # [B, kv, end, D]
+                cache[i][0][:, :, start:end] = k
+                cache[i][1][:, :, start:end] = v
+            keys, values = cache[i][0][:, :, :end], cache[i][1][:, :, :end]  # [B, kv, end, D]
             if decode:
                 # One query per row: the G query heads sharing a KV head become G query rows of
                 # that head, so grouped-query attention needs no repeat of K/V (HF's repeat_kv

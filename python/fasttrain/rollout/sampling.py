@@ -133,13 +133,20 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
 
     # Prefill each distinct prompt once, then give its G rows the same cache columns.
     if step is not None:
-        cache = step.cache(B, S)            # S rounded up; the columns past P are masked until written
-        cache[:, :, :, :, P:].zero_()
+        cache = step.cache(B, S)            # per layer; S rounded up; columns past P masked until written
+        width = cache[0][0].shape[2]
     else:
         cache = dec.new_cache(B, S)
+        width = S
     small = dec.new_cache(n, P)
     h_last = dec.prefill(ids, valid, cos[:, :P], sin[:, :P], small)  # [n, H]
-    cache[:, :, :, :, :P].unflatten(2, (n, G)).copy_(small.unsqueeze(3))
+    if step is not None:
+        for i, kv in enumerate(cache):
+            for j, t in enumerate(kv):
+                t[:, :, :P].unflatten(0, (n, G)).copy_(small[i, j].unsqueeze(1))
+                t[:, :, P:].zero_()
+    else:
+        cache[:, :, :, :, :P].unflatten(2, (n, G)).copy_(small.unsqueeze(3))
     del small
     logits = dec.lm_head(h_last).float().repeat_interleave(G, dim=0)  # [B, V]
     cos, sin = cos.repeat_interleave(G, 0), sin.repeat_interleave(G, 0)
@@ -152,7 +159,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
     rows = B // len(gens)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
-    key_valid = torch.zeros(B, cache.shape[4], dtype=torch.bool, device=device)
+    key_valid = torch.zeros(B, width, dtype=torch.bool, device=device)
     key_valid[:, :P] = valid.repeat_interleave(G, 0)
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
@@ -200,7 +207,8 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         key_valid[:, col] = True  # finished rows keep decoding pads; their outputs are unused
         if step is not None:
             column = torch.full((1,), col, dtype=torch.long, device=device)
-            logits = step.step(tokens[:, t], key_valid, cos[:, col], sin[:, col], cache, column)
+            logits = step.step(tokens[:, t].contiguous(), key_valid, cos[:, col].contiguous(),
+                               sin[:, col].contiguous(), cache, column)
         else:
             h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col)
             logits = dec.lm_head(h).float()
