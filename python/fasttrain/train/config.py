@@ -104,7 +104,8 @@ class RolloutSection:
     base_weights: Literal["auto", "nf4", "dequantized"] = "auto"
     # The decode step through torch.compile (CPU: inductor; CUDA: mode "reduce-overhead", CUDA
     # graphs over the static cache). Compile time is paid once per run (and per new batch shape).
-    # Off by default: on a CPU it measured slower than eager (bench/results, step-speed).
+    # Off by default: on a CPU it measured equal to eager (bench/results, step-speed), and the
+    # compile costs seconds to minutes; unmeasured on a GPU so far.
     compile: bool = False
 
 
