@@ -169,10 +169,15 @@ def _plot_countdown(e, path: Path) -> None:
     for k in ("nonzero_adv_share", "entropy", "kl"):
         ax[2].plot(x, [s[k] for s in st], label=k)
     ax[2].set_title("non-zero-advantage share, entropy, KL")
+    _save_steps_figure(plt, fig, ax, f"(d) countdown: {e['run_id']}", path)
+
+
+def _save_steps_figure(plt, fig, ax, title: str, path: Path) -> None:
+    """Panels over steps: x label and legend on each, the title, then the PNG."""
     for a in ax:
         a.set_xlabel("step")
         a.legend(fontsize=7)
-    fig.suptitle(f"(d) countdown: {e['run_id']}")
+    fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -197,14 +202,7 @@ def _plot_learning(e, path: Path) -> None:
         if k in st[0]:
             ax[2].plot(x, [s[k] for s in st], label=k)
     ax[2].set_title("validity channels, non-zero-advantage share")
-    for a in ax:
-        a.set_xlabel("step")
-        a.legend(fontsize=7)
-    fig.suptitle(f"(a) learning: {e['run_id']}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save_steps_figure(plt, fig, ax, f"(a) learning: {e['run_id']}", path)
 
 
 def _plot_floor(exports, path: Path) -> None:
