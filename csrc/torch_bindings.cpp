@@ -4,6 +4,7 @@
 #include <torch/library.h>
 #include <torch/extension.h>
 
+#include "core/cpu_features.h"
 #include "ops.h"
 
 TORCH_LIBRARY(fasttrain, m) {
@@ -84,4 +85,6 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fasttrain native extension: ops are registered under torch.ops.fasttrain";
   m.def("build_info", &build_info, "version, torch version, compiled backends, CUDA archs");
+  m.def("cpu_has_bf16", &fasttrain::cpu_has_bf16,
+        "whether the CPU kernels compute bfloat16 inputs in bfloat16 (avx512_bf16 and ATen at AVX512), else fp32");
 }

@@ -120,11 +120,12 @@ __global__ void __launch_bounds__(kThreads) nf4_skinny_kernel(
   }
 }
 
-// rnorm[n] = 1 / ‖W_n + s·B_n·A‖ from the factorised parts (fm::dora_row_norm).
-__global__ void dora_rnorm_kernel(const float* __restrict__ wsq, const float* __restrict__ cross,
-                                  const float* __restrict__ bab, float s, int N, float* __restrict__ rnorm) {
+// norm[n] = ‖W_n + s·B_n·A‖ from the factorised parts (fm::dora_row_norm). The norm itself, not its
+// reciprocal: g = m / ‖·‖ is then exactly 1 at initialisation (B = 0, m = ‖W‖), m · (1/‖·‖) is not.
+__global__ void dora_norm_kernel(const float* __restrict__ wsq, const float* __restrict__ cross,
+                                 const float* __restrict__ bab, float s, int N, float* __restrict__ norm) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
-  if (n < N) rnorm[n] = 1.0f / fm::dora_row_norm<float>(wsq[n], cross[n], bab[n], s);
+  if (n < N) norm[n] = fm::dora_row_norm<float>(wsq[n], cross[n], bab[n], s);
 }
 
 int blocks_for(int64_t work, int threads) {
@@ -163,11 +164,11 @@ at::Tensor skinny(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   return out;
 }
 
-// 1/‖W + sBA‖ [N] fp32. AW = A·Wᵀ through the skinny kernel (one pass over the 4-bit weight) when
+// ‖W + sBA‖ [N] fp32. AW = A·Wᵀ through the skinny kernel (one pass over the 4-bit weight) when
 // r ≤ 64, else from a dequantised W.
-at::Tensor dora_rnorm(const at::Tensor& packed, const at::Tensor& absmax, int64_t bs, int64_t N, int64_t K,
-                      const at::Tensor& A, const at::Tensor& B, double scale,
-                      const std::optional<at::Tensor>& weight_sq_norm) {
+at::Tensor dora_norm(const at::Tensor& packed, const at::Tensor& absmax, int64_t bs, int64_t N, int64_t K,
+                     const at::Tensor& A, const at::Tensor& B, double scale,
+                     const std::optional<at::Tensor>& weight_sq_norm) {
   const at::Tensor Af = A.to(at::kFloat).contiguous(), Bf = B.to(at::kFloat).contiguous();
   at::Tensor aw, wsq;
   const at::Tensor none;
@@ -181,7 +182,7 @@ at::Tensor dora_rnorm(const at::Tensor& packed, const at::Tensor& absmax, int64_
   const at::Tensor cross = (Bf * aw.t()).sum(1).contiguous();
   const at::Tensor bab = (at::mm(Bf, at::mm(Af, Af.t())) * Bf).sum(1).contiguous();
   at::Tensor rn = at::empty({N}, wsq.options());
-  dora_rnorm_kernel<<<blocks_for(N, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+  dora_norm_kernel<<<blocks_for(N, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
       wsq.const_data_ptr<float>(), cross.const_data_ptr<float>(), bab.const_data_ptr<float>(), (float)scale, (int)N,
       rn.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -207,8 +208,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cuda(
   at::Tensor g;
   if (a.lora) xa = at::mm(x.to(at::kFloat), lora_a->to(at::kFloat).t());  // [M, r], fp32 (small)
   if (a.dora) {
-    rnorm = dora_rnorm(packed, absmax, blocksize, a.N, a.K, *lora_a, *lora_b, scale, weight_sq_norm);
-    g = (dora_m->to(at::kFloat) * rnorm).contiguous();
+    const at::Tensor norm = dora_norm(packed, absmax, blocksize, a.N, a.K, *lora_a, *lora_b, scale, weight_sq_norm);
+    rnorm = norm.reciprocal();  // saved for the backward
+    g = (dora_m->to(at::kFloat) / norm).contiguous();
   }
   const at::Tensor Bf = a.lora ? lora_b->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y;
@@ -278,9 +280,8 @@ at::Tensor nf4_dora_norm_cuda(const at::Tensor& packed, const at::Tensor& absmax
   check_nf4_linear_args(op, kXMayBeFloat64, probe, packed, absmax, blocksize, out_features, lora_a, lora_b,
                         std::nullopt, weight_sq_norm);
   const c10::cuda::CUDAGuard guard(lora_a.device());
-  return dora_rnorm(packed.contiguous(), absmax.contiguous(), blocksize, out_features, lora_a.size(1), lora_a, lora_b,
-                    scale, weight_sq_norm)
-      .reciprocal();
+  return dora_norm(packed.contiguous(), absmax.contiguous(), blocksize, out_features, lora_a.size(1), lora_a, lora_b,
+                   scale, weight_sq_norm);
 }
 
 at::Tensor nf4_weight_sq_norm_cuda(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
