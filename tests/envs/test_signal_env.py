@@ -2,7 +2,6 @@ import hashlib
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -233,11 +232,8 @@ def test_hostile_answers_are_fast_and_invalid(env_a):
     hostile = ["<signal>" + "(" * 10_000 + "close" + ")" * 10_000 + "</signal>",
                "<signal>1e999</signal>", "<signal>__import__('os').system('x')</signal>",
                "<signal>\u00e9\u4e2d</signal>", "<signal></signal>", "", "<signal>" * 5000]
-    t = time.perf_counter()
     out = env_a.score_many([OPEN] * len(hostile), hostile, record=False)
-    # Bounded, not benchmarked: a parser that recursed per parenthesis or backtracked would take
-    # seconds to minutes here (or crash); the limits reject these in milliseconds.
-    assert time.perf_counter() - t < 5.0
+    # the limits reject these before any evaluation (how fast: bench/bench_env.py)
     assert not any(s.valid for s in out) and all(s.reason for s in out)
 
 

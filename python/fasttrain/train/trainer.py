@@ -178,22 +178,24 @@ class Trainer:
 
         t = time.perf_counter()
         zeta = float(self.thermostat.zeta) if L.repo_r else 0.0
-        skipped, passes = False, []
+        skipped = False
         try:
-            passes = update_policy(self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L,
+            result = update_policy(self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L,
                                    zeta, cfg.optim.micro_batch, cfg.optim.grad_clip, R.temperature)
             self.nonfinite_in_row = 0
         except NonFiniteLoss as e:
-            skipped = True
+            skipped, result = True, e.result
             self.nonfinite_in_row += 1
             self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
-        # entropy and KL of the pre-update policy (old_logp is filled by the update's first pass)
-        mean_entropy = float((batch.entropy * mask).sum() / max(1, n_tok))
-        kl = 0.0
-        if batch.ref_logp is not None:
-            d = batch.ref_logp - batch.old_logp
-            kl = float(((torch.exp(d) - d - 1) * mask).sum() / max(1, n_tok))
+        passes = result.passes
+        # entropy of the pre-update policy (scored before the update, or by its first pass)
+        mean_entropy = float((result.entropy * mask).sum() / max(1, n_tok))
+        # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy), the one
+        # value the loss used; 0 without a reference (beta = 0)
+        kl = passes[0].get("kl_mean", math.nan) if passes else math.nan
+        if batch.ref_logp is None:
+            kl = 0.0
         if L.repo_r:
             self.thermostat.update(mean_entropy)
         times["update"] = time.perf_counter() - t
@@ -216,7 +218,6 @@ class Trainer:
             "clip_low_frac": last.get("clip_low_frac", math.nan),
             "clip_high_frac": last.get("clip_high_frac", math.nan),
             "cap_frac": last.get("cap_frac", math.nan),
-            "kl_loss_mean": last.get("kl_mean", math.nan),
             "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
             "tokens": n_tok, "loss_tokens": int(loss_mask.sum()),
             "mean_length": n_tok / mask.shape[0], "skipped": skipped,
