@@ -1,4 +1,4 @@
-"""fasttrain.ops.policy_loss against a float64 eager reference written from shared/DESIGN.md section 5,
+"""fasttrain.ops.policy_loss against a float64 eager reference written from the recipe (docs/design.md),
 hand-computed cases that tell the losses apart, invariants (REPO-R identity at zeta=0, no sign flip,
 micro-batch accumulation), opcheck and torch.compile."""
 import math

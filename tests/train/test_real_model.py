@@ -1,4 +1,4 @@
-"""The real model end to end (issue 8, item 4): SmolLM2-135M-Instruct in NF4 with LoRA, trained
+"""The real model end to end: SmolLM2-135M-Instruct in NF4 with LoRA, trained
 by `fasttrain.train.Trainer` for two tiny steps of CISPO + REPO-R, then the exported adapter is
 loaded back into a fresh fasttrain model and into PEFT.
 

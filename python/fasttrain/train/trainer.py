@@ -1,8 +1,8 @@
-"""The training loop of DESIGN.md §1: rollout -> verifier -> GDPO + floor guard -> k-pass
+"""The training loop (docs/design.md, "One training step"): rollout -> verifier -> GDPO + floor guard -> k-pass
 policy update (REPO-R, CISPO/DAPO, β·KL) -> log / probe / checkpoint.
 
     trainer = Trainer(cfg)                     # or Trainer.resume(run_dir)
-    result = trainer.train()                   # writes runs/<run-id>/ as DESIGN.md §7
+    result = trainer.train()                   # writes runs/<run-id>/ (docs/design.md, "The run folder")
 
 Determinism: the prompts of step s, the rollout seed and torch's global seed at step s are pure
 functions of (run.seed, s), and checkpoints hold adapters, AdamW moments, the thermostat and RNG
