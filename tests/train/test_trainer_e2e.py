@@ -31,8 +31,10 @@ def test_end_to_end_writes_every_output(tiny, tiny_recipe):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("reward", "reward_core", "reward_action_cost", "reward_format", "core", "cost", "kl", "entropy",
                 "nonzero_adv_share", "zeta", "clip_low_frac", "cap_frac", "tokens", "seconds_rollout",
-                "seconds_update"):
+                "seconds_update", "verifier_batch_failures"):
         assert key in rows[0], key
+    # one KL metric, the loss op's own estimate (the trainer kept a second one, "kl_loss_mean")
+    assert not any(k.startswith("kl") and k != "kl" for k in rows[0])
     assert [p["step"] for p in export["probes"]] == [0, 2, 4]
     assert export["run_id"] == d.name and export["shipped"]["step"] in (0, 2, 4)
     best = max(export["probes"], key=lambda p: p["train_core"])

@@ -74,10 +74,9 @@ class Trainer:
         names = [c.name for c in self.env.channels]
         unknown = [k for k in self.cfg.advantages.priorities if k not in names]
         if unknown:
-            # The seed's priorities name signal channels; other environments keep their own.
-            if self.cfg.env.name.startswith("signal"):
-                raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; "
-                                  f"channels of {self.env.name}: {', '.join(names)}")
+            raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; the channels of "
+                              f"{self.env.name} are {', '.join(names)} (or set advantages.priorities = {{}} "
+                              f"to use the environment's own priorities)")
         self.channel_names = names
         self.weights = torch.tensor([self.cfg.advantages.priorities.get(c.name, c.priority)
                                      for c in self.env.channels], dtype=torch.float64)
@@ -222,6 +221,8 @@ class Trainer:
             "tokens": n_tok, "loss_tokens": int(loss_mask.sum()),
             "mean_length": n_tok / mask.shape[0], "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
+            # a plug-in's batch verifier that raised or returned the wrong length (run total)
+            "verifier_batch_failures": int(getattr(self.env, "batch_failures", 0)),
             **{f"seconds_{k}": v for k, v in times.items()},
         }
         row["seconds_step"] = sum(times.values())
