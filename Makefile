@@ -31,8 +31,11 @@ install: $(STAMP)
 build: $(STAMP)
 	$(PY) setup.py --quiet build_ext --inplace
 
+# The whole suite at the host's best CPU kernels, then the numeric tests under each lower
+# ATEN_CPU_CAPABILITY the host supports (tools/test_numeric_capabilities.sh says why).
 test: build
 	$(PY) -m pytest -q
+	bash tools/test_numeric_capabilities.sh $(PY)
 
 test-fast: build
 	$(PY) -m pytest -q -m "not slow"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one-call GPU check for a lent H200 (see /work/.library/device): builds the extension from
-# source for sm_90a, prints `fasttrain info`, runs the CUDA tests and the kernel benchmarks, writes
-# logs and CSV under $OUT and prints a short table last. Budget: under 8 minutes.
+# The one-call GPU check for a lent GPU: builds the extension from source for sm_90a, runs
+# `fasttrain selftest` (quick, then every case) so the verdict on the kernels comes first, prints
+# `fasttrain info`, runs the CUDA tests and the kernel benchmarks, writes logs, JSON and CSV under
+# $OUT and prints a short table last. Budget: under 8 minutes.
 # Run on the device machine from the repository root:  bash tools/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,14 +24,25 @@ if FASTTRAIN_CUDA=1 FASTTRAIN_CUDA_ARCHS=90a FASTTRAIN_NATIVE_ARCH=0 MAX_JOBS=16
 else
   tail -40 "$OUT/build.log"; echo "BUILD FAILED after $(elapsed) s (log in \$OUT/build.log)"; exit 1
 fi
+# 2. The kernels against the float64 reference: the quick set (what the trainer runs before step 1;
+#    it must take under 5 s here), then every case. Reports: $OUT/selftest_quick.json, selftest.json.
+export FASTTRAIN_CACHE_DIR="$OUT/cache"
+PYTHONPATH=python timeout 60 "$PY" -m fasttrain.selftest --device cuda --quick --json "$OUT/selftest_quick.json" \
+  > "$OUT/selftest_quick.log" 2>&1
+status+=("selftest --quick: rc=$? $(grep 'cases passed' "$OUT/selftest_quick.log") ($(elapsed) s)")
+PYTHONPATH=python timeout 150 "$PY" -m fasttrain.selftest --device cuda --json "$OUT/selftest.json" \
+  > "$OUT/selftest.log" 2>&1
+status+=("selftest: rc=$? $(grep 'cases passed' "$OUT/selftest.log") ($(elapsed) s)")
+grep -E '^FAIL' "$OUT/selftest.log" | head -20 > "$OUT/selftest_failing.txt"
 PYTHONPATH=python "$PY" -m fasttrain.cli info > "$OUT/info.txt" 2>&1
 
-# 2. CUDA tests.
-PYTHONPATH=python timeout 180 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests \
+# 3. CUDA tests (what is left of the first 6 minutes, at most 180 s).
+left=$(( 360 - $(elapsed) )); left=$(( left < 180 ? left : 180 )); left=$(( left < 30 ? 30 : left ))
+PYTHONPATH=python timeout "$left" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests \
   --junitxml="$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1
 status+=("cuda tests: $(tail -1 "$OUT/pytest_cuda.log") ($(elapsed) s)")
 
-# 3. Kernel benchmarks (each bounded; the step/rollout benchmarks are skipped when their peers are
+# 4. Kernel benchmarks (each bounded; the step/rollout benchmarks are skipped when their peers are
 #    missing on the image).
 for b in bench/bench_nf4.py bench/bench_logprob.py bench/bench_policy_loss.py bench/bench_nf4_linear.py \
          bench/bench_rollout.py; do
@@ -46,7 +58,7 @@ for b in bench/bench_nf4.py bench/bench_logprob.py bench/bench_policy_loss.py be
   fi
 done
 
-# 4. The RL step against TRL's GRPOTrainer and the rollout loop against generate (quick config:
+# 5. The RL step against TRL's GRPOTrainer and the rollout loop against generate (quick config:
 #    1 prompt x 4 answers, 8 new tokens; skipped when trl is missing on the image).
 left=$(( 470 - $(elapsed) ))
 if [ "$left" -gt 60 ] && "$PY" -c "import trl, peft" 2>/dev/null; then
@@ -63,5 +75,6 @@ fi
 echo "== fasttrain GPU check: $(head -1 "$OUT/env.txt") =="
 cat "$OUT/info.txt" | head -30
 for s in "${status[@]}"; do echo "  $s"; done
+[ -s "$OUT/selftest_failing.txt" ] && { echo "-- selftest failures"; cat "$OUT/selftest_failing.txt"; }
 for f in "$OUT"/bench_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f")"; tail -14 "$f"; }; done
 echo "total $(elapsed) s"

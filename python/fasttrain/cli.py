@@ -42,6 +42,11 @@ def info() -> None:
     console.print(f"torch {torch.__version__}  CUDA runtime {torch.version.cuda or 'none'}  "
                   f"GPU available: {torch.cuda.is_available()}")
     console.print(f"compiled backends: {', '.join(bi['backends'])}  CUDA archs: {bi['cuda_archs'] or '-'}")
+    from fasttrain.ops.kernels import kernels
+    from fasttrain.selftest import verdict_line, verdict_path
+    for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        console.print(verdict_line(dev))
+    console.print(f"selftest verdicts: {verdict_path()}  ops run now: {kernels()}")
     table = Table(title="registered ops (torch.ops.fasttrain)")
     table.add_column("op")
     for k in DISPATCH_KEYS:
@@ -49,6 +54,19 @@ def info() -> None:
     for name, keys in registered_ops():
         table.add_row(name, *["yes" if k in keys else "-" for k in DISPATCH_KEYS])
     console.print(table)
+
+
+@app.command()
+def selftest(device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when visible)"),
+             quick: bool = typer.Option(False, "--quick", help="a few cases per op (seconds)"),
+             json_out: Optional[Path] = typer.Option(None, "--json", help="write the report (device, versions, rows)"),
+             op: list[str] = typer.Option([], "--op", help="only this op (repeatable)")) -> None:
+    """Check every compiled kernel against the float64 reference on this device; exit 1 on any failure."""
+    from fasttrain.selftest import main as selftest_main
+
+    argv = (["--device", device] if device else []) + (["--quick"] if quick else []) + \
+        (["--json", str(json_out)] if json_out else []) + [x for o in op for x in ("--op", o)]
+    raise typer.Exit(selftest_main(argv))
 
 
 SET_HELP = "Override a recipe key: --set section.key=value (repeatable), e.g. --set loss.kind=dapo"
@@ -83,9 +101,24 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
         _fail(str(e))
     sh = export["shipped"]
     if sh:
-        console.print(f"shipped step {sh['step']}: train core {sh['train_core']:+.4f}, "
-                      f"holdout core {sh['holdout_core']:+.4f}")
+        hold = sh["holdout_core"]
+        console.print(f"shipped step {sh['step']}: train core {sh['train_core']:+.4f}"
+                      + (f", holdout core {hold:+.4f}" if isinstance(hold, float) and hold == hold else ""))
     console.print(f"report: {trainer.dir / 'report.md'}")
+
+
+@app.command()
+def init(name: str = typer.Argument(..., help="folder to create for the task, e.g. my_task")) -> None:
+    """Write a starter task (a 20-row dataset, two reward functions, a recipe) to train at once."""
+    from fasttrain.starter import write_starter
+
+    try:
+        files = write_starter(name)
+    except (FileExistsError, ValueError) as e:
+        _fail(str(e))
+    for f in files:
+        console.print(f"wrote {f}")
+    console.print(f"train it: [bold]fasttrain run {Path(name) / 'recipe.toml'}[/bold]")
 
 
 @app.command()

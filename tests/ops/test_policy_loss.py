@@ -1,4 +1,4 @@
-"""fasttrain.ops.policy_loss against a float64 eager reference written from the recipe (docs/design.md),
+"""fasttrain.ops.policy_loss against fasttrain.ops.reference in float64,
 hand-computed cases that tell the losses apart, invariants (REPO-R identity at zeta=0, no sign flip,
 micro-batch accumulation), opcheck and torch.compile."""
 import math
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fasttrain.ops as ops
+from fasttrain.ops import reference as R
 from fasttrain.ops.policy_loss import POLICY_LOSS_STATS
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -16,50 +17,14 @@ EPS32 = torch.finfo(torch.float32).eps
 
 def reference(logp, old, adv, mask, *, loss="cispo", ref=None, beta=0.0, eps_low=0.2, eps_high=0.28, cap=1.2,
               zeta=0.0, token_normalizer=None):
-    """The recipe, op by op, in the dtype of its inputs (float64 for the reference). Returns (loss, stats)."""
-    mask = mask.to(logp.dtype)
-    if adv.dim() == 1:
-        adv = adv[:, None].expand_as(logp)
-    adv = adv.to(logp.dtype)
-    lp_d = logp.detach().clamp(min=-20.0)
-    factor = torch.where(adv > 0, 1 - zeta * lp_d, torch.where(adv < 0, 1 + zeta * lp_d, torch.ones_like(lp_d)))
-    factor = factor.clamp(min=0.0)
-    a = adv * factor
-    r = torch.exp(logp - old)
-    if loss == "cispo":
-        per_tok = -torch.clamp(r, max=cap).detach() * a * logp
-    else:
-        hi = eps_low if loss == "grpo" else eps_high
-        per_tok = -torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + hi) * a)
-    kl = torch.zeros_like(logp)
-    if ref is not None and beta != 0.0:
-        d = ref - logp
-        kl = torch.exp(d) - d - 1
-        per_tok = per_tok + beta * kl
-    per_tok = torch.where(mask != 0, per_tok * mask, torch.zeros_like(per_tok))
-    abs_scale = per_tok.detach().abs().sum() / mask.sum()  # what a float32 sum's error scales with
-    if loss == "grpo":
-        row_w = mask.sum(-1)
-        n_seq = token_normalizer if token_normalizer is not None else (row_w > 0).sum()
-        out = (per_tok.sum(-1) / row_w.clamp(min=1e-30)).where(row_w > 0, torch.zeros_like(row_w)).sum() / n_seq
-    else:
-        n = token_normalizer if token_normalizer is not None else mask.sum()
-        out = per_tok.sum() / n
-    w = mask.sum()
-    on = mask != 0
-    hi = eps_low if loss == "grpo" else eps_high
-    nz = on & (adv != 0)
-    stats = {
-        "ratio_mean": (r.detach() * mask).sum() / w,
-        "clip_low_frac": (((r < 1 - eps_low) & (a < 0) & on).to(mask.dtype) * mask).sum() / w if loss != "cispo" else w * 0,
-        "clip_high_frac": (((r > 1 + hi) & (a > 0) & on).to(mask.dtype) * mask).sum() / w if loss != "cispo" else w * 0,
-        "cap_frac": (((r > cap) & on).to(mask.dtype) * mask).sum() / w if loss == "cispo" else w * 0,
-        "kl_mean": (kl.detach() * mask).sum() / w,
-        "repo_r_factor_mean": (factor * mask * nz).sum() / (mask * nz).sum(),
-        "active_tokens": w,
-        "_loss_abs_scale": abs_scale,
-    }
-    return out, stats
+    """fasttrain.ops.reference.policy_loss in the dtype of its inputs (float64: the oracle; float32:
+    eager float32, the yardstick of the 2x rule). Returns (loss, stats) with one more entry,
+    `_loss_abs_scale`: the sum of the tokens' |loss| over the active tokens, what a float32 sum's error
+    scales with."""
+    kw = dict(loss=loss, ref_logp=ref, beta=beta, eps_low=eps_low, eps_high=eps_high, cispo_cap=cap, zeta=zeta)
+    out, stats = R.policy_loss(logp, old, adv, mask, token_normalizer=token_normalizer, **kw)
+    terms = R.policy_loss_terms(logp.detach(), old, adv, mask, **kw)
+    return out, dict(stats, _loss_abs_scale=terms["loss"].abs().sum() / terms["weight"].sum())
 
 
 def make_batch(B=6, T=37, *, seed=0, per_token_adv=False, with_ref=True):

@@ -19,6 +19,8 @@ Public API (what the trainer consumes):
         "signal-a"                               built-in world A, slices train / holdout
         "signal-b", train_slice=, holdout_slice= built-in world B (fees x19, stress off); also
                                                  accepts "train"/"holdout" as slice aliases
+        "dataset", dataset=, rewards=, ...       a prompt dataset scored by reward functions in
+                                                 TRL's signature (fasttrain.envs.dataset)
         "package.module:factory"                 plug-in, wrapped in GuardedEnvironment: a
                                                  raising verifier, wrong/missing channel or
                                                  non-finite value gives an invalid Score

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from .protocol import Channel, Environment, Prompt, Score, check_score, invalid_score
 
-BUILTINS = ("signal-a", "signal-b")
+BUILTINS = ("signal-a", "signal-b", "dataset")
 log = logging.getLogger("fasttrain.envs")
 
 
@@ -122,8 +122,12 @@ class GuardedEnvironment:
 
 
 def load_env(spec: str, **kwargs: Any) -> Environment:
-    """Built-in "signal-a" / "signal-b" (kwargs: train_slice, holdout_slice for B) or a
-    plug-in "package.module:factory" (kwargs go to the factory)."""
+    """Built-in "signal-a" / "signal-b" (kwargs: train_slice, holdout_slice for B), "dataset"
+    (kwargs: see fasttrain.envs.dataset.DatasetEnvironment) or a plug-in "package.module:factory"
+    (kwargs go to the factory)."""
+    if spec == "dataset":
+        from .dataset import DatasetEnvironment
+        return DatasetEnvironment(**kwargs)
     if spec in BUILTINS:
         from .signal_env import SignalEnvironment
         return SignalEnvironment(spec[-1], **kwargs)

@@ -33,6 +33,21 @@ def chat_prompt_ids(tokenizer, spec_text: str, answer_format: str | None = None)
     return list(tokenizer(text)["input_ids"])
 
 
+def chat_messages_ids(tokenizer, messages) -> list[int]:
+    """Token ids of a conversation given as chat messages ({"role", "content"} dicts, as in TRL's
+    conversational datasets) followed by the assistant's generation prompt. A tokenizer without
+    a chat template gets the same 'Role: content' text layout as `chat_prompt_ids`."""
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError("chat_messages_ids: messages must be a non-empty list of "
+                         "{'role': str, 'content': str} dicts")
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    turns = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages)
+    return list(tokenizer(f"{turns}Assistant:")["input_ids"])
+
+
 def extract_answer(completion_text: str) -> str:
     """The answer part of a decoded completion: text up to the first end-of-turn marker, other
     special tokens removed, surrounding whitespace stripped. Never evaluates anything."""

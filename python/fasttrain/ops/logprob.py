@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from fasttrain._native import load as _load
+from fasttrain.ops import reference as _reference
+from fasttrain.ops.kernels import use_reference as _use_reference
 
 _load()
 _ops = torch.ops.fasttrain
@@ -57,6 +59,8 @@ def fused_logprob(
     targets [N] int64. Returns (logp [N], entropy [N]) in fp32 (fp64 for fp64 inputs); entropy is
     detached. Leading dimensions of hidden/targets ([B, T, H] / [B, T]) are flattened and restored.
     """
+    if _use_reference():
+        return _reference.fused_logprob(hidden, weight, targets, temperature, ignore_index, bias)
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fused_logprob: {name} must be a torch.Tensor, got {type(t).__name__}")

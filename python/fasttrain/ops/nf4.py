@@ -14,6 +14,8 @@ from math import prod
 import torch
 
 from fasttrain._native import load as _load
+from fasttrain.ops import reference as _reference
+from fasttrain.ops.kernels import use_reference as _use_reference
 
 _load()
 _ops = torch.ops.fasttrain
@@ -76,6 +78,8 @@ class NF4State:
         """The per-block float32 absmax (decoded from 8 bits when double-quantized)."""
         if not self.double_quant:
             return self.absmax
+        if _use_reference():
+            return _reference.nf4_state_absmax(self)
         return _ops.blockwise8_dequantize(self.qabsmax, self.absmax2, self.code, ABSMAX_BLOCKSIZE) + self.offset
 
     def to(self, device) -> "NF4State":
@@ -90,12 +94,9 @@ class NF4State:
 
 def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -> tuple[torch.Tensor, NF4State]:
     """Quantize `w` (fp32/fp16/bf16, any shape) to NF4. Returns (packed uint8 [ceil(n/2)], state)."""
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"nf4_quantize: w must be a torch.Tensor, got {type(w).__name__}")
-    if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"nf4_quantize: w must be float32, float16 or bfloat16, got {w.dtype}")
-    if w.numel() == 0:
-        raise ValueError("nf4_quantize: w is empty")
+    _reference.check_nf4_quantize_input(w)
+    if _use_reference():
+        return _reference.nf4_quantize(w, blocksize, double_quant)
     packed, absmax = _ops.nf4_quantize(w.detach(), blocksize)
     state = NF4State(shape=w.shape, dtype=w.dtype, blocksize=blocksize)
     if double_quant:
@@ -109,6 +110,8 @@ def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
 
 def nf4_dequantize(packed: torch.Tensor, state: NF4State, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Decode to a tensor of `state.shape` in `dtype` (default: the quantized weight's dtype)."""
+    if _use_reference():
+        return _reference.nf4_dequantize(packed, state, dtype)
     out = _ops.nf4_dequantize(packed, state.absmax_fp32(), state.blocksize, state.numel, dtype or state.dtype)
     return out.view(state.shape)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from fasttrain._native import load as _load
+from fasttrain.ops import reference as _reference
+from fasttrain.ops.kernels import use_reference as _use_reference
 from fasttrain.ops.nf4 import NF4State
 
 _load()
@@ -29,17 +31,12 @@ def nf4_linear(x: torch.Tensor, qweight: torch.Tensor, state: NF4State, lora_a: 
     weight_sq_norm [out] fp32: ‖W‖² per row, to skip recomputing it (DoRA only).
     Autograd: x, lora_a, lora_b, dora_m.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"nf4_linear: x must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(state, NF4State) or len(state.shape) != 2:
+    if not isinstance(state, NF4State):
         raise ValueError("nf4_linear: state must be the NF4State of a 2-D weight [out_features, in_features]")
+    _reference.check_nf4_linear_args(x, state, lora_a, lora_b, dora_m)
     out_features, in_features = state.shape
-    if x.dim() < 1 or x.shape[-1] != in_features:
-        raise ValueError(f"nf4_linear: x must have shape [..., {in_features}], got {tuple(x.shape)}")
-    if (lora_a is None) != (lora_b is None):
-        raise ValueError("nf4_linear: lora_a and lora_b must be given together")
-    if dora_m is not None and lora_a is None:
-        raise ValueError("nf4_linear: dora_m needs lora_a and lora_b")
+    if _use_reference():
+        return _reference.nf4_linear(x, qweight, state, lora_a, lora_b, scale, dora_m, weight_sq_norm)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     y, _, _, _ = _ops.nf4_linear(x2, qweight, state.absmax_fp32(), state.blocksize, out_features,
@@ -50,12 +47,16 @@ def nf4_linear(x: torch.Tensor, qweight: torch.Tensor, state: NF4State, lora_a: 
 def nf4_dora_norm(qweight: torch.Tensor, state: NF4State, lora_a: torch.Tensor, lora_b: torch.Tensor,
                   scale: float, weight_sq_norm: torch.Tensor | None = None) -> torch.Tensor:
     """‖W + scale·B·A‖ per output row [out] from the factorised form (fp64 when lora_a is fp64)."""
+    if _use_reference():
+        return _reference.nf4_dora_norm(qweight, state, lora_a, lora_b, scale, weight_sq_norm)
     return _ops.nf4_dora_norm(qweight, state.absmax_fp32(), state.blocksize, state.shape[0], lora_a, lora_b,
                               float(scale), weight_sq_norm)
 
 
 def nf4_weight_sq_norm(qweight: torch.Tensor, state: NF4State) -> torch.Tensor:
     """‖W‖² per output row [out], fp32 (summed in fp64)."""
+    if _use_reference():
+        return _reference.nf4_weight_sq_norm(qweight, state)
     return _ops.nf4_weight_sq_norm(qweight, state.absmax_fp32(), state.blocksize, state.shape[0], state.shape[1])
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from fasttrain._native import load as _load
+from fasttrain.ops import reference as _reference
+from fasttrain.ops.kernels import use_reference as _use_reference
 
 _load()
 _ops = torch.ops.fasttrain
@@ -47,6 +49,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     # This wrapper's cost is the op's fixed cost at small batches (15k tokens: the kernel is tens of
     # microseconds): it converts only what does not already fit, and the gradient is the op's C++
     # autograd (csrc/core/policy_loss_autograd.h), which treats every input but logp as data.
+    if _use_reference():
+        return _reference.policy_loss(logp, old_logp, advantages, mask, loss=loss, ref_logp=ref_logp, beta=beta,
+                                      eps_low=eps_low, eps_high=eps_high, cispo_cap=cispo_cap, zeta=zeta,
+                                      token_normalizer=token_normalizer)
     loss_type = POLICY_LOSSES.get(loss)
     if loss_type is None:
         raise ValueError(f"policy_loss: loss must be one of {sorted(POLICY_LOSSES)}, got {loss!r}")

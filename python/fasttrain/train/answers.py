@@ -9,7 +9,7 @@ import torch
 
 from fasttrain.envs import Prompt, Score
 
-__all__ = ["eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice"]
+__all__ = ["answer_token_ids", "eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice"]
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -28,9 +28,19 @@ def prompt_token_ids(tokenizer, env, prompts: Sequence[Prompt], answer_prefix: s
     """Chat-turn token ids of each prompt; `answer_prefix` is written at the start of the
     assistant's turn (prefilled: part of the prompt, never trained on, prepended to the answer
     text the verifier scores)."""
-    from fasttrain.models import chat_prompt_ids
+    from fasttrain.models import chat_messages_ids, chat_prompt_ids
     tail = list(tokenizer(answer_prefix, add_special_tokens=False)["input_ids"]) if answer_prefix else []
+    messages = getattr(env, "chat_messages", None)    # environments whose prompts are chats
+    if messages is not None:
+        return [list(chat_messages_ids(tokenizer, messages(p))) + tail for p in prompts]
     return [list(chat_prompt_ids(tokenizer, p.spec, env.answer_format)) + tail for p in prompts]
+
+
+def answer_token_ids(roll) -> list[list[int]]:
+    """Each row's sampled completion ids, up to and including its EOS (what TRL passes to
+    reward functions as `completion_ids`)."""
+    ids, mask = roll.completion_ids.cpu(), roll.completion_mask.cpu().bool()
+    return [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
 
 
 @torch.no_grad()
@@ -70,20 +80,28 @@ def has_slice(env, name: str) -> bool:
     return name in slices or (name in ("train", "holdout") and len(slices) >= 2)
 
 
-def _takes_record(env) -> bool:
+def _takes(env, name: str) -> bool:
     try:
-        return "record" in inspect.signature(env.score_many).parameters
+        return name in inspect.signature(env.score_many).parameters
     except (TypeError, ValueError):
         return False
 
 
+def _takes_record(env) -> bool:
+    return _takes(env, "record")
+
+
 def score_answers(env, prompts: Sequence[Prompt], answers: Sequence[str], data_slice: str,
-                  record: bool = True) -> list[Score]:
+                  record: bool = True, completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
     """Score; `record=False` (probes, filter) keeps a stateful environment (novelty archive)
-    unchanged where the environment supports it."""
+    unchanged where the environment supports it. `completion_ids` (the sampled token ids of
+    each answer) go to environments whose score_many takes them."""
+    kw = {}
     if _takes_record(env):
-        return env.score_many(prompts, answers, data_slice, record=record)
-    return env.score_many(prompts, answers, data_slice)
+        kw["record"] = record
+    if completion_ids is not None and _takes(env, "completion_ids"):
+        kw["completion_ids"] = completion_ids
+    return env.score_many(prompts, answers, data_slice, **kw)
 
 
 def is_stateful(env) -> bool:

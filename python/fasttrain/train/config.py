@@ -39,6 +39,7 @@ class RunSection:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every: int = 0               # 0: at every probe and at the end
     threads: int = 0                        # torch CPU threads; 0 = torch's default
+    kernels: Literal["fused", "reference"] = "fused"  # "reference": plain-PyTorch ops (fasttrain.ops.reference)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,23 @@ class EnvSection:
     prompts: str = ""                       # a prompt selection written by `fasttrain filter`
     train_slice: str = "train"              # data slice for training rewards and the selector
     holdout_slice: str = "holdout"          # later slice, verifies the shipped checkpoint
+    # name = "dataset" (fasttrain.envs.dataset): a prompt dataset scored by reward functions with
+    # TRL's signature, one GDPO channel each. Relative paths: next to the recipe file first.
+    dataset: str = ""                       # JSONL, Parquet, CSV, or a `save_to_disk` folder
+    rewards: tuple[str, ...] = ()           # "module:function" or "path/file.py:function"
+    probe_dataset: str = ""                 # the probe's own prompts ...
+    probe_rows: int = 0                     # ... or the last N rows of `dataset`, never trained on
+    system_prompt: str = ""                 # prepended to prompts that have no system message
+    reward_timeout: float = 30.0            # seconds per reward call; past it the answers are invalid
+    core: str = ""                          # reward for the floor guard, probe, selection; "" = first
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for fasttrain.envs.load_env(name, ...)."""
+        if self.name != "dataset":
+            return {}
+        return {"dataset": self.dataset, "rewards": list(self.rewards), "probe_dataset": self.probe_dataset,
+                "probe_rows": self.probe_rows, "system_prompt": self.system_prompt,
+                "reward_timeout": self.reward_timeout, "core": self.core}
 
 
 @dataclass(frozen=True)
@@ -160,6 +178,8 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "rollout.max_new_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "rollout.temperature": (lambda v: v > 0, "a number > 0"),
     "rollout.stop_strings": (lambda v: all(len(x) > 0 for x in v), "a list of non-empty strings"),
+    "env.probe_rows": (lambda v: v >= 0, "an integer >= 0"),
+    "env.reward_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
     "advantages.floor": (lambda v: not math.isnan(v) and v != math.inf, "a number or -inf"),
     "advantages.warn_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "advantages.warn_steps": (lambda v: v >= 1, "an integer >= 1"),
@@ -264,9 +284,42 @@ def _build(data: dict[str, Any]) -> Config:
             kwargs[k] = v
         sections[f.name] = cls(**kwargs)
     cfg = Config(**sections)
+    if cfg.env.name != "dataset":
+        used = [k for k in _DATASET_KEYS if getattr(cfg.env, k) != getattr(EnvSection, k)]
+        if used:
+            raise ConfigError(f"env.{used[0]} is read only with env.name = \"dataset\" "
+                              f"(env.name is {cfg.env.name!r})")
     if cfg.loss.zeta_min > cfg.loss.zeta_max:
         raise ConfigError(f"loss.zeta_min ({cfg.loss.zeta_min}) must be <= loss.zeta_max ({cfg.loss.zeta_max})")
     return cfg
+
+
+_DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core")
+
+
+def _near_recipe(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """[env] paths of a recipe file, relative to its folder when they exist there (else as given:
+    relative to the current folder), so `fasttrain run NAME/recipe.toml` works from anywhere."""
+    env = data.get("env")
+    if not isinstance(env, dict):
+        return data
+
+    def near(p: Any) -> Any:
+        if isinstance(p, str) and p and not Path(p).is_absolute() and (folder / p).exists():
+            return str((folder / p).resolve())
+        return p
+
+    env = dict(env)
+    for key in ("dataset", "probe_dataset"):
+        if key in env:
+            env[key] = near(env[key])
+    if isinstance(env.get("rewards"), list):
+        out = []
+        for spec in env["rewards"]:
+            file, sep, fn = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+            out.append(f"{near(file)}:{fn}" if sep and file.endswith(".py") else spec)
+        env["rewards"] = out
+    return {**data, "env": env}
 
 
 def _parse_value(text: str) -> Any:
@@ -329,7 +382,7 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
 
 
 def load_config(recipe: str | dict[str, Any] = "demo", overrides: list[str] | None = None) -> Config:
-    data = load_recipe(recipe) if isinstance(recipe, str) else recipe
+    data = _near_recipe(load_recipe(recipe), recipe_path(recipe).parent) if isinstance(recipe, str) else recipe
     return _build(apply_overrides(data, list(overrides or [])))
 
 

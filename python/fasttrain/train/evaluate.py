@@ -6,8 +6,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from fasttrain.envs import load_env
 from fasttrain.train.config import load_config
+from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device
 from fasttrain.train.probe import run_probe
 from fasttrain.train.run_files import write_json
@@ -23,7 +23,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None, env=No
     if not (run_dir / "config.toml").exists() or not shipped.exists():
         raise FileNotFoundError(f"{run_dir}: needs config.toml and shipped/adapter (a finished fasttrain run)")
     cfg = load_config(tomllib.loads((run_dir / "config.toml").read_text()), overrides)
-    env = env if env is not None else load_env(cfg.env.name)
+    env = env if env is not None else load_run_env(cfg)
     model, tokenizer, _ = build_policy(cfg, pick_device(cfg.run.device))
     load_adapter(model, shipped)
     import json

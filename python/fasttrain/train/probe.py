@@ -12,7 +12,7 @@ import time
 from typing import Any, Sequence
 
 from fasttrain.envs import Prompt
-from fasttrain.train.answers import has_slice, sample_answers, score_answers
+from fasttrain.train.answers import answer_token_ids, has_slice, sample_answers, score_answers
 from fasttrain.train.config import Config
 
 __all__ = ["run_probe", "select_shipped"]
@@ -28,15 +28,18 @@ def _summary(scores, prefix: str) -> dict[str, float]:
 def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, step: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     G = cfg.probe.samples
-    _, texts = sample_answers(model, tokenizer, env, prompts, group_size=G,
-                              max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
-                              temperature=cfg.probe.temperature, seed=cfg.probe.seed,
-                              answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings)
+    roll, texts = sample_answers(model, tokenizer, env, prompts, group_size=G,
+                                 max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
+                                 temperature=cfg.probe.temperature, seed=cfg.probe.seed,
+                                 answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings)
     rep = [p for p in prompts for _ in range(G)]
+    ids = answer_token_ids(roll)
     out: dict[str, Any] = {"step": step, "prompts": len(prompts), "samples": G}
-    out.update(_summary(score_answers(env, rep, texts, cfg.env.train_slice, record=False), "train"))
+    train = score_answers(env, rep, texts, cfg.env.train_slice, record=False, completion_ids=ids)
+    out.update(_summary(train, "train"))
     if has_slice(env, cfg.env.holdout_slice):
-        out.update(_summary(score_answers(env, rep, texts, cfg.env.holdout_slice, record=False), "holdout"))
+        holdout = score_answers(env, rep, texts, cfg.env.holdout_slice, record=False, completion_ids=ids)
+        out.update(_summary(holdout, "holdout"))
     else:
         out.update({"holdout_core": math.nan, "holdout_success": math.nan, "holdout_valid": math.nan})
     out["seconds"] = time.perf_counter() - t0

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fasttrain.envs import load_env
-from fasttrain.train.answers import sample_answers, score_answers
+from fasttrain.train.answers import answer_token_ids, sample_answers, score_answers
 from fasttrain.train.config import Config
+from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device
 from fasttrain.train.run_files import write_json
 
@@ -25,7 +25,7 @@ def selection_path(cfg: Config) -> Path:
 
 
 def filter_prompts(cfg: Config, out: str | Path | None = None, env=None, progress=None) -> dict[str, Any]:
-    env = env if env is not None else load_env(cfg.env.name)
+    env = env if env is not None else load_run_env(cfg)
     device = pick_device(cfg.run.device)
     model, tokenizer, _ = build_policy(cfg, device)
     prompts = env.prompts("train")
@@ -37,13 +37,14 @@ def filter_prompts(cfg: Config, out: str | Path | None = None, env=None, progres
     chunk = max(1, cfg.rollout.prompts_per_step)
     for i in range(0, len(prompts), chunk):
         part = prompts[i: i + chunk]
-        _, texts = sample_answers(model, tokenizer, env, part, group_size=k,
-                                  max_new_tokens=cfg.rollout.max_new_tokens,
-                                  temperature=cfg.rollout.temperature, seed=cfg.run.seed * 7919 + i,
-                                  answer_prefix=cfg.rollout.answer_prefix,
-                                  stop_strings=cfg.rollout.stop_strings)
+        roll, texts = sample_answers(model, tokenizer, env, part, group_size=k,
+                                     max_new_tokens=cfg.rollout.max_new_tokens,
+                                     temperature=cfg.rollout.temperature, seed=cfg.run.seed * 7919 + i,
+                                     answer_prefix=cfg.rollout.answer_prefix,
+                                     stop_strings=cfg.rollout.stop_strings)
         rep = [p for p in part for _ in range(k)]
-        scores = score_answers(env, rep, texts, cfg.env.train_slice, record=False)
+        scores = score_answers(env, rep, texts, cfg.env.train_slice, record=False,
+                               completion_ids=answer_token_ids(roll))
         for j, p in enumerate(part):
             rates[p.id] = sum(s.success for s in scores[j * k:(j + 1) * k]) / k
         if progress:

@@ -13,7 +13,24 @@ from fasttrain.train.run_files import read_jsonl, write_json, write_text
 __all__ = ["write_outputs", "write_report", "write_plots", "ladder_table"]
 
 
+def _num(v: Any) -> Any:
+    """Run files store non-finite floats as strings ("nan": e.g. the holdout of an environment
+    that has no holdout slice); read them back as floats."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return None
+    return v
+
+
+def _diff(a: Any, b: Any) -> float | None:
+    a, b = _num(a), _num(b)
+    return a - b if a is not None and b is not None and math.isfinite(a - b) else None
+
+
 def _fmt(v: Any, spec: str = "+.4f") -> str:
+    v = _num(v)
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return format(v, spec)
@@ -38,7 +55,7 @@ def write_outputs(trainer, shipped: dict[str, Any] | None, interrupted: bool = F
         "probes": probes,
         "shipped": shipped,
         "start_probe": start,
-        "holdout_change": (shipped["holdout_core"] - start["holdout_core"]) if shipped and start else None,
+        "holdout_change": _diff(shipped["holdout_core"], start["holdout_core"]) if shipped and start else None,
         "warnings": trainer.warnings,
     }
     write_json(d / "export.json", export)
@@ -130,7 +147,9 @@ def write_plots(d: Path, metrics: list[dict[str, Any]], probes: list[dict[str, A
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ps = [p["step"] for p in probes]
         ax.plot(ps, [p["train_core"] for p in probes], "o-", label="train slice (selector)")
-        ax.plot(ps, [p["holdout_core"] for p in probes], "s-", label="holdout slice")
+        hold = [_num(p["holdout_core"]) for p in probes]
+        if any(h is not None and math.isfinite(h) for h in hold):
+            ax.plot(ps, hold, "s-", label="holdout slice")
         ax.set_xlabel("step")
         ax.set_title("probe core")
         ax.legend()
@@ -150,8 +169,8 @@ def ladder_table(exports: list[dict[str, Any]]) -> str:
                 f"{'REPO-R, ' if cfg['loss']['repo_r'] else ''}{cfg['loss']['token_mask']} tokens, "
                 f"{cfg['loss']['passes']} pass{'es' if cfg['loss']['passes'] > 1 else ''}"
                 f"{', filtered prompts' if cfg['env']['prompts'] else ''}")
-        hold = sh.get("holdout_core")
-        versus = hold - prev if (hold is not None and prev is not None) else None
+        hold = _num(sh.get("holdout_core"))
+        versus = _diff(hold, prev)
         lines.append(f"| {i} | {desc} | {sh.get('step', '-')} | {_fmt(hold)} | {_fmt(e.get('holdout_change'))} | "
                      f"{_fmt(versus)} |")
         prev = hold

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fasttrain.envs import load_env
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
-from fasttrain.train.answers import is_stateful, sample_answers, score_answers
+from fasttrain.train.answers import answer_token_ids, is_stateful, sample_answers, score_answers
 from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from fasttrain.train.config import Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.probe import run_probe, select_shipped
@@ -54,7 +54,7 @@ class Trainer:
         self.console = console or Console(stderr=True)
         self.run_id = Path(run_dir).name if run_dir else new_run_id(cfg.run.name, config_hash(cfg))
         self.dir = Path(run_dir) if run_dir else Path(cfg.run.out) / self.run_id
-        self.env = env if env is not None else load_env(cfg.env.name)
+        self.env = env if env is not None else load_run_env(cfg)
         self.device = pick_device(cfg.run.device)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -74,9 +74,13 @@ class Trainer:
         names = [c.name for c in self.env.channels]
         unknown = [k for k in self.cfg.advantages.priorities if k not in names]
         if unknown:
-            raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; the channels of "
-                              f"{self.env.name} are {', '.join(names)} (or set advantages.priorities = {{}} "
-                              f"to use the environment's own priorities)")
+            # An error for every environment. The one exception is the untouched default, the seed's
+            # priorities (written for the signal channels): another environment keeps its own there.
+            default = self.cfg.advantages.priorities == SEED_PRIORITIES
+            if self.cfg.env.name.startswith("signal") or not default:
+                raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; the channels of "
+                                  f"{self.env.name} are {', '.join(names)} (or set advantages.priorities = {{}} "
+                                  f"to use the environment's own priorities)")
         self.channel_names = names
         self.weights = torch.tensor([self.cfg.advantages.priorities.get(c.name, c.priority)
                                      for c in self.env.channels], dtype=torch.float64)
@@ -153,7 +157,8 @@ class Trainer:
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
         rep = [p for p in prompts for _ in range(R.group_size)]
-        scores = score_answers(self.env, rep, texts, cfg.env.train_slice, record=True)
+        scores = score_answers(self.env, rep, texts, cfg.env.train_slice, record=True,
+                               completion_ids=answer_token_ids(roll))
         times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         adv, adv_info = self._advantages(scores)
@@ -227,7 +232,8 @@ class Trainer:
         }
         row["seconds_step"] = sum(times.values())
         samples = {"step": step, "prompt_ids": [p.id for p in prompts], "answers": texts,
-                   "core": [s.core for s in scores], "valid": [s.valid for s in scores]}
+                   "core": [s.core for s in scores], "valid": [s.valid for s in scores],
+                   "reasons": [s.reason for s in scores]}
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
 
@@ -319,6 +325,17 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        """Train (or continue) with the ops of run.kernels; on CUDA the compiled kernels are checked
+        against the reference first (fasttrain.train.kernel_check) and a failure stops the run."""
+        from fasttrain.ops.kernels import use_kernels
+        from fasttrain.train.kernel_check import check_kernels
+        with use_kernels(self.cfg.run.kernels):
+            problem = check_kernels(self.device, self.dir, self.console)
+            if problem:
+                raise TrainingStopped(problem)
+            return self._train_loop()
+
+    def _train_loop(self) -> dict[str, Any]:
         from fasttrain.train.report import write_outputs
         cfg = self.cfg
         self.dir.mkdir(parents=True, exist_ok=True)

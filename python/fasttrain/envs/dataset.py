@@ -1,0 +1,305 @@
+"""A dataset with a `prompt` column, scored by reward functions written as for TRL's GRPOTrainer.
+
+    [env]
+    name = "dataset"
+    dataset = "data.jsonl"               # JSONL, Parquet, CSV, or a folder from `save_to_disk`
+    rewards = ["rewards.py:correct", "my_pkg.rewards:concise"]
+    probe_rows = 20                      # the last 20 rows are the probe, never trained on
+    # probe_dataset = "probe.jsonl"      # ... or the probe's own file
+    # system_prompt = "Think, then answer."
+    # reward_timeout = 30.0              # seconds per reward call
+    # core = "correct"                   # default: the first reward
+
+Rows load with the `datasets` library. `prompt` holds text (one user turn) or a list of chat
+messages ({"role", "content"}); the policy's chat template applies to both, with `system_prompt`
+put first when the prompt has no system message of its own. Every other column reaches the
+reward functions by name, as lists over the batch, exactly as TRL passes them (TRL leaves out
+`prompt`, `completion` and `completion_ids`; so does this). verl's row layout loads as is: when
+rows have a `reward_model` dict and no `ground_truth` column, `ground_truth` is added from
+`reward_model["ground_truth"]` (and `reward_model` itself is passed too).
+
+Each reward function is one GDPO channel named after the function (its priority comes from
+`advantages.priorities`, default 1.0). It is called as TRL calls it:
+`f(prompts=..., completions=..., completion_ids=..., **columns)`, where a prompt is the dataset's
+value, a completion is the answer text (or `[{"role": "assistant", "content": text}]` when the
+prompt is a list of messages) and completion_ids are the sampled token ids up to and including
+EOS. TRL's trainer-only hooks (`trainer_state`, `log_metric`, `log_extra`) are not passed: give
+such functions `**kwargs`. Functions run in worker processes with a deadline (see
+fasttrain.envs.reward_functions).
+
+Verdicts: `core` is the value of the `core` reward, `success` is core > 0. An answer is invalid
+when any reward gives it None, a non-number or a non-finite value, raises on it, or times out;
+`reason` says which and why. Its failed channels then take the lowest value that channel gave any
+answer of the same call (0.0 if none did), its other channels keep their values, and its core is
+min(-1, the lowest valid core of the call), so an invalid answer never scores above a valid one.
+The floor guard keeps every invalid answer's advantage at or below zero.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from .protocol import INVALID_CORE, Channel, Prompt, Score
+from .reward_functions import RewardFunction, parse_reward_spec
+
+__all__ = ["DatasetEnvironment", "DatasetError", "load_rows"]
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+NOT_REWARD_COLUMNS = ("prompt", "completion", "completion_ids")     # as TRL's GRPOTrainer
+log = logging.getLogger(__name__)
+
+
+class DatasetError(ValueError):
+    """The dataset or the probe set cannot be used; the message names the key and the fix."""
+
+
+def load_rows(path: str, key: str = "env.dataset") -> list[dict[str, Any]]:
+    """Rows of a JSONL / JSON / Parquet / CSV file or a `save_to_disk` folder (its "train"
+    split if it holds several), checked for a `prompt` column and at least one row."""
+    if not path:
+        raise DatasetError(f"{key} is not set: name a JSONL, Parquet or CSV file or a folder "
+                           "written by datasets' save_to_disk")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DatasetError(f"{key}: {path!r} does not exist (relative paths are looked up next to "
+                           "the recipe, then in the current folder)")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")                 # local files only
+    import datasets
+
+    try:
+        if p.is_dir():
+            if not any((p / f).exists() for f in ("state.json", "dataset_dict.json")):
+                raise DatasetError(f"{key}: {path!r} is a folder but not one written by "
+                                   "datasets' save_to_disk (no state.json or dataset_dict.json)")
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise DatasetError(f"{key}: {path!r} holds the splits {sorted(ds)}; the 'train' split "
+                                       "is used, and it has none (save the split you want on its own)")
+                ds = ds["train"]
+        else:
+            fmt = FORMATS.get(p.suffix.lower())
+            if fmt is None:
+                raise DatasetError(f"{key}: {path!r}: unknown format {p.suffix!r}; use .jsonl, .json, "
+                                   ".parquet, .csv or a save_to_disk folder")
+            if _has_no_rows(p, fmt):
+                raise DatasetError(f"{key}: {path!r} has no rows")
+            ds = datasets.load_dataset(fmt, data_files=str(p), split="train")
+    except DatasetError:
+        raise
+    except Exception as e:   # the datasets library's parse errors, with its own explanation
+        raise DatasetError(f"{key}: cannot read {path!r}: {type(e).__name__}: {e}") from None
+    if len(ds) == 0:
+        raise DatasetError(f"{key}: {path!r} has no rows")
+    if "prompt" not in ds.column_names:
+        raise DatasetError(f"{key}: {path!r} has no 'prompt' column; its columns are "
+                           f"{', '.join(ds.column_names) or '(none)'}. Rename the one holding the prompts, "
+                           "e.g. ds.rename_column('question', 'prompt')")
+    rows = ds.to_list()
+    for i, r in enumerate(rows):
+        _check_prompt(r["prompt"], i, key, path)
+    if "reward_model" in ds.column_names and "ground_truth" not in ds.column_names:   # verl's layout
+        for r in rows:
+            rm = r["reward_model"]
+            r["ground_truth"] = rm.get("ground_truth") if isinstance(rm, dict) else None
+    return rows
+
+
+def _has_no_rows(p: Path, fmt: str) -> bool:
+    """True for a file without data rows (the datasets library fails on those with unclear errors)."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+        return pq.ParquetFile(p).metadata.num_rows == 0
+    lines = 0
+    with open(p, "rb") as f:
+        for line in f:
+            lines += bool(line.strip())
+            if lines >= 2:
+                break
+    return lines == 0 or (fmt == "csv" and lines == 1)         # a CSV header alone
+
+
+def _check_prompt(v: Any, i: int, key: str, path: str) -> None:
+    if isinstance(v, str):
+        if v.strip():
+            return
+        raise DatasetError(f"{key}: {path!r} row {i}: the prompt is empty")
+    if isinstance(v, list) and v and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                         and isinstance(m.get("content"), str) for m in v):
+        return
+    raise DatasetError(f"{key}: {path!r} row {i}: 'prompt' must be text or a non-empty list of chat messages "
+                       f"{{'role': str, 'content': str}}; got {v!r:.160}")
+
+
+def _prompt_key(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _show(v: Any) -> str:
+    """The prompt as readable text (reports, probe examples)."""
+    if isinstance(v, str):
+        return v
+    return "\n\n".join(f"{m['role']}: {m['content']}" for m in v)
+
+
+class DatasetEnvironment:
+    """The Environment protocol over a prompt dataset and reward functions (module docstring)."""
+
+    data_slices = ("train",)
+    answer_format = ""
+
+    def __init__(self, dataset: str = "", rewards: Sequence[str] = (), probe_dataset: str = "",
+                 probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = ""):
+        if not rewards:
+            raise DatasetError('env.rewards is empty: list reward functions, e.g. '
+                               'rewards = ["rewards.py:correct"] or ["my_pkg.rewards:correct"]')
+        if probe_dataset and probe_rows:
+            raise DatasetError("env.probe_dataset and env.probe_rows are both set: the probe is either its "
+                               "own file or the last rows of env.dataset, not both")
+        if not probe_dataset and not probe_rows:
+            raise DatasetError("the probe needs prompts it never trains on: set env.probe_rows = N (the "
+                               "last N rows of env.dataset are held out) or env.probe_dataset = PATH")
+        names = [parse_reward_spec(spec).name for spec in rewards]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise DatasetError(f"env.rewards: two reward functions are named {dup[0]!r}; each is one "
+                               "channel, so names must differ")
+        if core and core not in names:
+            raise DatasetError(f"env.core: {core!r} is not one of the rewards: {', '.join(names)}")
+        rows = load_rows(dataset, "env.dataset")
+        if probe_dataset:
+            train_rows = list(enumerate(rows))
+            probe_set = list(enumerate(load_rows(probe_dataset, "env.probe_dataset")))
+            probe_tag = "probe_dataset"
+        else:
+            if probe_rows >= len(rows):
+                raise DatasetError(f"env.probe_rows = {probe_rows} holds out every row of {dataset!r} "
+                                   f"({len(rows)} rows); keep some for training")
+            cut = len(rows) - probe_rows
+            train_rows, probe_set = list(enumerate(rows))[:cut], list(enumerate(rows))[cut:]
+            probe_tag = "dataset"
+        self._check_overlap(train_rows, probe_set, probe_tag)
+        columns = [c for c in rows[0] if c not in NOT_REWARD_COLUMNS]
+        if probe_dataset:
+            probe_cols = set(probe_set[0][1])
+            missing = [c for c in columns if c not in probe_cols]
+            if missing:
+                raise DatasetError(f"env.probe_dataset: {probe_dataset!r} lacks the column(s) {missing} that "
+                                   f"the reward functions get from env.dataset")
+        self.columns = columns
+        self.system_prompt = system_prompt
+        self.name = f"dataset:{Path(dataset).name}"
+        self._raw: dict[str, Any] = {}
+        self._messages: dict[str, list[dict[str, str]]] = {}
+        self._prompts = {"train": [self._prompt("dataset", i, r) for i, r in train_rows],
+                         "probe": [self._prompt(probe_tag, i, r) for i, r in probe_set]}
+
+        self.rewards: list[RewardFunction] = []
+        try:
+            for spec in rewards:                      # one worker each; import errors surface here
+                self.rewards.append(RewardFunction(spec, reward_timeout))
+        except BaseException:
+            self.close()
+            raise
+        self.core = core or names[0]
+        self.channels = [Channel(f.name, 1.0, f"reward function {f.spec.spec}") for f in self.rewards]
+        self.invalid_counts = {n: 0 for n in names}
+        self._warned: set[str] = set()
+
+    # ---- prompts --------------------------------------------------------------------------
+    def _prompt(self, tag: str, i: int, row: dict[str, Any]) -> Prompt:
+        pid = f"{tag}/{i}"
+        raw = row["prompt"]
+        msgs = ([{"role": "user", "content": raw}] if isinstance(raw, str)
+                else [{k: v for k, v in m.items() if v is not None} for m in raw])
+        if self.system_prompt and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": self.system_prompt}] + msgs
+        self._raw[pid], self._messages[pid] = raw, msgs
+        return Prompt(pid, _show(raw), {c: row.get(c) for c in self.columns})
+
+    @staticmethod
+    def _check_overlap(train, probe, probe_tag: str) -> None:
+        seen = {}
+        for i, r in train:
+            seen.setdefault(_prompt_key(r["prompt"]), i)
+        clash = [(i, seen[_prompt_key(r["prompt"])]) for i, r in probe if _prompt_key(r["prompt"]) in seen]
+        if clash:
+            (pi, ti), n = clash[0], len(clash)
+            where = "env.probe_dataset" if probe_tag == "probe_dataset" else "the held-out rows (env.probe_rows)"
+            raise DatasetError(f"{where}: {n} probe prompt(s) also appear in the training rows of env.dataset "
+                               f"(first: probe row {pi} = training row {ti}); a probe must be unseen. "
+                               "Remove the duplicates from one of the sets")
+
+    def prompts(self, split: str) -> list[Prompt]:
+        if split not in self._prompts:
+            raise ValueError(f"unknown split {split!r}; use 'train' or 'probe'")
+        return list(self._prompts[split])
+
+    def chat_messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        """The conversation the policy's chat template turns into the prompt's token ids."""
+        return [dict(m) for m in self._messages[prompt.id]]
+
+    # ---- scoring --------------------------------------------------------------------------
+    def reward_inputs(self, prompts: Sequence[Prompt], answers: Sequence[str],
+                      completion_ids: Sequence[Sequence[int]] | None = None) -> dict[str, list]:
+        """The keyword arguments every reward function gets for these answers."""
+        raws = [self._raw[p.id] for p in prompts]
+        kw: dict[str, list] = {
+            "prompts": raws,
+            "completions": [[{"role": "assistant", "content": a}] if isinstance(r, list) else a
+                            for r, a in zip(raws, answers)],
+            "completion_ids": ([list(map(int, c)) for c in completion_ids] if completion_ids is not None
+                               else [None] * len(answers)),
+        }
+        for c in self.columns:
+            kw[c] = [p.fields.get(c) for p in prompts]
+        return kw
+
+    def score_many(self, prompts: Sequence[Prompt], answers: Sequence[str], data_slice: str = "train",
+                   completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
+        n = len(answers)
+        if len(prompts) != n or (completion_ids is not None and len(completion_ids) != n):
+            raise ValueError("prompts, answers and completion_ids differ in length")
+        if n == 0:
+            return []
+        kw = self.reward_inputs(prompts, answers, completion_ids)
+        for f in self.rewards:                                          # restarts first: they take time
+            f.ensure_started()
+        deadlines = [f.send("batch", kw) for f in self.rewards]          # then every worker at once
+        replies = [f.receive(d) for f, d in zip(self.rewards, deadlines)]
+        results = {f.name: f.finish(kw, n, r) for f, r in zip(self.rewards, replies)}
+        worst = {k: min((v for v, _ in res if v is not None), default=None) for k, res in results.items()}
+        invalid_core = min(INVALID_CORE, worst[self.core]) if worst[self.core] is not None else INVALID_CORE
+        scores = []
+        for i in range(n):
+            channels, reasons = {}, []
+            for f in self.rewards:
+                v, why = results[f.name][i]
+                if v is None:
+                    reasons.append(why)
+                    self.invalid_counts[f.name] += 1
+                    self._warn_once(f.name, why)
+                    v = worst[f.name] if worst[f.name] is not None else 0.0
+                channels[f.name] = v
+            if reasons:
+                scores.append(Score(channels, False, invalid_core, False, "; ".join(reasons)))
+            else:
+                core = channels[self.core]
+                scores.append(Score(channels, True, core, core > 0, None))
+        return scores
+
+    def score(self, prompt: Prompt, answer_text: str, data_slice: str = "train") -> Score:
+        return self.score_many([prompt], [answer_text], data_slice)[0]
+
+    def _warn_once(self, name: str, why: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning("%s (answers it cannot score are invalid; every reason is in samples.jsonl)", why)
+
+    def close(self) -> None:
+        """Stop the reward workers (they also stop when this object is collected or the run ends)."""
+        for f in self.rewards:
+            f.close()

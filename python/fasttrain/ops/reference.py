@@ -1,0 +1,333 @@
+"""Every fasttrain op written plainly in PyTorch: the oracle and the fallback.
+
+    from fasttrain.ops import reference as R
+    logp, entropy = R.fused_logprob(hidden, weight, targets, temperature=0.9)   # float64 in: the oracle
+
+Each function has the signature of the op's face in `fasttrain.ops` and returns the same outputs
+(values, dtypes and gradients, within the op tests' tolerances): it is written once, from the
+definitions in the ops' docstrings, with torch's autograd doing every backward. Three uses:
+  - the float64 oracle of tests/ops and of `fasttrain selftest` (pass float64 tensors);
+  - the run-time fallback: `run.kernels = "reference"` in a recipe, or FASTTRAIN_KERNELS=reference
+    for the ops called inside other trainers, sends every op face here (fasttrain.ops.kernels);
+  - a readable statement of what each fused kernel computes.
+No native kernel is called here, so it stays a check on the kernels rather than a second copy of
+them: the module imports torch only; nf4_quantize takes fasttrain's NF4State (a plain dataclass)
+and the dynamic-map table from fasttrain.ops.nf4 when it is called.
+
+Precision, as the fused ops promise: log-softmax, losses and their sums in float32 for
+bf16/fp16/fp32 inputs (float64 for float64), NF4 decoded exactly (a float32 level times a float32
+absmax), nf4_linear in float32 (float64 for float64 x), outputs in the dtypes the fused ops return.
+Cost is that of the plain formula: fused_logprob holds the [N, V] logits and their log-softmax,
+nf4_linear decodes W on every call and autograd keeps it for the backward; DoRA forms W + s·B·A.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["NF4_LEVELS", "fused_logprob", "policy_loss", "nf4_quantize", "nf4_dequantize", "nf4_linear",
+           "nf4_dora_norm", "nf4_weight_sq_norm", "nf4_quantize_blocks", "nf4_dequantize_blocks",
+           "blockwise8_quantize", "blockwise8_dequantize", "nf4_state_absmax", "nf4_decode_weight",
+           "policy_loss_terms"]
+
+# The 16 NF4 levels of QLoRA (Dettmers et al. 2023) as bitsandbytes stores them (float32 values).
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+ABSMAX_BLOCKSIZE = 256  # blocksize of the double-quantized absmax (bitsandbytes')
+POLICY_LOSSES = ("cispo", "dapo", "grpo")
+POLICY_LOSS_STATS = ("ratio_mean", "clip_low_frac", "clip_high_frac", "cap_frac", "kl_mean",
+                     "repo_r_factor_mean", "active_tokens")
+
+
+def _acc(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+# ---- NF4 ---------------------------------------------------------------------------------------
+def _levels(device) -> torch.Tensor:
+    return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+
+
+def _nearest_code(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest entry of a sorted float32 table: the number of float32 midpoints
+    (t[i] + t[i+1]) / 2 strictly below x, so a value on a midpoint takes the lower entry."""
+    mids = (table[:-1] + table[1:]) / 2
+    return torch.bucketize(x, mids, right=False)
+
+
+def _scaled_blocks(x: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' blockwise scaling of a flat float32 vector: full blocks multiply by the float32
+    reciprocal of their absmax (floored at 1e-38; the unfloored absmax is stored), a trailing partial
+    block divides by its floored absmax (which is stored); the result is clamped to [-1, 1].
+    Returns (scaled [n_blocks, blocksize] zero-padded, stored absmax [n_blocks])."""
+    n = x.numel()
+    nb = (n + blocksize - 1) // blocksize
+    xp = torch.cat([x, x.new_zeros(nb * blocksize - n)]).view(nb, blocksize)
+    m = xp.abs().amax(dim=1)
+    a = m.clamp(min=1e-38)
+    scaled = xp * (1.0 / a)[:, None]
+    stored = m.clone()
+    if n % blocksize:
+        scaled[-1] = xp[-1] / a[-1]
+        stored[-1] = a[-1]
+    return scaled.clamp(-1.0, 1.0), stored
+
+
+def nf4_quantize_blocks(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `nf4_quantize` op: (packed uint8 [ceil(n/2)], absmax float32 [ceil(n/blocksize)]).
+    Element 2j goes to the high nibble; an odd length pads the last low nibble with the code of 0."""
+    x = w.detach().reshape(-1).to(torch.float32)
+    n = x.numel()
+    scaled, absmax = _scaled_blocks(x, blocksize)
+    codes = _nearest_code(scaled.reshape(-1), _levels(x.device))[: 2 * ((n + 1) // 2)].to(torch.uint8)
+    return (codes[0::2] << 4) | codes[1::2], absmax
+
+
+def nf4_dequantize_blocks(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, numel: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """The `nf4_dequantize` op: level(code) * absmax in float32 (one rounding), then cast to dtype."""
+    codes = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)[:numel].long()
+    scale = absmax.to(torch.float32).repeat_interleave(blocksize)[:numel]
+    return (_levels(packed.device)[codes] * scale).to(dtype)
+
+
+def blockwise8_quantize(x: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `blockwise8_quantize` op: the nearest entry of the sorted 256-entry `code` per value."""
+    scaled, absmax = _scaled_blocks(x.reshape(-1).to(torch.float32), blocksize)
+    q = _nearest_code(scaled.reshape(-1)[: x.numel()], code.to(torch.float32))
+    return q.to(torch.uint8), absmax
+
+
+def blockwise8_dequantize(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
+    return code.to(torch.float32)[q.long()] * absmax.repeat_interleave(blocksize)[: q.numel()]
+
+
+def nf4_state_absmax(state) -> torch.Tensor:
+    """The per-block float32 absmax of an NF4State (decoded from 8 bits when double-quantized)."""
+    if getattr(state, "qabsmax", None) is None:
+        return state.absmax
+    return blockwise8_dequantize(state.qabsmax, state.absmax2, state.code, ABSMAX_BLOCKSIZE) + state.offset
+
+
+def nf4_decode_weight(packed: torch.Tensor, state, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The NF4 weight as stored, shape state.shape, in dtype (float64: exactly the float32 values)."""
+    numel = math.prod(state.shape)
+    w = nf4_dequantize_blocks(packed, nf4_state_absmax(state), state.blocksize, numel,
+                              torch.float32 if dtype == torch.float64 else dtype)
+    return w.to(dtype).view(tuple(state.shape))
+
+
+def check_nf4_quantize_input(w) -> None:
+    """The argument errors of nf4_quantize (the fused face raises the same ones through this)."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"nf4_quantize: w must be a torch.Tensor, got {type(w).__name__}")
+    if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"nf4_quantize: w must be float32, float16 or bfloat16, got {w.dtype}")
+    if w.numel() == 0:
+        raise ValueError("nf4_quantize: w is empty")
+
+
+def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False):
+    """Quantize `w` (fp32/fp16/bf16) to NF4: (packed uint8 [ceil(n/2)], fasttrain.ops.NF4State).
+    Double quantization subtracts the absmax vector's mean and stores the rest in 8 bits (256 per
+    block) against the signed dynamic map, as bitsandbytes."""
+    from fasttrain.ops.nf4 import NF4State, dynamic_map  # the state's plain dataclass and the table
+
+    check_nf4_quantize_input(w)
+    packed, absmax = nf4_quantize_blocks(w, blocksize)
+    state = NF4State(shape=w.shape, dtype=w.dtype, blocksize=blocksize)
+    if double_quant:
+        code = dynamic_map().to(w.device)
+        offset = absmax.mean()
+        state.qabsmax, state.absmax2 = blockwise8_quantize(absmax - offset, code, ABSMAX_BLOCKSIZE)
+        state.code, state.offset = code, offset
+    else:
+        state.absmax = absmax
+    return packed, state
+
+
+def nf4_dequantize(packed: torch.Tensor, state, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return nf4_dequantize_blocks(packed, nf4_state_absmax(state), state.blocksize, math.prod(state.shape),
+                                 dtype or state.dtype).view(tuple(state.shape))
+
+
+# ---- fused_logprob -----------------------------------------------------------------------------
+def fused_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                  ignore_index: int = -100, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and entropy of softmax((hidden·weightᵀ + bias) / temperature) from the full logits.
+
+    Returns (logp, entropy) in float32 (float64 for float64 hidden), entropy detached; tokens whose
+    target is ignore_index give 0 and no gradient. Leading dims of hidden/targets are kept."""
+    if hidden.dim() < 2:
+        raise ValueError(f"fused_logprob: hidden must be [N, H] (or [..., H]), got shape {tuple(hidden.shape)}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"fused_logprob: targets must have shape {tuple(hidden.shape[:-1])} (hidden's leading "
+                         f"dims), got {tuple(targets.shape)}")
+    if not temperature > 0:
+        raise RuntimeError(f"fused_logprob: 'temperature' must be > 0, got {temperature}")
+    V = weight.shape[0]
+    lead = hidden.shape[:-1]
+    acc = _acc(hidden.dtype)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    keep = t != ignore_index
+    bad = keep & ((t < 0) | (t >= V))
+    if bool(bad.any()):
+        raise RuntimeError(f"fused_logprob: 'targets' holds {int(t[bad][0])}, outside [0, {V}) "
+                           f"and not ignore_index ({ignore_index})")
+    z = h.to(acc) @ weight.to(acc).T
+    if bias is not None:
+        z = z + bias.to(acc)
+    ls = torch.log_softmax(z / temperature, dim=-1)
+    zero = torch.zeros((), dtype=acc, device=h.device)
+    logp = torch.where(keep, ls.gather(1, torch.where(keep, t, 0)[:, None]).squeeze(1), zero)
+    with torch.no_grad():
+        p = ls.exp()
+        ent = torch.where(keep, -torch.where(p > 0, p * ls, zero).sum(-1), zero)
+    return logp.view(lead), ent.view(lead)
+
+
+# ---- policy_loss -------------------------------------------------------------------------------
+def policy_loss_terms(logp, old_logp, advantages, mask, *, loss="cispo", ref_logp=None, beta=0.0, eps_low=0.2,
+                      eps_high=0.28, cispo_cap=1.2, zeta=0.0) -> dict[str, torch.Tensor]:
+    """Per-token parts of the policy loss [B, T] in the compute dtype: `loss` (mask-weighted, 0 on
+    inactive tokens, differentiable in logp), and detached `ratio`, `kl`, `factor`, `clip_low`,
+    `clip_high`, `capped`, `weight` (the mask as numbers), `nonzero_adv`."""
+    if loss not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss: loss must be one of {sorted(POLICY_LOSSES)}, got {loss!r}")
+    ct = _acc(logp.dtype, old_logp.dtype, *(() if ref_logp is None else (ref_logp.dtype,)))
+    lp = logp.to(ct)
+    w = mask.detach().to(ct)
+    on = w != 0
+    adv = advantages.detach().to(ct)
+    if adv.dim() == 2 and adv.shape[1] == 1 and logp.shape[1] != 1:
+        adv = adv.reshape(-1)
+    if adv.dim() == 1:
+        adv = adv[:, None].expand_as(lp)
+    zero = torch.zeros((), dtype=ct, device=lp.device)
+    # Inactive tokens may hold anything (padding, NaN): replace them before they enter a formula.
+    adv = torch.where(on, adv, zero)
+    old = torch.where(on, old_logp.detach().to(ct), lp.detach())
+    lp_d = lp.detach().clamp(min=-20.0)
+    sign = (adv < 0).to(ct) - (adv > 0).to(ct)
+    factor = (1 + sign * zeta * lp_d).clamp(min=0.0)             # REPO-R: never flips A's sign
+    a = adv * factor
+    r = torch.exp(lp - old)
+    rd = r.detach()
+    no = torch.zeros_like(rd)
+    if loss == "cispo":
+        per = -torch.clamp(rd, max=cispo_cap) * a * lp
+        clip_low, clip_high, capped = no, no, (rd > cispo_cap).to(ct)
+    else:
+        hi = 1 + (eps_low if loss == "grpo" else eps_high)
+        per = -torch.minimum(r * a, torch.clamp(r, 1 - eps_low, hi) * a)
+        clip_low, clip_high, capped = ((a < 0) & (rd < 1 - eps_low)).to(ct), ((a > 0) & (rd > hi)).to(ct), no
+    kl = no
+    if ref_logp is not None and beta != 0.0:
+        d = torch.where(on, ref_logp.detach().to(ct), lp.detach()) - lp
+        kl_t = torch.exp(d) - d - 1
+        per = per + beta * kl_t
+        kl = kl_t.detach()
+    per = torch.where(on, per * w, zero)
+    return {"loss": per, "ratio": rd, "kl": kl, "factor": factor, "clip_low": clip_low, "clip_high": clip_high,
+            "capped": capped, "weight": torch.where(on, w, zero), "nonzero_adv": (on & (adv != 0)).to(ct)}
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                loss: str = "cispo", ref_logp: torch.Tensor | None = None, beta: float = 0.0,
+                eps_low: float = 0.2, eps_high: float = 0.28, cispo_cap: float = 1.2, zeta: float = 0.0,
+                token_normalizer: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO / DAPO / GRPO loss with k3 KL and REPO-R, as fasttrain.ops.policy_loss: (loss [], stats).
+
+    Loss and stats in float32 (float64 when an input is float64); the gradient reaches logp only."""
+    if logp.dim() != 2:
+        raise ValueError(f"policy_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
+    if not isinstance(mask, torch.Tensor) or mask.shape != logp.shape:
+        raise ValueError(f"policy_loss: mask must be a tensor of logp's shape {tuple(logp.shape)}, "
+                         f"got {getattr(mask, 'shape', type(mask).__name__)}")
+    if zeta < 0:
+        raise ValueError(f"policy_loss: zeta must be >= 0, got {zeta}")
+    if token_normalizer is not None and not isinstance(token_normalizer, torch.Tensor) and not token_normalizer > 0:
+        raise ValueError(f"policy_loss: token_normalizer must be > 0, got {token_normalizer}")
+    p = policy_loss_terms(logp, old_logp, advantages, mask, loss=loss, ref_logp=ref_logp, beta=beta,
+                          eps_low=eps_low, eps_high=eps_high, cispo_cap=cispo_cap, zeta=zeta)
+    per, w = p["loss"], p["weight"]
+    ct = per.dtype
+    norm = None
+    if isinstance(token_normalizer, torch.Tensor):
+        norm = token_normalizer.detach().reshape(()).to(device=per.device, dtype=ct)
+    elif token_normalizer is not None:
+        norm = torch.tensor(float(token_normalizer), dtype=ct, device=per.device)
+    total_w = w.sum()
+    zero = torch.zeros((), dtype=ct, device=per.device)
+    if loss == "grpo":
+        row_w = w.sum(-1)
+        n_seq = norm if norm is not None else (row_w > 0).sum().to(ct)
+        row = torch.where(row_w > 0, per.sum(-1) / row_w.clamp(min=torch.finfo(ct).tiny), zero)
+        out = torch.where(n_seq > 0, row.sum() / n_seq, zero)
+    else:
+        n = norm if norm is not None else total_w
+        out = torch.where(n > 0, per.sum() / n, zero)
+
+    def mean(x, weight=w, empty=0.0):
+        s = weight.sum()
+        return torch.where(s > 0, (x * weight).sum() / torch.where(s > 0, s, 1), torch.full_like(s, empty))
+
+    stats = {"ratio_mean": mean(p["ratio"], empty=1.0), "clip_low_frac": mean(p["clip_low"]),
+             "clip_high_frac": mean(p["clip_high"]), "cap_frac": mean(p["capped"]), "kl_mean": mean(p["kl"]),
+             "repo_r_factor_mean": mean(p["factor"], w * p["nonzero_adv"], empty=1.0), "active_tokens": total_w}
+    return out, {k: v.detach() for k, v in stats.items()}
+
+
+# ---- nf4_linear --------------------------------------------------------------------------------
+def check_nf4_linear_args(x, state, lora_a, lora_b, dora_m) -> None:
+    """The argument errors of nf4_linear (the fused face raises the same ones through this)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"nf4_linear: x must be a torch.Tensor, got {type(x).__name__}")
+    if len(getattr(state, "shape", ())) != 2:
+        raise ValueError("nf4_linear: state must be the NF4State of a 2-D weight [out_features, in_features]")
+    in_features = state.shape[1]
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise ValueError(f"nf4_linear: x must have shape [..., {in_features}], got {tuple(x.shape)}")
+    if (lora_a is None) != (lora_b is None):
+        raise ValueError("nf4_linear: lora_a and lora_b must be given together")
+    if dora_m is not None and lora_a is None:
+        raise ValueError("nf4_linear: dora_m needs lora_a and lora_b")
+
+
+def nf4_linear(x: torch.Tensor, qweight: torch.Tensor, state, lora_a: torch.Tensor | None = None,
+               lora_b: torch.Tensor | None = None, scale: float = 1.0, dora_m: torch.Tensor | None = None,
+               weight_sq_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """y = g ⊙ (x·Wᵀ + scale·(x·Aᵀ)·Bᵀ), g = dora_m / ‖W + scale·B·A‖_row (detached) or 1; in x.dtype.
+    Computed in float32 (float64 for float64 x); `weight_sq_norm` is accepted and not needed."""
+    check_nf4_linear_args(x, state, lora_a, lora_b, dora_m)
+    ct = _acc(x.dtype)
+    out_features, in_features = state.shape
+    w = nf4_decode_weight(qweight, state, ct)
+    xc = x.reshape(-1, in_features).to(ct)
+    z = xc @ w.T
+    if lora_a is not None:
+        a, b = lora_a.to(ct), lora_b.to(ct)
+        z = z + scale * ((xc @ a.T) @ b.T)
+        if dora_m is not None:
+            with torch.no_grad():
+                norm = (w + scale * (b @ a)).norm(dim=1)
+            z = z * (dora_m.to(ct) / norm)
+    return z.to(x.dtype).view(*x.shape[:-1], out_features)
+
+
+def nf4_dora_norm(qweight: torch.Tensor, state, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                  weight_sq_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """‖W + scale·B·A‖ per output row, formed explicitly (float64 when lora_a is float64, else float32)."""
+    ct = _acc(lora_a.dtype)
+    with torch.no_grad():
+        w = nf4_decode_weight(qweight, state, ct)
+        return (w + scale * (lora_b.to(ct) @ lora_a.to(ct))).norm(dim=1)
+
+
+def nf4_weight_sq_norm(qweight: torch.Tensor, state) -> torch.Tensor:
+    """‖W‖² per output row, summed in float64, returned in float32."""
+    return nf4_decode_weight(qweight, state, torch.float64).square().sum(1).to(torch.float32)

@@ -1,0 +1,33 @@
+"""`fasttrain init NAME`: a starter task folder that `fasttrain run NAME/recipe.toml` trains.
+
+NAME/data.jsonl (20 arithmetic prompts with an `answer` column), NAME/rewards.py (two reward
+functions in TRL's signature) and NAME/recipe.toml (the dataset environment, sized for a CPU).
+"""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["STARTER_FILES", "write_starter"]
+
+STARTER_FILES = ("data.jsonl", "rewards.py", "recipe.toml")
+
+
+def write_starter(folder: str | Path) -> list[Path]:
+    """Write the starter files into `folder` (created; it must not exist or be empty)."""
+    folder = Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise FileExistsError(f"{folder} already exists and is not an empty folder; choose a new name")
+    name = folder.resolve().name
+    if not name.replace("-", "_").isidentifier():
+        raise ValueError(f"{name!r}: use letters, digits, '-' and '_' for the task name")
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    src = resources.files(__package__)
+    for f in STARTER_FILES:
+        text = (src / f).read_text()
+        if f == "recipe.toml":
+            text = text.replace("{name}", name)
+        (folder / f).write_text(text)
+        out.append(folder / f)
+    return out

@@ -1,0 +1,17 @@
+"""The run's environment from its [env] section: a built-in, a plug-in, or `name = "dataset"`
+with its dataset and reward functions (errors in those become ConfigErrors naming the key)."""
+from __future__ import annotations
+
+from fasttrain.envs import Environment, load_env
+from fasttrain.train.config import Config, ConfigError
+
+__all__ = ["load_run_env"]
+
+
+def load_run_env(cfg: Config) -> Environment:
+    from fasttrain.envs.dataset import DatasetError
+    from fasttrain.envs.reward_functions import RewardSpecError
+    try:
+        return load_env(cfg.env.name, **cfg.env.load_kwargs())
+    except (DatasetError, RewardSpecError) as e:
+        raise ConfigError(str(e)) from None
