@@ -27,7 +27,8 @@ TORCH_LIBRARY(fasttrain, m) {
   m.def("fused_logprob_forward(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, float temperature, "
         "int ignore_index, bool compute_grad, int chunk_bytes) -> (Tensor, Tensor, Tensor, Tensor)");
   // grad_logp [N] fp32|fp64, stats [2,N] from the forward -> grad_weight [V,H] (weight's dtype),
-  // grad_bias [V] fp32|fp64: dW = sum_n g_n (onehot(t_n) - p_n) h_n^T / T, p recomputed per chunk.
+  // grad_bias [V] fp32|fp64 (zeros when bias is None): dW = sum_n g_n (onehot(t_n) - p_n) h_n^T / T, p
+  // recomputed per chunk. Both ops raise for a target outside [0, V) that is not ignore_index.
   m.def("fused_logprob_backward_weight(Tensor grad_logp, Tensor hidden, Tensor weight, Tensor targets, "
         "Tensor? bias, Tensor stats, float temperature, int ignore_index, int chunk_bytes) -> (Tensor, Tensor)");
 
@@ -47,12 +48,14 @@ TORCH_LIBRARY(fasttrain, m) {
   // ---- nf4_linear ---------------------------------------------------------------------
   // y = g ⊙ (x·Wᵀ + scale·(x·Aᵀ)·Bᵀ), W NF4 [N=out_features, K] (packed uint8 [ceil(NK/2)], absmax
   // fp32 [ceil(NK/bs)]), A [r, K], B [N, r] (fp32 masters), g = m / ‖W + scale·B·A‖_row (DoRA) or 1.
-  // x [M, K] fp32|bf16|fp16 (fp64 on CPU) -> y [M, N] x.dtype, xa [M, r] (or [0]), rnorm [N] fp32
+  // x [M, K] fp32|bf16|fp16 (fp64 on CPU) -> y [M, N] x.dtype, xa [M, r] (or [0] without LoRA), rnorm [N] fp32
   // 1/‖W + sBA‖ (or [0]), z [M, N] pre-scale output (DoRA only, else [0]); the last three are saved
   // for the backward. weight_sq_norm [N] fp32 ‖W‖² per row (computed once; optional).
   m.def("nf4_linear(Tensor x, Tensor packed, Tensor absmax, int blocksize, int out_features, Tensor? lora_a, "
         "Tensor? lora_b, float scale, Tensor? dora_m, Tensor? weight_sq_norm) -> (Tensor, Tensor, Tensor, Tensor)");
-  // dy [M, N] -> (dx [M, K] x.dtype, dA [r, K], dB [N, r], dm [N]); an output whose mask bit is off is [0].
+  // dy [M, N] -> (dx [M, K] x.dtype, dA [r, K], dB [N, r], dm [N]); an output whose mask bit is off is [0]
+  // (a fresh tensor each, never one shared); dm's dtype is dora_m's (fp32 without DoRA). Rank 0
+  // (A [0, K], B [N, 0]) gives xa [M, 0], dA [0, K] and dB [N, 0].
   m.def("nf4_linear_backward(Tensor dy, Tensor x, Tensor packed, Tensor absmax, int blocksize, int out_features, "
         "Tensor? lora_a, Tensor? lora_b, float scale, Tensor? dora_m, Tensor xa, Tensor rnorm, Tensor z, "
         "bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");

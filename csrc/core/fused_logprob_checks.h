@@ -1,7 +1,8 @@
 // Argument checks of fasttrain::fused_logprob_forward and fused_logprob_backward_weight, shared by
 // the CPU and CUDA host functions so both backends reject the same inputs with the same messages.
-// The device-type check (CPU or CUDA) stays in each backend, and so does the CPU's scan of the
-// target ids (it reads the tensor's data, which only the CPU can do without a device sync).
+// The device-type check (CPU or CUDA) stays in each backend, and so does the search for a target
+// outside [0, V) (the CPU scans the ids; CUDA finds the first in a kernel and reads it back): both
+// report it with fused_logprob_bad_target, so the message is the same on every device.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -42,6 +43,12 @@ inline void fused_logprob_check_args(const char* op, const at::Tensor& hidden, c
                  hidden.scalar_type(), "), got ", b.scalar_type());
     FT_CHECK_SAME_DEVICE(op, hidden, b);
   }
+}
+
+// The error for targets[pos] = value outside [0, V) that is not ignore_index (every backend).
+inline void fused_logprob_bad_target(const char* op, int64_t value, int64_t pos, int64_t V, int64_t ignore_index) {
+  TORCH_CHECK(false, op, ": argument 'targets' holds ", value, " at position ", pos, ", outside [0, ", V,
+              ") and not ignore_index (", ignore_index, ")");
 }
 
 // The backward's own inputs: grad_logp [N] and the forward's stats [2, N] in the accumulation dtype.

@@ -152,10 +152,23 @@ FT_HD T lse_rebase(LseState<T>& st, T new_ref) {
   return alpha;
 }
 
-// One vocabulary entry's weight exp(z - r) and its contribution to u.
+// z - r for one vocabulary entry, floored at kLseDeltaFloor. exp of anything below the floor is
+// exactly 0 in float32 and float64 alike (the smallest float64 subnormal is e^-744.4), so the floor
+// changes no weight; what it changes is a logit of -inf (a banned token's bias, say): its entropy
+// term exp(z - r) (z - r) becomes 0 * floor = 0 instead of 0 * (-inf) = NaN, and while no finite
+// logit has been seen (r = -inf, a chunk whose logits are all -inf) its weight is exp(floor) = 0
+// instead of exp(-inf + inf) = NaN. A NaN logit stays NaN.
+constexpr float kLseDeltaFloor = -1024.0f;
+template <typename T>
+FT_HD T lse_delta(T z, T ref) {
+  const T d = z - ref;
+  return (d < T(kLseDeltaFloor) || z == T(-INFINITY)) ? T(kLseDeltaFloor) : d;
+}
+
+// One vocabulary entry's weight exp(z - r); its contribution to u is weight * lse_delta(z, r).
 template <typename T>
 FT_HD T lse_weight(T z, T ref) {
-  return ft_exp(z - ref);
+  return ft_exp(lse_delta(z, ref));
 }
 
 // Add partial sums (s_c, u_c) that were taken against the same reference.

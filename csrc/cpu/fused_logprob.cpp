@@ -110,11 +110,14 @@ acc_t fused_row_pass(acc_t* z, int64_t C, const acc_t* bias, acc_t inv_temp, int
   const acc_t alpha = fm::lse_rebase(st, fm::lse_next_ref(st.ref, cmax));
   const acc_t ref = st.ref;
   // 3. p~ = exp(z - ref), s += sum p~, u += sum p~ (z - ref)
-  const Vec vref(ref);
+  // (z - ref floored as fm::lse_delta does: a -inf logit adds 0 to s and u, never NaN)
+  const Vec vref(ref), vfloor(acc_t(fm::kLseDeltaFloor)), vneginf(acc_t(-INFINITY));
   Vec vs(0), vu(0);
   j = 0;
   for (; j + W <= C; j += W) {
-    const Vec d = Vec::loadu(z + j) - vref;
+    const Vec zj = Vec::loadu(z + j);
+    const Vec d0 = zj - vref;
+    const Vec d = Vec::blendv(d0, vfloor, (d0 < vfloor) | (zj == vneginf));
     const Vec p = d.exp();
     p.store(z + j);
     vs = vs + p;
@@ -128,8 +131,8 @@ acc_t fused_row_pass(acc_t* z, int64_t C, const acc_t* bias, acc_t inv_temp, int
     for (int64_t k = 0; k < W; ++k) { s_c += bs[k]; u_c += bu[k]; }
   }
   for (; j < C; ++j) {
-    const acc_t d = z[j] - ref;
-    const acc_t p = fm::lse_weight(z[j], ref);
+    const acc_t d = fm::lse_delta(z[j], ref);
+    const acc_t p = fm::ft_exp(d);
     z[j] = p;
     s_c += p;
     u_c += p * d;
@@ -145,8 +148,7 @@ at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDo
 static void check_targets_cpu(const char* op, const at::Tensor& targets, int64_t V, int64_t ignore_index) {
   const int64_t* t = targets.const_data_ptr<int64_t>();
   for (int64_t n = 0; n < targets.numel(); ++n) {
-    TORCH_CHECK(t[n] == ignore_index || (t[n] >= 0 && t[n] < V), op, ": argument 'targets' holds ", t[n],
-                " at position ", n, ", outside [0, ", V, ") and not ignore_index (", ignore_index, ")");
+    if (t[n] != ignore_index && (t[n] < 0 || t[n] >= V)) fused_logprob_bad_target(op, t[n], n, V, ignore_index);
   }
 }
 
@@ -318,7 +320,7 @@ static void backward_weight_impl(const acc_t* g, const at::Tensor& hid, const at
             const acc_t zz = (zr[j] + (bias ? bias[v0 + j] : acc_t(0))) * inv_temp;
             const acc_t d = fm::logprob_dlogit(gn, v0 + j == t, fm::softmax_prob(zz, ref, log_s), inv_temp);
             zr[j] = d;
-            db[j] += d;
+            if (bias) db[j] += d;
           }
         }
         at::addmm_out(dw, dw, zb.t(), hid.narrow(0, n0, nb));

@@ -203,7 +203,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cpu(
     w = dequant_weight(packed, absmax, blocksize, a.N, a.K, ct);  // scratch [N, K]
     z = at::mm(x, w.t());                                        // [M, N]
   }
-  at::Tensor xa = at::empty({0}, x.options());
+  // xa [M, r]: also [M, 0] for rank-0 adapters, [0] without adapters
+  at::Tensor xa = lora_a.has_value() ? at::empty({a.M, 0}, x.options()) : at::empty({0}, x.options());
   at::Tensor rnorm = at::empty({0}, x.options().dtype(ct == at::kDouble ? at::kDouble : at::kFloat));
   if (a.lora) {
     const at::Tensor A = lora_a->to(ct), B = lora_b->to(ct);
@@ -244,6 +245,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_backward_c
     if (mask[3]) dm = ((dy * z.to(ct)).sum(0).to(rnorm.scalar_type()) * rnorm).to(dora_m->scalar_type());
   }
   at::Tensor dx = at::empty({0}, x_.options()), dA = at::empty({0}, x_.options()), dB = at::empty({0}, x_.options());
+  if (lora_a.has_value() && !a.lora) {  // rank 0: gradients of the empty factors have their shapes
+    if (mask[1]) dA = at::zeros(lora_a->sizes(), lora_a->options());
+    if (mask[2]) dB = at::zeros(lora_b->sizes(), lora_b->options());
+  }
   at::Tensor dzb;
   if (a.lora && (mask[0] || mask[1])) dzb = at::mm(dz, lora_b->to(ct));  // [M, r]
   if (mask[0]) {

@@ -12,6 +12,7 @@
 #include "core/dispatch.h"
 #include "core/nf4_checks.h"
 #include "core/math.h"
+#include "cuda/common.cuh"
 #include "ops.h"
 
 namespace fasttrain {
@@ -19,12 +20,6 @@ namespace fm = fasttrain::math;
 
 namespace {
 constexpr int kWarpsPerCta = 8;
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 
 template <typename scalar_t>
 __global__ void nf4_quantize_kernel(const scalar_t* __restrict__ in, uint8_t* __restrict__ out,
@@ -38,7 +33,7 @@ __global__ void nf4_quantize_kernel(const scalar_t* __restrict__ in, uint8_t* __
   const bool tail = (end - start) < blocksize;
   float m = 0.0f;
   for (int64_t i = start + lane; i < end; i += 32) m = fmaxf(m, fabsf(static_cast<float>(in[i])));
-  m = warp_max(m);
+  m = fasttrain::cuda::warp_max(m);
   if (lane == 0) absmax[b] = fm::blockwise_stored_absmax(m, tail);
   for (int64_t i = start + 2 * lane; i < end; i += 64) {
     const uint8_t hi = fm::nf4_code_of(fm::blockwise_scale(static_cast<float>(in[i]), m, tail));
@@ -53,10 +48,8 @@ __global__ void nf4_dequantize_kernel(const uint8_t* __restrict__ q, const float
   const int64_t npairs = (numel + 1) / 2;
   for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < npairs;
        j += (int64_t)gridDim.x * blockDim.x) {
-    const uint8_t byte = q[j];
-    const float s = absmax[(2 * j) / blocksize];
-    out[2 * j] = static_cast<scalar_t>(fm::nf4_decode(byte, true, s));
-    if (2 * j + 1 < numel) out[2 * j + 1] = static_cast<scalar_t>(fm::nf4_decode(byte, false, s));
+    out[2 * j] = static_cast<scalar_t>(fasttrain::cuda::nf4_decode_at(q, absmax, blocksize, 2 * j));
+    if (2 * j + 1 < numel) out[2 * j + 1] = static_cast<scalar_t>(fasttrain::cuda::nf4_decode_at(q, absmax, blocksize, 2 * j + 1));
   }
 }
 
@@ -73,7 +66,7 @@ __global__ void blockwise8_quantize_kernel(const float* __restrict__ in, const f
   const bool tail = (end - start) < blocksize;
   float m = 0.0f;
   for (int64_t i = start + lane; i < end; i += 32) m = fmaxf(m, fabsf(in[i]));
-  m = warp_max(m);
+  m = fasttrain::cuda::warp_max(m);
   if (lane == 0) absmax[b] = fm::blockwise_stored_absmax(m, tail);
   for (int64_t i = start + lane; i < end; i += 32)
     out[i] = static_cast<uint8_t>(fm::sorted_code_index(c, 256, fm::blockwise_scale(in[i], m, tail)));
@@ -86,10 +79,6 @@ __global__ void blockwise8_dequantize_kernel(const uint8_t* __restrict__ q, cons
     out[i] = code[q[i]] * absmax[i / blocksize];
 }
 
-int grid_for(int64_t work, int threads) {
-  const int64_t blocks = (work + threads - 1) / threads;
-  return (int)std::min<int64_t>(std::max<int64_t>(blocks, 1), 65535LL * 8);
-}
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> nf4_quantize_cuda(const at::Tensor& w, int64_t blocksize) {
@@ -123,7 +112,7 @@ at::Tensor nf4_dequantize_cuda(const at::Tensor& packed, const at::Tensor& absma
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int threads = 256;
   FT_DISPATCH_FLOATING(dtype, "nf4_dequantize_cuda", [&] {
-    nf4_dequantize_kernel<scalar_t><<<grid_for((numel + 1) / 2, threads), threads, 0, stream>>>(
+    nf4_dequantize_kernel<scalar_t><<<fasttrain::cuda::grid_for((numel + 1) / 2, threads), threads, 0, stream>>>(
         q.const_data_ptr<uint8_t>(), a.const_data_ptr<float>(), out.data_ptr<scalar_t>(), numel, blocksize);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -157,7 +146,7 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q_, const at::Tensor& ab
   const at::Tensor q = q_.contiguous(), a = absmax.contiguous(), c = code.contiguous();
   const int64_t n = q.numel();
   at::Tensor out = at::empty({n}, a.options());
-  blockwise8_dequantize_kernel<<<grid_for(n, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+  blockwise8_dequantize_kernel<<<fasttrain::cuda::grid_for(n, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
       q.const_data_ptr<uint8_t>(), a.const_data_ptr<float>(), c.const_data_ptr<float>(), out.data_ptr<float>(), n,
       blocksize);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -17,6 +17,7 @@
 #include "core/policy_loss_checks.h"
 #include "core/dispatch.h"
 #include "core/math.h"
+#include "cuda/common.cuh"
 #include "ops.h"
 
 namespace fasttrain {
@@ -25,13 +26,6 @@ namespace fm = fasttrain::math;
 namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kChunk = 2048;  // tokens per CTA (8 per thread)
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 template <typename scalar_t, bool kCispo, bool kKl, bool kAdvPerToken>
 __global__ void policy_chunk_kernel(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ old,
@@ -72,7 +66,7 @@ __global__ void policy_chunk_kernel(const scalar_t* __restrict__ lp, const scala
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int k = 0; k < fm::kPolicySums; ++k) {
-    const float v = warp_sum(acc[k]);
+    const float v = fasttrain::cuda::warp_sum(acc[k]);
     if (lane == 0) smem[warp][k] = v;
   }
   __syncthreads();
@@ -155,11 +149,6 @@ __global__ void policy_backward_kernel(const float* __restrict__ grad_loss, cons
     out[i] = static_cast<scalar_t>(coef[i] * g * rowscale[i / T]);
 }
 
-int grid_for(int64_t work, int threads) {
-  const int64_t blocks = (work + threads - 1) / threads;
-  return (int)std::min<int64_t>(std::max<int64_t>(blocks, 1), 65535LL * 8);
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
@@ -201,13 +190,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
             partial.data_ptr<float>(), T, nc,
             static_cast<float>(beta), el, eh, static_cast<float>(cispo_cap), static_cast<float>(zeta));
       };
-      if (loss_type == fm::kCispo) {
-        if (has_kl) adv_per_token ? launch(policy_chunk_kernel<scalar_t, true, true, true>) : launch(policy_chunk_kernel<scalar_t, true, true, false>);
-        else adv_per_token ? launch(policy_chunk_kernel<scalar_t, true, false, true>) : launch(policy_chunk_kernel<scalar_t, true, false, false>);
-      } else {
-        if (has_kl) adv_per_token ? launch(policy_chunk_kernel<scalar_t, false, true, true>) : launch(policy_chunk_kernel<scalar_t, false, true, false>);
-        else adv_per_token ? launch(policy_chunk_kernel<scalar_t, false, false, true>) : launch(policy_chunk_kernel<scalar_t, false, false, false>);
-      }
+      // One kernel per (CISPO or not, KL or not, per-token advantages or per-row), picked flag by flag.
+      using fasttrain::cuda::with_flag;
+      with_flag(loss_type == fm::kCispo, [&](auto cispo) {
+        with_flag(has_kl, [&](auto kl) {
+          with_flag(adv_per_token, [&](auto per_token) {
+            launch(policy_chunk_kernel<scalar_t, decltype(cispo)::value, decltype(kl)::value,
+                                       decltype(per_token)::value>);
+          });
+        });
+      });
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -240,7 +232,7 @@ at::Tensor policy_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tens
   at::Tensor out = at::empty({B, T}, coef.options().dtype(dtype));
   if (n == 0) return out;
   FT_DISPATCH_FLOATING(dtype, "policy_loss_backward_cuda", [&] {
-    policy_backward_kernel<scalar_t><<<grid_for(n, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    policy_backward_kernel<scalar_t><<<fasttrain::cuda::grid_for(n, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         g.const_data_ptr<float>(), coef.const_data_ptr<float>(), rowscale.const_data_ptr<float>(),
         out.data_ptr<scalar_t>(), n, T);
   });

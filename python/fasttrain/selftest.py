@@ -551,8 +551,27 @@ def _norm_cases(dev, quick: bool):
     return out
 
 
+# ---- the optional GPU packages (flash-attn 2, Liger-Kernel): the model's logits with and without --
+def _package_case(dev, package: str) -> tuple[str, Callable]:
+    def run(check: _Check):
+        from fasttrain.models.gpu_packages import check_against_plain
+        res, t = _timed(lambda: check_against_plain(package, dev), dev)
+        # error against the float64 model, tolerance twice the plain bf16 model's error (+ u·|logit|)
+        check.close("logits", torch.tensor([res["max_err"]]), torch.tensor([0.0]), res["tol"])
+        return t, 0.0
+    return f"tiny Llama bf16 logits with {package} vs float64 (plain bf16 error x2)", run
+
+
+def _package_cases(dev, quick: bool):
+    """Only on CUDA, and only for the packages installed there: those are the ones a run uses."""
+    if dev.type != "cuda":
+        return []
+    from fasttrain.models.gpu_packages import installed
+    return [_package_case(dev, p) for p in ("flash_attn", "liger_kernel") if installed(p)]
+
+
 CASES = {"fused_logprob": _logprob_cases, "policy_loss": _policy_cases, "nf4_quantize": _nf4_cases,
-         "nf4_linear": _linear_cases, "nf4_dora_norm": _norm_cases}
+         "nf4_linear": _linear_cases, "nf4_dora_norm": _norm_cases, "gpu_packages": _package_cases}
 
 
 # ---- the run ----------------------------------------------------------------------------------

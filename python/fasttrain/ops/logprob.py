@@ -70,7 +70,7 @@ def fused_logprob(
         raise ValueError(f"fused_logprob: targets must have shape {tuple(hidden.shape[:-1])} (hidden's leading "
                          f"dims), got {tuple(targets.shape)}")
     lead = hidden.shape[:-1]
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = hidden.reshape(targets.numel(), hidden.shape[-1])  # not -1: hidden may be [N, 0]
     t1 = targets.reshape(-1)
     compute_grad = torch.is_grad_enabled() and hidden.requires_grad
     logp, entropy = _FusedLogprob(h2, weight, t1, bias, float(temperature), int(ignore_index), compute_grad,

@@ -92,6 +92,9 @@ class NF4State:
                    (self.absmax, self.qabsmax, self.absmax2, self.code, self.offset) if t is not None)
 
 
+absmax_offset = _reference.absmax_offset  # double quantization's offset (one rule for both paths)
+
+
 def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -> tuple[torch.Tensor, NF4State]:
     """Quantize `w` (fp32/fp16/bf16, any shape) to NF4. Returns (packed uint8 [ceil(n/2)], state)."""
     _reference.check_nf4_quantize_input(w)
@@ -100,7 +103,7 @@ def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
     packed, absmax = _ops.nf4_quantize(w.detach(), blocksize)
     state = NF4State(shape=w.shape, dtype=w.dtype, blocksize=blocksize)
     if double_quant:
-        offset = absmax.mean()
+        offset = absmax_offset(absmax)
         q, a2 = _ops.blockwise8_quantize(absmax - offset, _dynamic_map_on(w.device), ABSMAX_BLOCKSIZE)
         state.qabsmax, state.absmax2, state.code, state.offset = q, a2, _dynamic_map_on(w.device), offset
     else:

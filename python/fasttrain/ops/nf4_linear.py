@@ -89,12 +89,12 @@ def _cpu_bf16_compute() -> bool:
 
 @torch.library.register_fake("fasttrain::nf4_linear_backward")
 def _(dy, x, packed, absmax, blocksize, out_features, lora_a, lora_b, scale, dora_m, xa, rnorm, z, output_mask):
-    e = x.new_empty((0,))
-    dx = x.new_empty(x.shape) if output_mask[0] else e
-    da = lora_a.new_empty(lora_a.shape) if (lora_a is not None and output_mask[1]) else e
-    db = lora_b.new_empty(lora_b.shape) if (lora_b is not None and output_mask[2]) else e
-    dm = dora_m.new_empty(dora_m.shape) if (dora_m is not None and output_mask[3]) else x.new_empty((0,),
-                                                                                                     dtype=torch.float32)
+    e = lambda: x.new_empty((0,))  # noqa: E731  (a fresh tensor per output: outputs never alias)
+    dx = x.new_empty(x.shape) if output_mask[0] else e()
+    da = lora_a.new_empty(lora_a.shape) if (lora_a is not None and output_mask[1]) else e()
+    db = lora_b.new_empty(lora_b.shape) if (lora_b is not None and output_mask[2]) else e()
+    dm = dora_m.new_empty(dora_m.shape if output_mask[3] else (0,)) if dora_m is not None else x.new_empty(
+        (0,), dtype=torch.float32)
     return dx, da, db, dm
 
 

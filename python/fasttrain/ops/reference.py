@@ -130,6 +130,17 @@ def check_nf4_quantize_input(w) -> None:
         raise ValueError("nf4_quantize: w is empty")
 
 
+def absmax_offset(absmax: torch.Tensor) -> torch.Tensor:
+    """The offset double quantization subtracts: the mean of the block scales, summed in float64 in
+    index order and rounded once to float32, on the CPU whatever absmax's device (CPU cumsum is one
+    sequential loop). The same weight therefore gets the same offset on every device, CPU and thread
+    count; float32 absmax.mean() (bitsandbytes' rule) does not: CUDA and the CPU sum in different
+    orders, and the CPU's order changes with the number of threads. The two agree to within the
+    rounding error of that float32 sum. Returns a 0-d float32 tensor on absmax's device."""
+    a = absmax.detach().to("cpu").to(torch.float64)
+    return (a.cumsum(0)[-1] / a.numel()).to(torch.float32).to(absmax.device)
+
+
 def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False):
     """Quantize `w` (fp32/fp16/bf16) to NF4: (packed uint8 [ceil(n/2)], fasttrain.ops.NF4State).
     Double quantization subtracts the absmax vector's mean and stores the rest in 8 bits (256 per
@@ -141,7 +152,7 @@ def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
     state = NF4State(shape=w.shape, dtype=w.dtype, blocksize=blocksize)
     if double_quant:
         code = dynamic_map().to(w.device)
-        offset = absmax.mean()
+        offset = absmax_offset(absmax)
         state.qabsmax, state.absmax2 = blockwise8_quantize(absmax - offset, code, ABSMAX_BLOCKSIZE)
         state.code, state.offset = code, offset
     else:

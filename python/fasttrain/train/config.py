@@ -53,6 +53,8 @@ class PolicySection:
     rslora: bool = False
     targets: tuple[str, ...] = ()           # () = the 7 attention/MLP projections
     gradient_checkpointing: bool = True
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"  # auto: flash-attn 2 on CUDA if installed
+    liger: bool = False                     # Liger-Kernel RMSNorm/SwiGLU/RoPE on the policy (CUDA, fasttrain[gpu])
 
 
 @dataclass(frozen=True)

@@ -57,4 +57,8 @@ def check_kernels(device: torch.device | str, run_dir: Path, console=None) -> st
             f"({len(failing)} of {report['cases']} cases; failing op{'s' if len(ops) > 1 else ''}: {', '.join(ops)}): "
             f"{cases}{' ...' if len(failing) > 3 else ''}. Training did not start, so nothing trains on a wrong kernel. "
             f"Train with the plain-PyTorch ops instead: set run.kernels = \"reference\" in the recipe "
-            f"(or --set run.kernels=reference). The full report is {run_dir / 'selftest.json'}.")
+            f"(or --set run.kernels=reference)."
+            + (" A failing gpu_packages case is flash-attn or Liger-Kernel giving wrong logits on this device "
+               "(the check runs for each one installed): uninstall that package (pip uninstall flash-attn "
+               "liger-kernel)." if "gpu_packages" in ops else "")
+            + f" The full report is {run_dir / 'selftest.json'}.")

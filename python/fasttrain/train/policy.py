@@ -39,6 +39,7 @@ def build_policy(cfg: Config, device: torch.device):
     p = cfg.policy
     model, tokenizer = _load_base(p.model, p.dtype)
     model.to(device)
+    _use_gpu_packages(model, p, device)
     for prm in model.parameters():
         prm.requires_grad_(False)
     if p.quantize == "nf4":
@@ -55,6 +56,22 @@ def build_policy(cfg: Config, device: torch.device):
     if hasattr(model, "config"):
         model.config.use_cache = False                   # training forward; rollout asks for its cache
     return model, tokenizer, adapter_parameters(model, params)
+
+
+def _use_gpu_packages(model, p, device: torch.device) -> None:
+    """flash-attn 2 / Liger-Kernel where asked for and possible (fasttrain.models.gpu_packages)."""
+    from fasttrain.models.gpu_packages import GpuPackageError, apply_liger, attention_implementation, set_attention
+    try:
+        impl = attention_implementation(p.attention, device, getattr(torch, p.dtype))
+        if impl is not None and hasattr(model, "set_attn_implementation"):
+            set_attention(model, impl)
+        elif impl is not None:
+            raise GpuPackageError(f"policy.attention = {p.attention!r}: the model {type(model).__name__} "
+                                  "has no set_attn_implementation; use 'auto'")
+        if p.liger:
+            apply_liger(model, device)
+    except GpuPackageError as e:
+        raise ConfigError(str(e)) from None
 
 
 def adapter_parameters(model: torch.nn.Module, params) -> dict[str, torch.nn.Parameter]:

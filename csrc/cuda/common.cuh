@@ -1,0 +1,50 @@
+// Device helpers every CUDA file uses, written once: warp reductions, the launch grid of a
+// grid-stride kernel, the NF4 decode of one element, and a compile-time flag dispatch for host code.
+// Math (the formulas themselves) stays in core/math.h, shared with the CPU kernels.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/math.h"
+
+namespace fasttrain::cuda {
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Blocks for a grid-stride kernel over `work` items: at least 1 (a launch with 0 blocks is an error
+// even when the kernel would do nothing), at most 8 x 65,535 (the kernels loop over the rest).
+inline int grid_for(int64_t work, int threads) {
+  const int64_t blocks = (work + threads - 1) / threads;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), int64_t(65535) * 8));
+}
+
+// Element i of a row-major NF4 matrix (bitsandbytes layout: element 2j in the high nibble of byte j).
+__device__ __forceinline__ float nf4_decode_at(const uint8_t* __restrict__ q, const float* __restrict__ absmax,
+                                               int64_t blocksize, int64_t i) {
+  return fasttrain::math::nf4_decode(q[i >> 1], (i & 1) == 0, absmax[i / blocksize]);
+}
+
+// Calls f(std::true_type{}) or f(std::false_type{}): one branch per runtime flag of a kernel
+// template, read as `with_flag(has_kl, [&](auto kl) { ... decltype(kl)::value ... })`.
+template <typename F>
+inline void with_flag(bool flag, F&& f) {
+  if (flag) f(std::true_type{});
+  else f(std::false_type{});
+}
+
+}  // namespace fasttrain::cuda
