@@ -216,7 +216,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cpu(
     const at::Tensor norm = dora_norm(w, *lora_a, *lora_b, scale, weight_sq_norm, ct);
     rnorm = norm.reciprocal();                                              // saved for the backward
     const at::Tensor g = (dora_m->to(norm.scalar_type()) / norm).to(ct);  // m / ‖W + sBA‖
-    y = (z * g).to(x_.scalar_type()).contiguous();  // z is a transposed view at M <= 64
+    z = z.contiguous();  // at M <= 64 a transposed view; z is returned (saved), y is formed from it
+    y = (z * g).to(x_.scalar_type());
   } else {
     y = z.to(x_.scalar_type()).contiguous();
     z = at::empty({0}, x.options());  // LoRA needs no z in backward
