@@ -6,7 +6,9 @@ reproduced small with the real model (SmolLM2-135M-Instruct, NF4 + LoRA/DoRA).
     python tools/experiments.py ladder   [scale flags] [--rungs dapo,cispo,...]   # (c) the six rungs
     python tools/experiments.py start    [scale flags] [--set env.name=...]  # the starting model's answers only:
                                                          # validity and the non-zero-advantage share per floor
-    python tools/experiments.py summarize --exp learning|floor|ladder   # plots + tables again, no training
+    python tools/experiments.py countdown [--steps N] [--threads T] [--set ...]   # (d) the countdown recipe as
+                                                         # it is: probe share solved before and after
+    python tools/experiments.py summarize --exp learning|floor|ladder|countdown   # plots + tables again
 
 Every experiment starts from a recipe (demo for (a) and (b), the ladder recipes for (c)) with the
 scale flags applied to all runs alike as `--set` overrides, writes its runs under
@@ -136,6 +138,52 @@ def summarize_ladder(exports, fig_dir: Path) -> str:
     return table + "\n".join(extra) + "\n"
 
 
+def summarize_countdown(exports, fig_dir: Path) -> str:
+    e = exports[-1]
+    lines = [f"run `{e['run_id']}`, {e['steps_done']} steps, wall {e['wall_seconds']:.0f} s", "",
+             "| probe step | solved (answer) | valid |", "|---:|---:|---:|"]
+    lines += [f"| {p['step']} | {p['train_core']:.1%} | {p['train_valid']:.0%} |" for p in e["probes"]]
+    lines += ["", "| rollout mean (first half -> second half of the steps) | first | second |", "|---|---:|---:|"]
+    for k in ("reward_answer", "reward_format", "valid", "nonzero_adv_share", "kl", "entropy", "mean_length"):
+        if k in e["steps"][0]:
+            a, b = _halves(e, k)
+            lines.append(f"| {k} | {_f(a)} | {_f(b)} |")
+    _plot_countdown(e, fig_dir / "countdown.png")
+    return "\n".join(lines) + "\n"
+
+
+def _plot_countdown(e, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st, pr = e["steps"], e["probes"]
+    x = [s["step"] for s in st]
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.8))
+    ax[0].plot([p["step"] for p in pr], [p["train_core"] for p in pr], "o-", label="probe: share solved")
+    ax[0].set_ylim(-0.02, max(0.2, max(p["train_core"] for p in pr) * 1.2))
+    ax[0].set_title("probe (unseen problems)")
+    for k in ("reward_answer", "reward_format"):
+        ax[1].plot(x, [s[k] for s in st], "o-", label=k)
+    ax[1].set_title("rollout rewards (mean over answers)")
+    for k in ("nonzero_adv_share", "entropy", "kl"):
+        ax[2].plot(x, [s[k] for s in st], label=k)
+    ax[2].set_title("non-zero-advantage share, entropy, KL")
+    _save_steps_figure(plt, fig, ax, f"(d) countdown: {e['run_id']}", path)
+
+
+def _save_steps_figure(plt, fig, ax, title: str, path: Path) -> None:
+    """Panels over steps: x label and legend on each, the title, then the PNG."""
+    for a in ax:
+        a.set_xlabel("step")
+        a.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def _plot_learning(e, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -154,14 +202,7 @@ def _plot_learning(e, path: Path) -> None:
         if k in st[0]:
             ax[2].plot(x, [s[k] for s in st], label=k)
     ax[2].set_title("validity channels, non-zero-advantage share")
-    for a in ax:
-        a.set_xlabel("step")
-        a.legend(fontsize=7)
-    fig.suptitle(f"(a) learning: {e['run_id']}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save_steps_figure(plt, fig, ax, f"(a) learning: {e['run_id']}", path)
 
 
 def _plot_floor(exports, path: Path) -> None:
@@ -186,7 +227,8 @@ def _plot_floor(exports, path: Path) -> None:
     plt.close(fig)
 
 
-SUMMARIES = {"learning": summarize_learning, "floor": summarize_floor, "ladder": summarize_ladder}
+SUMMARIES = {"learning": summarize_learning, "floor": summarize_floor, "ladder": summarize_ladder,
+             "countdown": summarize_countdown}
 
 
 def write_summary(exp: str, root: Path, fig_dir: Path, command: str) -> str:
@@ -212,6 +254,12 @@ def run_floor(a, root: Path) -> None:
     base = scale_overrides(a) + ['env.name="signal-b"']
     for floor in a.floors:
         train("demo", base + [f"advantages.floor={floor}", f'run.name="floor{floor}"'], root)
+
+
+def run_countdown(a, root: Path) -> None:
+    """The countdown recipe as it is (its own scale), only steps, seed, threads and --set changed."""
+    train("countdown", [f"run.steps={a.steps}", f"run.seed={a.seed}", f"run.threads={a.threads}"] + list(a.set or []),
+          root)
 
 
 def run_ladder(a, root: Path) -> None:
@@ -279,7 +327,7 @@ def run_start(a, root: Path) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=["learning", "floor", "ladder", "start", "summarize"])
+    ap.add_argument("experiment", choices=["learning", "floor", "ladder", "countdown", "start", "summarize"])
     ap.add_argument("--exp", choices=list(SUMMARIES), help="for summarize: which experiment")
     ap.add_argument("--out", default="runs/experiments", help="runs go under OUT/<experiment>/")
     ap.add_argument("--figures", default="docs/img", help="where the PNG plots go")
@@ -309,7 +357,7 @@ def main(argv=None) -> None:
     if a.experiment == "start":
         return run_start(a, root)
     if a.experiment != "summarize":
-        {"learning": run_learning, "floor": run_floor, "ladder": run_ladder}[exp](a, root)
+        {"learning": run_learning, "floor": run_floor, "ladder": run_ladder, "countdown": run_countdown}[exp](a, root)
     write_summary(exp, root, Path(a.figures), command)
 
 

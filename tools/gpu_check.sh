@@ -72,9 +72,25 @@ else
   status+=("bench_step.py: skipped (out of time or trl/peft missing)")
 fi
 
+# 6. The plan against the step: `fasttrain plan`'s peak per phase vs torch.cuda.max_memory_allocated
+#    for the same step (SmolLM2-135M's architecture, random weights, the study's 4 x 12 rows of
+#    ~300 + 128 tokens); both numbers land in $OUT/plan_check_smollm2-135m.json.
+left=$(( 520 - $(elapsed) ))
+if [ "$left" -gt 45 ]; then
+  if PYTHONPATH=python timeout "$(( left < 150 ? left : 150 ))" "$PY" tools/plan_check.py --model smollm2-135m \
+      --device cuda --out "$OUT" > "$OUT/plan_check.log" 2>&1; then
+    status+=("plan_check: ok ($(grep -c ratio "$OUT/plan_check.log") phases compared)")
+  else
+    status+=("plan_check: FAILED rc=$? (see plan_check.log)")
+  fi
+else
+  status+=("plan_check: skipped, out of time")
+fi
+
 echo "== fasttrain GPU check: $(head -1 "$OUT/env.txt") =="
 cat "$OUT/info.txt" | head -30
 for s in "${status[@]}"; do echo "  $s"; done
 [ -s "$OUT/selftest_failing.txt" ] && { echo "-- selftest failures"; cat "$OUT/selftest_failing.txt"; }
+[ -f "$OUT/plan_check.log" ] && { echo "-- plan_check.log"; tail -6 "$OUT/plan_check.log"; }
 for f in "$OUT"/bench_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f")"; tail -14 "$f"; }; done
 echo "total $(elapsed) s"

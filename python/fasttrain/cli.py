@@ -83,28 +83,65 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
         set_: list[str] = typer.Option([], "--set", help=SET_HELP),
         resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this folder"),
         out: Optional[str] = typer.Option(None, "--out", help="parent folder of the run (default runs/)"),
-        no_progress: bool = typer.Option(False, "--no-progress", help="no live progress bar")) -> None:
+        no_progress: bool = typer.Option(False, "--no-progress", help="no live progress bar"),
+        nproc: int = typer.Option(1, "--nproc", min=1, help="data-parallel processes on this machine "
+                                  "(one per GPU; starts torchrun)")) -> None:
     """Train a policy with RECIPE (default: the CPU demo) and write runs/<run-id>/."""
-    from fasttrain.train import ConfigError, Trainer, TrainingStopped, load_config
+    from fasttrain.train import ConfigError, Trainer, TrainingStopped, distributed, load_config
 
+    if nproc > 1:
+        _launch(nproc, recipe, set_, resume, out, no_progress)
+    trainer = None
     try:
         if resume is not None:
             trainer = Trainer.resume(resume, set_, progress=not no_progress, console=console)
         else:
             overrides = list(set_) + ([f"run.out={json.dumps(out)}"] if out else [])
             trainer = Trainer(load_config(recipe, overrides), progress=not no_progress, console=console)
-        console.print(f"run [bold]{trainer.run_id}[/bold] -> {trainer.dir}")
+        if trainer.main:
+            console.print(f"run [bold]{trainer.run_id}[/bold] -> {trainer.dir}")
         export = trainer.train()
     except (ConfigError, FileNotFoundError) as e:
         _fail(str(e))
     except TrainingStopped as e:
         _fail(str(e))
+    except distributed.RankLost as e:
+        _fail(str(e).replace("RUN_DIR", str(trainer.dir) if trainer else "RUN_DIR"))
+    distributed.finish()
+    if not trainer.main:
+        return
     sh = export["shipped"]
     if sh:
         hold = sh["holdout_core"]
         console.print(f"shipped step {sh['step']}: train core {sh['train_core']:+.4f}"
                       + (f", holdout core {hold:+.4f}" if isinstance(hold, float) and hold == hold else ""))
     console.print(f"report: {trainer.dir / 'report.md'}")
+
+
+def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], out: Optional[str],
+            no_progress: bool) -> None:
+    """`run --nproc N`: check the recipe here, then start the same command under torchrun."""
+    import os
+    import tomllib
+
+    from fasttrain.train import ConfigError, distributed, load_config
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _fail("--nproc starts torchrun itself; under torchrun, leave it out")
+    try:
+        if resume is not None:
+            if not (resume / "config.toml").exists():
+                raise FileNotFoundError(f"--resume {resume}: no config.toml there (not a fasttrain run folder)")
+            cfg = load_config(tomllib.loads((resume / "config.toml").read_text()), set_)
+        else:
+            cfg = load_config(recipe, set_)
+        distributed.check_prompts_per_step(cfg.rollout.prompts_per_step, nproc)
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(str(e))
+    argv = ["run", recipe] + [x for s in set_ for x in ("--set", s)]
+    argv += (["--resume", str(resume)] if resume is not None else []) + (["--out", out] if out else [])
+    argv += ["--no-progress"] if no_progress else []
+    raise typer.Exit(distributed.launch_local(nproc, argv))
 
 
 @app.command()
@@ -172,6 +209,48 @@ def eval_(run_dir: Path = typer.Argument(..., help="a finished run folder"),
     for sl in ("train", "holdout"):
         table.add_row(sl, f"{res[sl + '_core']:+.4f}", f"{res[sl + '_success']:.0%}", f"{res[sl + '_valid']:.0%}")
     console.print(table)
+
+
+@app.command()
+def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path to a .toml"),
+         set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+         model: Optional[str] = typer.Option(None, "--model", help="bundled config name (e.g. qwen2.5-32b), "
+                                             "a config.json, or a model folder (default: the recipe's policy.model)"),
+         gpu: str = typer.Option("h100-sxm-80gb", "--gpu", help="h100-sxm-80gb | h200-141gb | a100-80gb | l40s-48gb | cpu"),
+         prompt_tokens: int = typer.Option(
+             360, "--prompt-tokens", help="tokens of the longest prompt, chat template included (signal-a: 344-362 "
+             "with SmolLM2's tokenizer)"),
+         mfu: float = typer.Option(0.4, "--mfu", help="assumed share of the bf16 peak reached by matmul phases"),
+         decode_share: float = typer.Option(1.0, "--decode-share", help="measured share of the bandwidth floor "
+                                            "reached by decode (1.0: the floor)"),
+         verifier_rate: Optional[float] = typer.Option(None, "--verifier-answers-per-s",
+                                                       help="the verifier's measured answers per second"),
+         as_json_: bool = typer.Option(False, "--json", help="print the plan as JSON")) -> None:
+    """Will RECIPE fit a GPU, and how long will a step take? On paper: the model is built from its config.json
+    on the meta device (no weights are read)."""
+    from fasttrain.plan import gpu_spec, model_config, run_shape
+    from fasttrain.plan.report import as_json, make_plan, render
+    from fasttrain.train import ConfigError, load_config
+
+    try:
+        cfg = load_config(recipe, set_)
+        spec = model or (cfg.policy.model if cfg.policy.model not in ("", "default") else "smollm2-135m")
+        if ":" in spec and not Path(spec).exists():
+            raise ConfigError(f"policy.model {spec!r} is a factory; pass --model with its config.json")
+        if spec.lower().endswith(".gguf"):
+            raise ConfigError(f"policy.model {spec!r} is a GGUF file; pass --model with a config.json")
+        p = make_plan(model_config(spec), run_shape(cfg, prompt_tokens), gpu_spec(gpu),
+                      name=Path(spec).stem if Path(spec).suffix == ".json" else Path(spec).name or spec,
+                      env=cfg.env.name, mfu=mfu, decode_share=decode_share,
+                      verifier_answers_per_s=verifier_rate)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    if as_json_:
+        print(json.dumps(as_json(p), indent=2, default=str))
+    else:
+        print(render(p))
+    if not p.fits:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -57,6 +57,22 @@ def test_passing_kernels_are_recorded(tmp_path, checked_cpu):
     assert json.loads((tmp_path / "run" / "selftest.json").read_text())["passed"] is True
 
 
+def test_other_ranks_check_their_device_but_write_nothing(tmp_path, checked_cpu):
+    calls = checked_cpu(False)
+    msg = kernel_check.check_kernels("cpu", tmp_path / "run", write=False)
+    assert calls == [torch.device("cpu")] and "nf4_linear" in msg
+    assert not (tmp_path / "run").exists(), "only rank 0 writes the run folder"
+
+
+def test_a_failing_gpu_package_names_the_packages_to_uninstall(tmp_path, monkeypatch, checked_cpu):
+    checked_cpu(False)
+    bad = _report(False)
+    bad["failing"][0]["op"] = "gpu_packages"
+    monkeypatch.setattr(kernel_check, "run_quick_selftest", lambda device: bad)
+    msg = kernel_check.check_kernels("cpu", tmp_path / "run")
+    assert "gpu_packages" in msg and "pip uninstall flash-attn liger-kernel" in msg
+
+
 def test_reference_choice_skips_the_check(tmp_path, checked_cpu):
     calls = checked_cpu(False)
     with K.use_kernels("reference"):

@@ -5,7 +5,8 @@ rows share it: the prefill is G times cheaper than expanding first, as `generate
 its cache columns into the G rows, then decode one token per row per step with per-row stopping
 at EOS, leaving early when every row has stopped. Sampling is Gumbel-max on fp32 log-probs
 (argmax(log p - log E), E ~ Exp(1), the trick gpt-fast uses to sample without a host sync),
-seeded by a torch.Generator; temperature 0 is greedy.
+seeded by a torch.Generator (one for the batch, or one per prompt: then a group's answers do not
+depend on which other prompts share the batch); temperature 0 is greedy.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _default_pad(model, eos: list[int]) -> int:
 
 @torch.no_grad()
 def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int,
-           temperature: float = 1.0, eos_token_ids: Sequence[int] | int | None, seed: int,
+           temperature: float = 1.0, eos_token_ids: Sequence[int] | int | None, seed: int | Sequence[int],
            pad_token_id: int | None = None, stop_strings: Sequence[str] = (),
            token_text: Callable[[int], str] | None = None) -> Rollout:
     """Sample `group_size` completions of at most `max_new_tokens` for each prompt.
@@ -85,6 +86,10 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     ends in the token ">."). The computation runs in the model's parameter dtype; log-probs and
     sampling in fp32. Plain temperature sampling: no top-k/top-p (the behaviour policy is exactly
     the model's).
+
+    seed: an int seeds one generator for the whole batch; a list of one int per prompt seeds one
+    generator per group, so each group draws the same answers whatever else is in the batch (how
+    data-parallel ranks split a step and still sample what one process would).
     """
     dec = LlamaFamilyDecoder(model)
     vocab = model.config.vocab_size
@@ -127,8 +132,13 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     logits = dec.lm_head(h_last).float().repeat_interleave(G, dim=0)  # [B, V]
     cos, sin = cos.repeat_interleave(G, 0), sin.repeat_interleave(G, 0)
 
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed))
+    if not isinstance(seed, (list, tuple)):
+        gens = [torch.Generator(device=device).manual_seed(int(seed))]
+    else:
+        if len(seed) != n:
+            raise ValueError(f"sample: seed has {len(seed)} values for {n} prompts (one per prompt, or one int)")
+        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
+    rows = B // len(gens)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
     key_valid = torch.zeros(B, S, dtype=torch.bool, device=device)
     key_valid[:, :P] = valid.repeat_interleave(G, 0)
@@ -144,7 +154,9 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
         if temperature > 0:
-            noise = torch.empty_like(logp).exponential_(generator=gen)
+            noise = torch.empty_like(logp)
+            for i, gen in enumerate(gens):
+                noise[i * rows:(i + 1) * rows].exponential_(generator=gen)
             tok = (logp - noise.log_()).argmax(-1)
         else:
             tok = logp.argmax(-1)

@@ -9,7 +9,17 @@ import torch
 
 from fasttrain.envs import Prompt, Score
 
-__all__ = ["answer_token_ids", "eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice"]
+__all__ = ["answer_token_ids", "eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice",
+           "group_seeds"]
+
+
+def group_seeds(key: Sequence[int], start: int, stop: int) -> list[int]:
+    """One sampling seed per prompt position in [start, stop), a hash of (key..., position):
+    a prompt's answers depend on the run's seed, the step and its place in the step, never on
+    which data-parallel rank samples it."""
+    import numpy as np
+    return [int(np.random.SeedSequence([*map(int, key), j]).generate_state(1, np.uint64)[0] >> 1)
+            for j in range(start, stop)]
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -45,7 +55,7 @@ def answer_token_ids(roll) -> list[list[int]]:
 
 @torch.no_grad()
 def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
-                   max_new_tokens: int, temperature: float, seed: int, answer_prefix: str = "",
+                   max_new_tokens: int, temperature: float, seed: int | Sequence[int], answer_prefix: str = "",
                    stop_strings: Sequence[str] = ()):
     """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
     Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn;

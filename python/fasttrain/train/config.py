@@ -40,6 +40,10 @@ class RunSection:
     checkpoint_every: int = 0               # 0: at every probe and at the end
     threads: int = 0                        # torch CPU threads; 0 = torch's default
     kernels: Literal["fused", "reference"] = "fused"  # "reference": plain-PyTorch ops (fasttrain.ops.reference)
+    dist_timeout: float = 1800.0            # torchrun ranks: seconds a rank waits in a collective
+                                            # for the others before it stops (one died or hangs)
+    # experiment trackers fed every metrics line: any of "tensorboard", "wandb", "mlflow", "trackio"
+    report_to: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,10 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "run.steps": (lambda v: v >= 1, "an integer >= 1"),
     "run.checkpoint_every": (lambda v: v >= 0, "an integer >= 0"),
     "run.threads": (lambda v: v >= 0, "an integer >= 0"),
+    "run.dist_timeout": (lambda v: v > 0, "a number of seconds > 0"),
+    "run.report_to": (lambda v: all(x in ("tensorboard", "wandb", "mlflow", "trackio") for x in v)
+                      and len(set(v)) == len(v),
+                      'a list of distinct tracker names among "tensorboard", "wandb", "mlflow", "trackio"'),
     "policy.rank": (lambda v: v >= 1, "an integer >= 1"),
     "policy.alpha": (lambda v: v > 0, "a number > 0"),
     "rollout.prompts_per_step": (lambda v: v >= 1, "an integer >= 1"),

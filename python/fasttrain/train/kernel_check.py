@@ -26,22 +26,26 @@ def run_quick_selftest(device: torch.device) -> dict[str, Any]:
     return run_selftest(device, quick=True)
 
 
-def check_kernels(device: torch.device | str, run_dir: Path, console=None) -> str | None:
-    """None when training may start; otherwise the message that stops it."""
+def check_kernels(device: torch.device | str, run_dir: Path, console=None, write: bool = True) -> str | None:
+    """None when training may start; otherwise the message that stops it. Every rank of a
+    distributed run checks its own device; only the one with `write` (rank 0) writes selftest.json."""
     from fasttrain.ops.kernels import kernels
     device = torch.device(device)
     if device.type not in SELFTEST_DEVICES:
         return None
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if write:
+        run_dir.mkdir(parents=True, exist_ok=True)
     if kernels() == "reference":
-        write_json(run_dir / "selftest.json", {"skipped": "the plain-PyTorch reference ops run (run.kernels = "
-                                                          "\"reference\" or FASTTRAIN_KERNELS=reference)"})
+        if write:
+            write_json(run_dir / "selftest.json", {"skipped": "the plain-PyTorch reference ops run (run.kernels = "
+                                                              "\"reference\" or FASTTRAIN_KERNELS=reference)"})
         return None
     if console is not None:
         console.print(f"checking the compiled kernels on {device} (fasttrain selftest --quick) ...")
     report = run_quick_selftest(device)
-    write_json(run_dir / "selftest.json", report)
+    if write:
+        write_json(run_dir / "selftest.json", report)
     from fasttrain.selftest import record_verdict
     record_verdict(report)
     if report["passed"]:

@@ -193,10 +193,11 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
     B = roll.completion_ids.shape[0]
     # The whole batch's denominator, so micro-batch gradients add up to the one-batch gradient:
     # active tokens (CISPO, DAPO) or sequences with an active token (GRPO's mean of means).
-    if loss_cfg.kind == "grpo":
-        normalizer = loss_mask.any(dim=1).sum().to(torch.float32).clamp_min(1)
-    else:
-        normalizer = loss_mask.sum().to(torch.float32).clamp_min(1)
+    # Both count the whole batch over every data-parallel rank (distributed.sum_values).
+    from fasttrain.train import distributed
+    count = loss_mask.any(dim=1).sum() if loss_cfg.kind == "grpo" else loss_mask.sum()
+    batch_count, batch_tokens = distributed.sum_values([float(count), float(loss_mask.sum())])
+    normalizer = torch.tensor(batch_count, dtype=torch.float32, device=loss_mask.device).clamp_min(1)
     model.train()
     out = []
     fill_old = scores.old_logp is None          # pass 1 provides the old log-probs and entropy
@@ -230,14 +231,16 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
                 zeta=zeta, token_normalizer=normalizer)
             loss.backward()
             total += loss.detach().double().cpu()
-            w = float(m.sum()) / float(loss_mask.sum())      # stats: token-weighted over the batch
+            w = float(m.sum()) / batch_tokens                # stats: token-weighted over the batch
             for key, v in stats.items():
                 if key != "active_tokens":
                     acc[key] = acc.get(key, 0.0) + w * float(v)
         if fill_old and k == 0:
             old_logp, entropy = torch.cat(olds), torch.cat(ents)
+        distributed.sum_gradients(params)               # the whole batch's gradient on every rank
+        loss_v, acc = distributed.sum_stats(float(total), acc)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
-        loss_v, gn = float(total), float(grad_norm)
+        gn = float(grad_norm)
         if not (math.isfinite(loss_v) and math.isfinite(gn)):
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLoss(f"loss {loss_v}, gradient norm {gn}", UpdateResult(out, old_logp, entropy))

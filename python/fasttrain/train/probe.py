@@ -2,7 +2,9 @@
 
 Every `probe.every` steps (and at step 0 and the last step) the policy answers the environment's
 frozen probe prompts; the answers are scored on the train data slice (the selector) and on the
-later holdout slice. The shipped checkpoint is the probe step with the best train-side mean core
+later holdout slice. Data-parallel ranks each answer a contiguous block of the probe prompts
+(each prompt's sampler is seeded from the probe seed and its position, so the answers are the
+one-process answers) and the scores are gathered. The shipped checkpoint is the probe step with the best train-side mean core
 (earliest on ties); the holdout never chooses, it only verifies.
 """
 from __future__ import annotations
@@ -12,7 +14,8 @@ import time
 from typing import Any, Sequence
 
 from fasttrain.envs import Prompt
-from fasttrain.train.answers import answer_token_ids, has_slice, sample_answers, score_answers
+from fasttrain.train import distributed
+from fasttrain.train.answers import answer_token_ids, group_seeds, has_slice, sample_answers, score_answers
 from fasttrain.train.config import Config
 
 __all__ = ["run_probe", "select_shipped"]
@@ -28,18 +31,25 @@ def _summary(scores, prefix: str) -> dict[str, float]:
 def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, step: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     G = cfg.probe.samples
-    roll, texts = sample_answers(model, tokenizer, env, prompts, group_size=G,
-                                 max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
-                                 temperature=cfg.probe.temperature, seed=cfg.probe.seed,
-                                 answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings)
-    rep = [p for p in prompts for _ in range(G)]
-    ids = answer_token_ids(roll)
+    lo, hi = distributed.shard_bounds(len(prompts))
+    texts, train, hold = [], [], []
+    holdout = has_slice(env, cfg.env.holdout_slice)
+    if hi > lo:
+        roll, texts = sample_answers(model, tokenizer, env, prompts[lo:hi], group_size=G,
+                                     max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
+                                     temperature=cfg.probe.temperature, seed=group_seeds([cfg.probe.seed], lo, hi),
+                                     answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings)
+        rep = [p for p in prompts[lo:hi] for _ in range(G)]
+        ids = answer_token_ids(roll)
+        train = score_answers(env, rep, texts, cfg.env.train_slice, record=False, completion_ids=ids)
+        hold = score_answers(env, rep, texts, cfg.env.holdout_slice, record=False, completion_ids=ids) \
+            if holdout else [None] * len(texts)
+    every = distributed.gather_list(list(zip(texts, train, hold)))      # all prompts, in order
+    texts, train, hold = [x[0] for x in every], [x[1] for x in every], [x[2] for x in every]
     out: dict[str, Any] = {"step": step, "prompts": len(prompts), "samples": G}
-    train = score_answers(env, rep, texts, cfg.env.train_slice, record=False, completion_ids=ids)
     out.update(_summary(train, "train"))
-    if has_slice(env, cfg.env.holdout_slice):
-        holdout = score_answers(env, rep, texts, cfg.env.holdout_slice, record=False, completion_ids=ids)
-        out.update(_summary(holdout, "holdout"))
+    if holdout:
+        out.update(_summary(hold, "holdout"))
     else:
         out.update({"holdout_core": math.nan, "holdout_success": math.nan, "holdout_valid": math.nan})
     out["seconds"] = time.perf_counter() - t0

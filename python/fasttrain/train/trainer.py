@@ -4,11 +4,15 @@ policy update (REPO-R, CISPO/DAPO, β·KL) -> log / probe / checkpoint.
     trainer = Trainer(cfg)                     # or Trainer.resume(run_dir)
     result = trainer.train()                   # writes runs/<run-id>/ (docs/design.md, "The run folder")
 
-Determinism: the prompts of step s, the rollout seed and torch's global seed at step s are pure
-functions of (run.seed, s), and checkpoints hold adapters, AdamW moments, the thermostat and RNG
+Determinism: the prompts of step s, each prompt's rollout seed (run.seed, s, its place in the step)
+and torch's global seed at step s are pure functions of (run.seed, s), and checkpoints hold adapters, AdamW moments, the thermostat and RNG
 states, so a resumed run repeats an uninterrupted one bit for bit on CPU. A stateful
 environment (one whose score_many takes `record`, like the signal novelty archive) is brought
 back to its state by replaying the recorded answers of samples.jsonl.
+
+Under torchrun each rank runs this loop on its block of the step's prompts; the values that span
+the batch go through fasttrain.train.distributed (the identity in one process), and rank 0 alone
+writes the run folder.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ import numpy as np
 import torch
 
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
-from fasttrain.train.answers import answer_token_ids, is_stateful, sample_answers, score_answers
+from fasttrain.train import distributed
+from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers
 from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
 from fasttrain.train.environment import load_run_env
@@ -31,6 +36,7 @@ from fasttrain.train.policy import build_policy, pick_device
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.probe import run_probe, select_shipped
 from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
+from fasttrain.train.trackers import Trackers
 
 __all__ = ["Trainer", "TrainingStopped"]
 
@@ -41,6 +47,10 @@ class TrainingStopped(RuntimeError):
     """The run cannot continue (three non-finite losses in a row); the message says why."""
 
 
+def _checkpoint_step(ckpt: Path | None) -> int:
+    return int(json.loads((ckpt / "trainer_state.json").read_text())["step"]) if ckpt is not None else 0
+
+
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**62)
 
@@ -49,10 +59,15 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, *, progress: bool = True,
                  env=None, console=None):
         self.cfg = cfg
-        self.progress = progress
+        # torchrun's ranks join here (a no-op in one process); rank 0 alone shows progress
+        distributed.init_from_env(cfg.run.dist_timeout)
+        distributed.check_prompts_per_step(cfg.rollout.prompts_per_step)
+        self.main = distributed.is_main()
+        self.progress = progress and self.main
         from rich.console import Console
-        self.console = console or Console(stderr=True)
-        self.run_id = Path(run_dir).name if run_dir else new_run_id(cfg.run.name, config_hash(cfg))
+        self.console = (console or Console(stderr=True)) if self.main else Console(stderr=True, quiet=True)
+        self.run_id = Path(run_dir).name if run_dir else distributed.broadcast_object(
+            new_run_id(cfg.run.name, config_hash(cfg)))
         self.dir = Path(run_dir) if run_dir else Path(cfg.run.out) / self.run_id
         self.env = env if env is not None else load_run_env(cfg)
         self.device = pick_device(cfg.run.device)
@@ -67,6 +82,7 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.low_share_in_row = 0
         self.zeta_log: list[float] = []
+        self.trackers = Trackers([], print)       # started by train() from run.report_to
         self._setup_done = False
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -109,6 +125,7 @@ class Trainer:
         cfg = self.cfg
         self.model, self.tokenizer, self.named_params = build_policy(cfg, self.device)
         self.params = list(self.named_params.values())
+        distributed.broadcast_parameters(self.params)          # every rank starts from rank 0's adapters
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=False)
@@ -116,6 +133,22 @@ class Trainer:
         L = cfg.loss
         self.thermostat = Thermostat(zeta_min=L.zeta_min, zeta_max=L.zeta_max, warmup=L.thermostat_warmup)
         self._setup_done = True
+        self._print_plan()
+
+    def _print_plan(self) -> None:
+        """The plan's one-line summary before the first step; a warning when it will not fit."""
+        from fasttrain.plan.report import plan_for_run
+        from fasttrain.train.answers import prompt_token_ids
+        try:
+            ids = prompt_token_ids(self.tokenizer, self.env, self.train_prompts[:16], self.cfg.rollout.answer_prefix)
+            line, ok = plan_for_run(self.cfg, self.model.config, max(len(i) for i in ids), self.device,
+                                    world=distributed.world_size())
+        except Exception as e:  # the plan informs; it never stops a run
+            line, ok = f"plan: not available ({type(e).__name__}: {e})", True
+        if distributed.is_main():
+            self.console.print(line, markup=False, highlight=False)
+        if not ok:
+            self._warn(0, f"{line}; see `fasttrain plan` for the largest micro_batch, group_size and max_new_tokens that fit")
 
     def _prompts_for_step(self, step: int):
         n, P = len(self.train_prompts), self.cfg.rollout.prompts_per_step
@@ -148,21 +181,21 @@ class Trainer:
         cfg, R = self.cfg, self.cfg.rollout
         times: dict[str, float] = {}
         t = time.perf_counter()
+        distributed.collective_seconds(reset=True)
         torch.manual_seed(step_seed(cfg.run.seed, step, 1))
         prompts = self._prompts_for_step(step)
-        roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts, group_size=R.group_size,
+        lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
+        roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts[lo:hi], group_size=R.group_size,
                                      max_new_tokens=R.max_new_tokens, temperature=R.temperature,
-                                     seed=step_seed(cfg.run.seed, step), answer_prefix=R.answer_prefix,
+                                     seed=group_seeds([cfg.run.seed, step], lo, hi), answer_prefix=R.answer_prefix,
                                      stop_strings=R.stop_strings)
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
-        rep = [p for p in prompts for _ in range(R.group_size)]
-        scores = score_answers(self.env, rep, texts, cfg.env.train_slice, record=True,
-                               completion_ids=answer_token_ids(roll))
+        scores, texts = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll))  # whole step, every rank
         times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         adv, adv_info = self._advantages(scores)
-        adv = adv.to(self.device)
+        adv = adv[lo * R.group_size:hi * R.group_size].to(self.device)
         times["advantages"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -173,11 +206,9 @@ class Trainer:
         batch = score_batch(self.model, roll, cfg.optim.micro_batch, R.temperature, need_ref=L.beta > 0,
                             need_old=top_entropy)
         mask = roll.completion_mask.bool()
-        n_tok = int(mask.sum())
         loss_mask = mask
-        if top_entropy:
-            from fasttrain.rl.masks import top_entropy_mask
-            loss_mask = top_entropy_mask(batch.entropy, mask, rho=L.rho).bool() & mask
+        if top_entropy:                                        # over every rank's answer tokens
+            loss_mask = distributed.top_entropy_mask(batch.entropy, mask, L.rho)
         times["logprob"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -193,10 +224,13 @@ class Trainer:
             self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
         passes = result.passes
-        # entropy of the pre-update policy (scored before the update, or by its first pass)
-        mean_entropy = float((result.entropy * mask).sum() / max(1, n_tok))
-        # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy), the one
-        # value the loss used; 0 without a reference (beta = 0)
+        # entropy of the pre-update policy (scored before the update, or by its first pass), all ranks
+        n_tok, n_loss, ent_sum = distributed.sum_values(
+            [float(mask.sum()), float(loss_mask.sum()), float((result.entropy * mask).sum())])
+        n_tok, n_loss = int(n_tok), int(n_loss)
+        mean_entropy = ent_sum / max(1, n_tok)
+        # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy, over every
+        # rank's tokens), the one value the loss used; 0 without a reference (beta = 0)
         kl = passes[0].get("kl_mean", math.nan) if passes else math.nan
         if batch.ref_logp is None:
             kl = 0.0
@@ -223,19 +257,37 @@ class Trainer:
             "clip_high_frac": last.get("clip_high_frac", math.nan),
             "cap_frac": last.get("cap_frac", math.nan),
             "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
-            "tokens": n_tok, "loss_tokens": int(loss_mask.sum()),
-            "mean_length": n_tok / mask.shape[0], "skipped": skipped,
+            "tokens": n_tok, "loss_tokens": n_loss,
+            "mean_length": n_tok / len(scores), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
             # a plug-in's batch verifier that raised or returned the wrong length (run total)
             "verifier_batch_failures": int(getattr(self.env, "batch_failures", 0)),
             **{f"seconds_{k}": v for k, v in times.items()},
         }
         row["seconds_step"] = sum(times.values())
+        row["seconds_collectives"] = distributed.collective_seconds()   # part of the above; 0 in one process
         samples = {"step": step, "prompt_ids": [p.id for p in prompts], "answers": texts,
                    "core": [s.core for s in scores], "valid": [s.valid for s in scores],
+                   "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names},
                    "reasons": [s.reason for s in scores]}
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
+
+    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]]):
+        """(scores, answer texts) of the whole step in the one-process order, on every rank. A
+        stateful environment scores every answer on every rank, in that order, so its state stays
+        the one-process state; a stateless one scores each rank's answers where they are."""
+        G = self.cfg.rollout.group_size
+        if is_stateful(self.env) or distributed.world_size() == 1:
+            both = distributed.gather_list(list(zip(texts, ids)))
+            texts, ids = [tx for tx, _ in both], [i for _, i in both]
+            rep = [p for p in prompts for _ in range(G)]
+            return score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True,
+                                 completion_ids=ids), texts
+        rep = [p for p in prompts[lo:hi] for _ in range(G)]
+        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids)
+        both = distributed.gather_list(list(zip(mine, texts)))
+        return [sc for sc, _ in both], [tx for _, tx in both]
 
     def _warn(self, step: int, msg: str) -> None:
         self.warnings.append({"step": step, "message": msg})
@@ -257,10 +309,13 @@ class Trainer:
         from fasttrain.nn import save_adapter
         t = time.perf_counter()
         res = run_probe(self.model, self.tokenizer, self.env, self.probe_prompts, self.cfg, step)
-        save_adapter(self.model, self.dir / "probes" / f"step_{step:06d}" / "adapter", base_model=self.cfg.policy.model)
+        if self.main:
+            save_adapter(self.model, self.dir / "probes" / f"step_{step:06d}" / "adapter", base_model=self.cfg.policy.model)
         res["seconds_with_save"] = time.perf_counter() - t
         self.probes.append(res)
-        append_jsonl(self.dir / "probes.jsonl", res)
+        if self.main:
+            append_jsonl(self.dir / "probes.jsonl", res)
+            self.trackers.log_probe(res)
         return res
 
     def _state(self) -> dict[str, Any]:
@@ -268,9 +323,12 @@ class Trainer:
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
                 "warnings": self.warnings, "zeta_log": self.zeta_log}
 
-    def _checkpoint(self) -> None:
-        save_checkpoint(self.dir / "checkpoints", self.step, self.model, self.named_params, self.optimizer,
-                        self._state(), base_model=self.cfg.policy.model)
+    def _checkpoint(self, sync: bool = True) -> None:
+        if self.main:
+            save_checkpoint(self.dir / "checkpoints", self.step, self.model, self.named_params, self.optimizer,
+                            self._state(), base_model=self.cfg.policy.model)
+        if sync:
+            distributed.barrier()      # no rank runs ahead of the newest complete checkpoint
 
     def _ship(self) -> dict[str, Any] | None:
         best = select_shipped(self.probes)
@@ -311,11 +369,13 @@ class Trainer:
         self.zeta_log = list(meta["zeta_log"])
         set_rng_state(meta["rng"])
         keep = [r for r in read_jsonl(self.dir / "metrics.jsonl") if r["step"] <= self.step]
-        truncate_jsonl(self.dir / "metrics.jsonl", keep)
         samples = [r for r in read_jsonl(self.dir / "samples.jsonl") if r["step"] <= self.step]
-        truncate_jsonl(self.dir / "samples.jsonl", samples)
         self.probes = [r for r in read_jsonl(self.dir / "probes.jsonl") if r["step"] <= self.step]
-        truncate_jsonl(self.dir / "probes.jsonl", self.probes)
+        distributed.barrier()                 # every rank has read the files before rank 0 cuts them
+        if self.main:
+            truncate_jsonl(self.dir / "metrics.jsonl", keep)
+            truncate_jsonl(self.dir / "samples.jsonl", samples)
+            truncate_jsonl(self.dir / "probes.jsonl", self.probes)
         if is_stateful(self.env):           # rebuild e.g. the novelty archive, in the same order
             by_id = {p.id: p for p in self.train_prompts}
             for r in samples:
@@ -330,26 +390,41 @@ class Trainer:
         from fasttrain.ops.kernels import use_kernels
         from fasttrain.train.kernel_check import check_kernels
         with use_kernels(self.cfg.run.kernels):
-            problem = check_kernels(self.device, self.dir, self.console)
+            problem = check_kernels(self.device, self.dir, self.console, write=self.main)
             if problem:
                 raise TrainingStopped(problem)
             return self._train_loop()
 
     def _train_loop(self) -> dict[str, Any]:
+        cfg = self.cfg
+        if self.main:                                  # rank 0 alone writes the run folder
+            self.dir.mkdir(parents=True, exist_ok=True)
+        resume_from = getattr(self, "_resume_from", None)
+        if self.main:                                  # rank 0 alone reports to trackers
+            from fasttrain.train.trackers import start_trackers   # before the model: a bad tracker fails fast
+            self.trackers = start_trackers(cfg, self.dir, self.run_id, resume_step=_checkpoint_step(resume_from),
+                                           warn=lambda m: self._warn(self.step, m))
+        try:
+            return self._run_steps(resume_from)
+        finally:
+            self.trackers.finish()
+
+    def _run_steps(self, resume_from) -> dict[str, Any]:
         from fasttrain.train.report import write_outputs
         cfg = self.cfg
-        self.dir.mkdir(parents=True, exist_ok=True)
         self._setup()
-        resume_from = getattr(self, "_resume_from", None)
         from fasttrain.train.run_files import write_text
-        write_text(self.dir / "config.toml", config_to_toml(cfg))   # resumed: with its overrides
+        if self.main:
+            write_text(self.dir / "config.toml", config_to_toml(cfg))   # resumed: with its overrides
         if resume_from is not None:
             self._restore(resume_from)
-        else:
+        elif self.main:
             for f in ("metrics.jsonl", "samples.jsonl", "probes.jsonl"):
                 (self.dir / f).write_text("")
-        write_json(self.dir / "run.json", {"run_id": self.run_id, "device": str(self.device),
-                                           "torch": torch.__version__, "started": time.time()})
+        if self.main:
+            write_json(self.dir / "run.json", {"run_id": self.run_id, "device": str(self.device),
+                                               "torch": torch.__version__, "started": time.time(),
+                                               "world_size": distributed.world_size()})
         ckpt_every = cfg.run.checkpoint_every or cfg.probe.every or cfg.run.steps
         interrupted = False
         with self._progress_bar() as bar:
@@ -361,8 +436,10 @@ class Trainer:
                     row, samples = self._train_step(step)
                     self.step = step
                     self.zeta_log.append(row["zeta"])
-                    append_jsonl(self.dir / "metrics.jsonl", row)
-                    append_jsonl(self.dir / "samples.jsonl", samples)
+                    if self.main:
+                        append_jsonl(self.dir / "metrics.jsonl", row)
+                        append_jsonl(self.dir / "samples.jsonl", samples)
+                        self.trackers.log_step(row, samples, {p.id: p.spec for p in self.train_prompts})
                     probe = None
                     if (cfg.probe.every and step % cfg.probe.every == 0) or step == cfg.run.steps:
                         probe = self._probe(step)
@@ -378,9 +455,11 @@ class Trainer:
                             f"`fasttrain run --resume {self.dir}`.")
             except KeyboardInterrupt:
                 interrupted = True
-                self._checkpoint()
+                self._checkpoint(sync=False)    # ranks are interrupted at different points
                 self.console.print(f"[yellow]interrupted at step {self.step}[/yellow]: checkpoint saved; "
                                    f"continue with `fasttrain run --resume {self.dir}`")
+        if not self.main:
+            return {"run_id": self.run_id, "rank": distributed.rank(), "steps_done": self.step}
         shipped = self._ship()
         result = write_outputs(self, shipped, interrupted=interrupted)
         return result

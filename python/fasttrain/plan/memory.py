@@ -1,0 +1,312 @@
+"""Memory of one training step on paper: every buffer the trainer allocates, by part and phase.
+
+Phases (what is live at each one's peak):
+  rollout  resident + KV cache [L, 2, B, kv_heads, P+T, head_dim] + prefill of the n distinct
+           prompts (their own cache, the masks, one layer's activations) or a decode step's
+           sampling buffers ([B, V] fp32 logits, log-probs, Gumbel noise, their difference), whichever
+           is larger
+  probe    the same rollout with the probe's prompts x samples
+  scores   no-grad log-probs of one micro-batch (reference with adapters off, and the pre-update
+           policy when the token mask needs entropies first): the shared-prefix forward (each
+           distinct prompt once, its KV cache gathered per row and extended by the answer) or the
+           full forward
+  update   one micro-batch forward + backward: with gradient checkpointing, each layer's input
+           [mb, P+T, H] is kept and the last layer is recomputed with all its activations; without,
+           every layer keeps its activations; plus the fused log-prob head's [N, H] buffers, the
+           adapters' gradients and the AdamW moments
+Resident in every phase: the NF4 base (packed 4-bit + absmax), the unquantised parts (embeddings,
+lm_head, norms), the fp32 adapter masters, DoRA's row norms, the AdamW moments (from step 2 on),
+the step's batch tensors (ids, masks, log-probs) after the rollout, and workspace: on the CPU the
+NF4 kernels' reusable dequantisation scratch (the largest projection, in the compute dtype); on
+CUDA the dequantised weight of one projection, a temporary of every call with more than 64 rows.
+
+Activation sizes follow the code paths: Hugging Face's Llama-family layer (RMSNorm upcasts to fp32,
+SDPA with grouped K/V repeated when a padding mask is present), fasttrain.ops.nf4_linear (saves its
+input and x·Aᵀ, never the dequantised weight) and fasttrain.ops.fused_logprob (an [N, H] fp32
+gradient vector instead of [N, V] logits). What is not modelled: allocator fragmentation and the
+CUDA context (added by the fit check), Python objects, and the tokenizer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fasttrain.plan.meta_model import ModelShape
+from fasttrain.plan.run_shape import RunShape
+
+__all__ = ["Device", "MemoryPlan", "PARTS", "plan_memory", "update_tokens"]
+
+# Table rows, in order, with the words the table prints.
+PARTS = {
+    "nf4_base": "NF4 base (packed 4-bit weights + absmax)",
+    "dense_parts": "unquantised parts (embeddings, lm_head, norms)",
+    "adapter_masters": "adapters: fp32 masters",
+    "dora_norms": "adapters: DoRA row norms",
+    "adam_moments": "adapters: AdamW moments",
+    "adapter_grads": "adapters: gradients",
+    "workspace": "workspace (dequantised NF4 projection)",
+    "batch": "step batch (ids, masks, log-probs)",
+    "kv_cache": "KV cache",
+    "activations": "activations",
+    "logprob_head": "log-prob head (fused: N x H buffers)",
+    "sampling": "sampling buffers ([B, V] logits)",
+}
+
+CPU_DECODE_TILE = 512 * 1024          # csrc/cpu/nf4_linear.cpp: decode tiles of W, per thread
+CPU_LOGPROB_BUDGET = 8 << 20          # csrc/cpu/fused_logprob.cpp: scratch across threads
+CPU_LOGPROB_BLOCK = 128
+CUDA_LOGPROB_BUDGET = 256 << 20       # csrc/cuda/fused_logprob.cu: zbuf + pbuf
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str = "cuda"                # "cuda" | "cpu"
+    cpu_bf16: bool = False            # the CPU has avx512_bf16 (NF4 GEMMs then run in bf16)
+    threads: int = 1
+
+
+@dataclass
+class MemoryPlan:
+    phases: dict = field(default_factory=dict)    # phase -> {part: bytes}
+    notes: dict = field(default_factory=dict)     # extra facts: unfused logits, no-checkpointing activations
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> int:
+        return self.total(self.peak_phase)
+
+
+def _compute_bytes(m: ModelShape, dev: Device) -> int:
+    """Bytes per element of nf4_linear's internal products (GEMM output z, x·Aᵀ)."""
+    w = m.w
+    if dev.kind == "cuda":
+        return w
+    if w == 8:
+        return 8
+    return 2 if (w == 2 and dev.cpu_bf16) else 4
+
+
+def _distinct_prompts_per_micro_batch(s: RunShape, rows: int) -> int:
+    """Most distinct prompts in one micro-batch of `rows` rows (rows of a group are contiguous)."""
+    if rows <= 1:
+        return rows
+    return min(rows, s.prompts, (rows - 2) // s.group + 2)
+
+
+def update_tokens(s: RunShape) -> int:
+    """Answer tokens of one update micro-batch (N of the log-prob head)."""
+    return min(s.micro_batch, s.rows) * s.new_tokens
+
+
+def _layer_forward_peak(m: ModelShape, tokens: int, keys: int, rows: int, q_len: int, c: int) -> int:
+    """No-grad transient of one Hugging Face decoder layer over `tokens` queries that see `keys`
+    keys per row: at the attention, the norm output, q/k/v and their rotated copies, the grouped K/V
+    repeated to every query head, the padding mask (bool, and the float copy SDPA makes) and the
+    SDPA output; at the MLP, the norm output, act(gate), up and their product. The larger."""
+    w, H, I = m.w, m.hidden, m.intermediate
+    qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    rep = 2 * rows * keys * qd * w if m.heads != m.kv_heads else 0
+    attn = tokens * (H * w + 2 * qd * w + 2 * kd * w + qd * w) + rep + rows * q_len * keys * (1 + w)
+    mlp = tokens * (H * w + 3 * I * w + (I * c if c != w else 0))
+    return max(attn, mlp)
+
+
+def _decoder_layer_peak(m: ModelShape, tokens: int, keys: int, rows: int, c: int) -> int:
+    """The same for fasttrain.rollout's prefill loop, whose attention locals (norm output, q, k, v,
+    repeated K/V, output) stay referenced until the next layer reassigns them, so they are still
+    live while the MLP runs."""
+    w, H, I = m.w, m.hidden, m.intermediate
+    qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    rep = 2 * rows * keys * qd * w if m.heads != m.kv_heads else 0
+    attn_locals = tokens * (H * w + 2 * qd * w + 2 * kd * w) + rep
+    mlp = tokens * (H * w + 3 * I * w + (I * c if c != w else 0))
+    return attn_locals + max(mlp, tokens * (qd + kd) * w)
+
+
+def _layer_saved(m: ModelShape, tokens: int, keys: int, rows: int, c_xa: int) -> int:
+    """Bytes one decoder layer saves for its backward (recomputed under checkpointing)."""
+    w, H, I, r = m.w, m.hidden, m.intermediate, m.rank
+    qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    kv_rep = qd if m.heads != m.kv_heads else kd
+    norm1 = (4 * H if w != 4 else 0) + H * w          # fp32 input copy (bf16), normalised output
+    qkv = 3 * r * c_xa                                 # x·Aᵀ of q, k, v (x is the norm output)
+    sdpa = (qd + 2 * kv_rep + qd) * w + m.heads * 4   # q, K, V, output, log-sum-exp
+    o = qd * w + r * c_xa                              # the output reshape (o_proj's input)
+    norm2 = 4 * H + H * w                              # fp32 residual (or its copy), normalised
+    mlp = 4 * I * w + 3 * r * c_xa                     # gate (silu), act, up, product; x·Aᵀ
+    return tokens * (norm1 + qkv + sdpa + o + norm2 + mlp) + rows * keys * keys
+
+
+def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
+    H, V = m.hidden, m.vocab
+    if n_tok == 0:
+        return 0
+    if dev.kind == "cuda":
+        per = 4 + m.w
+        nb = min(n_tok, 16384)
+        ch = CUDA_LOGPROB_BUDGET // (nb * per)
+        if ch < 256:
+            ch = min(256, V)
+            nb = max(1, min(n_tok, CUDA_LOGPROB_BUDGET // (ch * per)))
+        ch = min(ch // 128 * 128 if ch >= 128 else ch, V)
+        return nb * ch * per + 4 * n_tok * 4
+    acc = 8 if m.w == 8 else 4
+    ch = CPU_LOGPROB_BUDGET // (acc * (dev.threads * CPU_LOGPROB_BLOCK + H))
+    ch = min(max(16, min(8192, ch // 16 * 16)), V)
+    widen = ch * H * acc * dev.threads if m.w != acc else 0
+    return dev.threads * CPU_LOGPROB_BLOCK * ch * acc + widen
+
+
+def _logprob_head(m: ModelShape, dev: Device, n_tok: int, grad: bool) -> int:
+    """fused_logprob's own buffers for n_tok tokens: the selected hidden rows [N, H] (dtype), the
+    fp32 copy the CPU kernel makes of bf16 rows, the [N, H] fp32 gradient vector (with grad), the
+    per-token outputs and the chunk scratch."""
+    H, w = m.hidden, m.w
+    acc = 8 if w == 8 else 4
+    b = n_tok * H * w + n_tok * 4 * acc
+    if dev.kind == "cpu" and w != acc:
+        b += n_tok * H * acc
+    if grad:
+        b += n_tok * H * acc
+    return b + _logprob_scratch(m, dev, n_tok)
+
+
+def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int) -> dict:
+    w, L, H, V, D = m.w, m.layers, m.hidden, m.vocab, m.head_dim
+    c = _compute_bytes(m, dev)
+    B, S = n * G, P + T
+    kv = L * 2 * B * m.kv_heads * S * D * w
+    book = B * S + B * T * (8 + 4 + 1) + n * S * 8 + 2 * n * P
+    rope_b = 2 * B * S * D * w
+    # prefill: the prompts' own cache, masks [n, P, P] and [P, P], the residual, one layer
+    small = L * 2 * n * m.kv_heads * P * D * w
+    masks = 2 * P * P + 2 * n * P * P
+    prefill = small + masks + n * P * H * w + 2 * n * S * D * w + \
+        _decoder_layer_peak(m, n * P, P, n, c) + n * V * (w + 4)
+    # decode: [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
+    sampling = B * V * (16 + (w if w != 4 else 0))
+    step = B * (4 * H * w + 3 * m.intermediate * w) + B * m.heads * S * 4
+    if dev.kind == "cpu":
+        tile = max(min(o, max(8, CPU_DECODE_TILE // (i * c))) * i * c for o, i in m.projections)
+        step += dev.threads * tile + 2 * B * max(o for o, _ in m.projections) * c
+    decode = rope_b + sampling + step
+    if decode >= prefill:
+        return {"kv_cache": kv, "activations": rope_b + step + book, "sampling": sampling}
+    return {"kv_cache": kv, "activations": prefill + book, "sampling": 0}
+
+
+def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
+    w, L, H, D = m.w, m.layers, m.hidden, m.head_dim
+    c = _compute_bytes(m, dev)
+    P, T, S = s.prompt_tokens, s.new_tokens, s.seq
+    mb = min(s.micro_batch, s.rows)
+    U = _distinct_prompts_per_micro_batch(s, mb)
+    n_tok = mb * T
+    kvrow = L * 2 * m.kv_heads * D * w
+    if U < mb:   # shared prefix: U prompts once with their cache, gathered to mb rows, + answers
+        x = mb * T * H * w * 2                                          # answer hidden, h = cat(h0, rest)
+        options = [
+            (U * kvrow * P, _layer_forward_peak(m, U * P, P, U, P, c) + U * P * H * w + 2 * U * P * D * w),
+            (mb * kvrow * P + U * kvrow * P // L, U * P * H * w),          # gathered layer by layer
+            (mb * kvrow * (S - 1), _layer_forward_peak(m, mb * (T - 1), S - 1, mb, T - 1, c) + x +
+             U * P * H * w + 2 * mb * (T - 1) * D * w),
+        ]
+        kv, act = max(options, key=sum)
+    else:        # full forward over [mb, P+T], no cache
+        kv = 0
+        act = mb * S * H * w * 2 + _layer_forward_peak(m, mb * S, S, mb, S, c) + 2 * mb * S * D * w
+    act += mb * S * 16 + mb * 2 * P * 8                                 # positions, the prompt key
+    outputs = s.rows * T * 4 * (int(s.need_ref) + 2 * int(s.need_old))   # ref, old log-probs, entropy
+    head = mb * T * H * w + _logprob_head(m, dev, n_tok, grad=False)     # after the forward's cache is gone
+    if head > kv + act:
+        return {"kv_cache": 0, "activations": outputs, "logprob_head": head}
+    return {"kv_cache": kv, "activations": act + outputs, "logprob_head": 0}
+
+
+def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dict:
+    """One micro-batch's forward + backward (the full forward: under checkpointing the
+    shared-prefix path is off; without it this is the upper bound of the shared path)."""
+    w, L, H, I = m.w, m.layers, m.hidden, m.intermediate
+    c = _compute_bytes(m, dev)
+    c_xa = 4 if dev.kind == "cuda" else c
+    mb = min(s.micro_batch, s.rows)
+    S, T = s.seq, s.new_tokens
+    Q = mb * S
+    n_tok = mb * T
+    shared = Q * (24 + 1) + 2 * Q * m.head_dim * w + mb * S * S       # ids, masks, cos/sin, 4-D mask
+    layer = _layer_saved(m, Q, S, mb, c_xa)
+    bwd_temps = Q * H * w + 2 * Q * I * w
+    norm_saved = Q * H * (4 + w)
+    if checkpointing:
+        kept = L * Q * H * w
+        fwd = kept + norm_saved + Q * H * w
+        bwd = kept + layer + bwd_temps
+    else:
+        kept = L * (layer + Q * H * w)
+        fwd = kept + norm_saved + Q * H * w
+        bwd = kept + bwd_temps
+    head = _logprob_head(m, dev, n_tok, grad=True)
+    if fwd + head >= bwd:
+        act, head_part = fwd, head
+    else:
+        act, head_part = bwd, 0
+    return {"activations": act + shared + s.rows * T * 4 * 3, "logprob_head": head_part}
+
+
+def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPlan:
+    """Bytes by part for each phase of a step (steady state: AdamW moments exist)."""
+    res = dict(m.resident)
+    c = _compute_bytes(m, dev)
+    # CPU: the NF4 kernels' reusable dequantisation scratch (thread-local, kept). CUDA: the dequantised
+    # weight of one projection, a temporary of every prefill/training call (M > 64), counted in every phase.
+    workspace = max(o * i for o, i in m.projections) * m.w if dev.kind == "cuda" else 0
+    if dev.kind == "cpu":
+        workspace = max(o * i for o, i in m.projections) * c
+        if m.adapter_kind == "dora":
+            workspace += max(o * i for o, i in m.projections) * 8   # the fp64 ‖W‖² pass at attach time
+    base = {"nf4_base": res["nf4_base"], "dense_parts": res["dense_parts"],
+            "adapter_masters": res["adapter_masters"], "dora_norms": res.get("dora_norms", 0),
+            "adam_moments": 2 * res["adapter_masters"], "adapter_grads": 0, "workspace": workspace,
+            "batch": 0, "kv_cache": 0, "activations": 0, "logprob_head": 0, "sampling": 0}
+    B, S, T = s.rows, s.seq, s.new_tokens
+    batch = B * S * 24 + B * T * (8 + 1 + 4) + B * (8 * 2 + 1 + 4)
+    plan = MemoryPlan()
+    plan.phases["rollout"] = {**base, **_rollout(m, dev, s.prompts, s.group, s.prompt_tokens, T)}
+    plan.phases["probe"] = {**base, **_rollout(m, dev, s.probe_prompts, s.probe_samples, s.prompt_tokens,
+                                                s.probe_new_tokens)}
+    if s.need_ref or s.need_old:
+        plan.phases["scores"] = {**base, "batch": batch, **_scores(m, dev, s)}
+    upd = _update(m, dev, s, s.gradient_checkpointing)
+    # Gradients: all of them once a micro-batch has run backward, so a second full micro-batch peaks
+    # with every gradient present; a step of one micro-batch (per pass: zero_grad frees them) peaks in
+    # its last layer's backward, when only that layer's gradients exist.
+    mb = min(s.micro_batch, B)
+    grads = res["adapter_masters"] if B >= 2 * mb else res["adapter_masters"] // m.layers
+    plan.phases["update"] = {**base, "batch": batch, "adapter_grads": grads, **upd}
+    other = _update(m, dev, s, not s.gradient_checkpointing)
+    n_tok = update_tokens(s)
+    plan.notes = {
+        "update_activations_other": other["activations"] + other["logprob_head"],
+        "checkpointing": s.gradient_checkpointing,
+        "head_tokens": n_tok,
+        "fused_head_bytes": n_tok * m.hidden * 4,      # the [N, H] fp32 gradient vector
+        "unfused_logits_bytes": n_tok * m.vocab * 4,   # [N, V] fp32 logits of an unfused head
+    }
+    return plan
+
+
+def gib(b: float) -> float:
+    return b / 2**30
+
+
+def fits(peak: int, memory: int, context: int, margin: float = 0.05) -> tuple[bool, int]:
+    """(fits, headroom bytes): peak allocated + `margin` for allocator fragmentation + the CUDA
+    context against the device memory."""
+    need = int(math.ceil(peak * (1 + margin))) + context
+    return need <= memory, memory - need

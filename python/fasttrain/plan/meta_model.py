@@ -1,0 +1,159 @@
+"""The policy built from its config.json alone, on the meta device: no weight is read.
+
+`model_config(spec)` finds the config (a bundled name such as "qwen2.5-32b", a config.json file, or
+a model folder holding one); `meta_policy(config, ...)` builds the causal LM with transformers on
+the meta device, applies fasttrain's own NF4 surgery and adapters (fasttrain.nn, the same code a
+run uses, running on shape-only tensors), and returns the shapes and resident bytes the plan
+needs, each byte counted from a real tensor's shape and dtype.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from fasttrain.models import SUPPORTED_FAMILIES
+
+__all__ = ["ModelShape", "bundled_configs", "model_config", "meta_policy"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+def bundled_configs() -> list[str]:
+    return sorted(Path(str(p)).stem for p in resources.files("fasttrain.models").joinpath("configs").iterdir()
+                  if str(p).endswith(".json"))
+
+
+def model_config(spec: str) -> dict:
+    """The config dict of `spec`: a bundled name (see bundled_configs()), a config.json, or a
+    folder with one. Keys starting with "_" (source notes) are dropped."""
+    s = str(spec)
+    bundled = resources.files("fasttrain.models").joinpath("configs", f"{s.lower()}.json")
+    if bundled.is_file():
+        text = bundled.read_text()
+    else:
+        p = Path(s).expanduser()
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"--model {s!r}: not a bundled config nor a config.json / model folder; bundled: "
+                f"{', '.join(bundled_configs())}")
+        text = p.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model {s!r}: config.json is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--model {s!r}: config.json must hold a JSON object")
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+@dataclass
+class ModelShape:
+    """What the memory and time model need, read off the built (meta) model."""
+    name: str
+    model_type: str
+    architecture: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    dtype: torch.dtype
+    params: int                      # parameters of the original model (embedding counted once)
+    linear_params: int               # weights of the quantised projections
+    projections: list = field(default_factory=list)   # (out, in) of each quantised layer
+    adapter_params: int = 0
+    adapter_kind: str = "lora"
+    rank: int = 0
+    resident: dict = field(default_factory=dict)      # part -> bytes
+
+    @property
+    def w(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat16", adapter: str = "lora",
+                rank: int = 32, alpha: float = 64.0, targets: tuple[str, ...] = (), double_quant: bool = False) -> ModelShape:
+    """Build the NF4 + adapter policy of `config` (a config dict or a transformers config) on the
+    meta device and measure it. Raises ValueError for an unsupported architecture."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    from fasttrain.nn import attach_adapters, nf4_layers, quantize_model
+
+    if isinstance(config, PretrainedConfig):
+        cfg = config
+    else:
+        data = dict(config)
+        mt = data.pop("model_type", None)
+        if mt not in SUPPORTED_FAMILIES:
+            raise ValueError(f"{name}: model_type {mt!r} is not supported by fasttrain; supported: "
+                             f"{', '.join(SUPPORTED_FAMILIES)}")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+            if not isinstance(data.get(key), int) or data[key] <= 0:
+                raise ValueError(f"{name}: config.json needs a positive integer {key!r}")
+        data.pop("torch_dtype", None)
+        data.pop("dtype", None)
+        cfg = AutoConfig.for_model(mt, **data)
+    if cfg.model_type not in SUPPORTED_FAMILIES:
+        raise ValueError(f"{name}: model_type {cfg.model_type!r} is not supported by fasttrain; supported: "
+                         f"{', '.join(SUPPORTED_FAMILIES)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"policy.dtype {dtype!r}: allowed {', '.join(_DTYPES)}")
+    td = _DTYPES[dtype]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=td)
+    ids = set()
+    params = 0
+    for p in model.parameters():            # tied embeddings are one tensor: counted once
+        if id(p) not in ids:
+            ids.add(id(p))
+            params += p.numel()
+    quantize_model(model, double_quant=double_quant)
+    adapters = attach_adapters(model, kind=adapter, r=rank, alpha=alpha, targets=list(targets) or None)
+    layers = list(nf4_layers(model))
+    base = wsq = 0
+    counted: set[int] = set()
+    for _, m in layers:
+        for bn, b in m.named_buffers(recurse=False):
+            if b is None or bn == "weight_sq_norm":
+                continue
+            if bn == "absmax_code":                # one shared 256-entry code per device
+                if id(b) in counted:
+                    continue
+                counted.add(id(b))
+            base += _bytes(b)
+        if m.bias is not None:
+            base += _bytes(m.bias)
+        if m.weight_sq_norm is not None:
+            wsq += _bytes(m.weight_sq_norm)
+    adapter_bytes = sum(_bytes(p) for p in adapters)
+    inside = {id(t) for _, m in layers for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
+    other = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in inside or id(t) in other:
+            continue
+        other[id(t)] = _bytes(t)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelShape(
+        name=name, model_type=cfg.model_type, architecture=type(model).__name__,
+        layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+        heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim, vocab=cfg.vocab_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        dtype=td, params=params, linear_params=sum(m.in_features * m.out_features for _, m in layers),
+        projections=[(m.out_features, m.in_features) for _, m in layers],
+        adapter_params=sum(p.numel() for p in adapters), adapter_kind=adapter, rank=rank,
+        resident={"nf4_base": base, "dense_parts": sum(other.values()), "adapter_masters": adapter_bytes,
+                  "dora_norms": wsq})

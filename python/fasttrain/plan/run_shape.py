@@ -1,0 +1,59 @@
+"""The settings of a run that decide its memory and time, read from a resolved recipe.
+
+The plan reads a recipe by attribute (cfg.rollout.group_size, ...), so it never imports the
+trainer's config module; any object with the same sections works.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["RunShape", "run_shape"]
+
+
+@dataclass(frozen=True)
+class RunShape:
+    prompts: int                 # distinct prompts per step (n)
+    group: int                   # answers per prompt (G)
+    prompt_tokens: int           # P: the longest prompt, chat template included
+    new_tokens: int              # T: max_new_tokens (the plan assumes every answer runs to it)
+    micro_batch: int
+    passes: int = 1
+    gradient_checkpointing: bool = True
+    need_ref: bool = True        # beta > 0: a no-grad forward with adapters off
+    need_old: bool = False       # top-entropy mask: a no-grad forward before the update
+    dtype: str = "bfloat16"
+    adapter: str = "lora"
+    rank: int = 32
+    alpha: float = 64.0
+    targets: tuple = ()
+    steps: int = 600
+    probe_prompts: int = 50
+    probe_samples: int = 1
+    probe_new_tokens: int = 128
+    probe_every: int = 100
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.group
+
+    @property
+    def seq(self) -> int:
+        return self.prompt_tokens + self.new_tokens
+
+    def with_(self, **kw) -> "RunShape":
+        return replace(self, **kw)
+
+
+def run_shape(cfg, prompt_tokens: int) -> RunShape:
+    """The RunShape of a resolved recipe `cfg` with prompts of `prompt_tokens` tokens."""
+    if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+        raise ValueError(f"prompt tokens must be a positive integer, got {prompt_tokens!r}")
+    r, lo, p = cfg.rollout, cfg.loss, cfg.policy
+    return RunShape(
+        prompts=r.prompts_per_step, group=r.group_size, prompt_tokens=prompt_tokens,
+        new_tokens=r.max_new_tokens, micro_batch=cfg.optim.micro_batch, passes=lo.passes,
+        gradient_checkpointing=p.gradient_checkpointing, need_ref=lo.beta > 0,
+        need_old=lo.token_mask == "top_entropy", dtype=p.dtype, adapter=p.adapter, rank=p.rank,
+        alpha=p.alpha, targets=tuple(p.targets), steps=cfg.run.steps, probe_prompts=cfg.probe.prompts,
+        probe_samples=cfg.probe.samples, probe_new_tokens=cfg.probe.max_new_tokens or r.max_new_tokens,
+        probe_every=cfg.probe.every)

@@ -1,0 +1,104 @@
+"""Time of one training step on paper, from first principles.
+
+  prefill   2·(projection weights)·n·P FLOPs + attention 4·L·heads·head_dim·n·P² + the lm_head
+            on the n last positions, at `mfu` of the device's dense bf16 peak
+  decode    T steps, each at the larger of two floors: reading the NF4 weights (packed + absmax),
+            the adapters, the lm_head and the KV cache of B rows once from memory at full
+            bandwidth, or 2·(weights)·B FLOPs at `mfu` of the peak
+  verify    B answers at the environment's measured answers per second
+  scores    no-grad forwards over the batch (reference with adapters off; the pre-update policy
+            when the token mask needs entropies first), each distinct prompt once (shared prefix)
+  update    per pass: forward + backward for activations (2 + 2 FLOPs per weight per token), a
+            re-forward under gradient checkpointing (+2), the LoRA products, and the fused
+            log-prob head (forward 2·N·H·V, its gradient vector formed in the same pass 2·N·H·V);
+            under checkpointing every row runs its whole prompt (the shared prefix is off)
+The FLOP share `mfu` is an assumption printed with the result (no GPU run has measured it yet).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fasttrain.plan.gpus import GPU
+from fasttrain.plan.meta_model import ModelShape
+from fasttrain.plan.run_shape import RunShape
+
+__all__ = ["StepTime", "plan_time", "VERIFIER_ANSWERS_PER_S"]
+
+# The built-in verifiers' measured throughput (bench/bench_env.py, warm cache, one core of a quiet
+# 2-core AMD EPYC; bench/results/cpu-2c-AMD-EPYC-2026-11-30.md).
+VERIFIER_ANSWERS_PER_S = {"signal-a": 242.0}
+
+
+@dataclass
+class StepTime:
+    seconds: dict = field(default_factory=dict)      # phase -> s
+    assumptions: list = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def dominant(self) -> str:
+        return max(self.seconds, key=self.seconds.get)
+
+
+def _lora_flops(m: ModelShape, tokens: int) -> float:
+    """Forward x·Aᵀ and (xAᵀ)·Bᵀ per projection: 2·r·(in + out) per token."""
+    return 2.0 * m.rank * sum(o + i for o, i in m.projections) * tokens
+
+
+def _forward_flops(m: ModelShape, tokens: int, keys_per_token: float) -> float:
+    attn = 4.0 * m.layers * m.heads * m.head_dim * keys_per_token * tokens
+    return 2.0 * m.linear_params * tokens + attn + _lora_flops(m, tokens)
+
+
+def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 0.4,
+              verifier_answers_per_s: float | None = None, decode_share: float = 1.0) -> StepTime:
+    """decode_share: the share of the bandwidth floor a measured decode reached (1.0 = the floor)."""
+    if not (0 < mfu <= 1) or not (0 < decode_share <= 1):
+        raise ValueError(f"mfu and decode share must be in (0, 1], got {mfu} and {decode_share}")
+    flops = gpu.bf16_flops * mfu
+    bw = gpu.bandwidth * decode_share
+    n, B, P, T, S = s.prompts, s.rows, s.prompt_tokens, s.new_tokens, s.seq
+    H, V, w = m.hidden, m.vocab, m.w
+    t = StepTime()
+    t.assumptions.append(f"matmul phases at {mfu:.0%} of {gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16 dense "
+                         f"(assumed: not measured on a GPU yet)")
+    if decode_share == 1.0:
+        t.assumptions.append(f"decode at the memory-bandwidth floor of {gpu.bandwidth / 1e12:.2f} TB/s "
+                             f"(no GPU run has measured the share reached yet; --decode-share sets it)")
+    else:
+        t.assumptions.append(f"decode at {decode_share:.0%} of {gpu.bandwidth / 1e12:.2f} TB/s (given)")
+    # rollout: prefill of the distinct prompts, then T decode steps
+    prefill = _forward_flops(m, n * P, P) + 2.0 * H * V * n
+    weights = m.resident["nf4_base"] + m.resident["adapter_masters"] + V * H * w
+    decode = 0.0
+    kv_row_col = m.layers * 2 * m.kv_heads * m.head_dim * w
+    for step in range(T):
+        bytes_read = weights + B * kv_row_col * (P + step + 1)
+        step_flops = 2.0 * (m.linear_params + V * H) * B + _lora_flops(m, B)
+        decode += max(bytes_read / bw, step_flops / flops)
+    t.seconds["rollout"] = prefill / flops + decode
+    # verifier
+    rate = verifier_answers_per_s or VERIFIER_ANSWERS_PER_S.get(env)
+    if rate:
+        t.seconds["verify"] = B / rate
+        t.assumptions.append(f"verifier: {rate:g} answers/s (measured by the environment's benchmark)")
+    else:
+        t.seconds["verify"] = 0.0
+        t.assumptions.append(f"verifier time not counted: no measured rate for environment {env!r} "
+                             "(pass --verifier-answers-per-s)")
+    # no-grad scores over the whole batch, shared prefix
+    head_fwd = 2.0 * B * T * H * V
+    shared_tokens = n * P + B * T
+    fwd = _forward_flops(m, shared_tokens, S / 2) + head_fwd
+    t.seconds["scores"] = (int(s.need_ref) + int(s.need_old)) * fwd / flops
+    # update: k passes of forward + backward (+ recompute)
+    tokens = B * S if s.gradient_checkpointing else shared_tokens
+    one = _forward_flops(m, tokens, S / 2)
+    lin = 2.0 * m.linear_params * tokens
+    per_pass = one + lin + 2.0 * _lora_flops(m, tokens) + (one if s.gradient_checkpointing else 0.0)
+    per_pass += 2.0 * head_fwd                      # forward with the gradient vector formed
+    t.seconds["update"] = s.passes * per_pass / flops
+    return t

@@ -1,0 +1,17 @@
+"""The tiny world with prompts of different lengths, so every micro-batch that spans two prompts
+is left-padded (as real prompts are) and attention runs with a padding mask."""
+from tiny_world import LetterEnv, tiny_policy  # noqa: F401
+from fasttrain.envs import Prompt
+
+
+PADDING = ""   # tools/plan_check.py lengthens every prompt to reach a target token count
+
+
+class PaddedLetterEnv(LetterEnv):
+    def prompts(self, split: str):
+        n = 12 if split == "train" else 4
+        return [Prompt(f"letters/{split}/{i}", f"Say a word number {i}." + " Please." * (i % 5) + PADDING) for i in range(n)]
+
+
+def make_env():
+    return PaddedLetterEnv()

@@ -1,0 +1,80 @@
+"""The plan against real training steps on the CPU: each phase's planned peak within 15% of the
+peak of allocated bytes measured during the step.
+
+Measured (tests/plan/measured_step.py): every allocation and free through torch's CPU allocator
+during two real `Trainer._train_step` calls (profiler memory events), on top of the parameters and
+buffers resident when profiling starts; the phases of step 2 (rollout = sample_answers, scores =
+score_batch, update = update_policy with its optimizer step) are compared. Step 1 warms up: it
+creates the AdamW moments and the NF4 kernels' reusable scratch, which the plan counts as resident
+(the scratch is thread-local, so both steps run in a fresh thread and it is always measured).
+Not measured: the probe phase (the rollout's formula with the probe's shape), and any CUDA
+allocation (tools/gpu_check.sh compares against torch.cuda.max_memory_allocated on a GPU).
+Prompts have different lengths and answers run to max_new_tokens (EOS disabled), as the plan
+assumes; micro-batches span two prompts, so attention runs with a padding mask, as in real batches.
+"""
+import pytest
+import torch
+
+from fasttrain.plan import Device, meta_policy, plan_memory, run_shape
+
+TOL = 0.15
+
+
+def _compare(trainer, monkeypatch):
+    from measured_step import measure_steps
+
+    measured = measure_steps(trainer, monkeypatch)
+    cfg = trainer.cfg
+    m = meta_policy(trainer.model.config, dtype=cfg.policy.dtype, adapter=cfg.policy.adapter,
+                    rank=cfg.policy.rank, alpha=cfg.policy.alpha)
+    from fasttrain.ops.nf4_linear import _cpu_bf16_compute
+    plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]),
+                       Device("cpu", cpu_bf16=_cpu_bf16_compute(), threads=torch.get_num_threads()))
+    resident = sum(plan.phases["update"][k] for k in ("nf4_base", "dense_parts", "adapter_masters", "dora_norms"))
+    assert resident == measured["resident"]          # the meta build counts the real model's bytes exactly
+    out = {}
+    for phase in ("rollout", "scores", "update"):
+        out[phase] = (plan.total(phase), measured[phase])
+        # the same bound on the bytes above the resident model, so the activations themselves are checked
+        out[phase + " above resident"] = (plan.total(phase) - resident, measured[phase] - resident)
+        print(f"{trainer.cfg.policy.model} {phase}: planned {out[phase][0]} measured {out[phase][1]} "
+              f"ratio {out[phase][0] / out[phase][1]:.3f}; above the resident bytes: ratio "
+              f"{(out[phase][0] - resident) / (out[phase][1] - resident):.3f}")
+    return out
+
+
+@pytest.mark.parametrize("n,G,T,mb", [(3, 2, 4, 3), (2, 4, 8, 6), (3, 4, 16, 12)])
+def test_tiny_model_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n, G, T, mb):
+    from conftest_recipe import tiny_recipe
+    from fasttrain.train import Trainer, load_config
+
+    cfg = load_config(tiny_recipe(tmp_path, n, G, T, mb))
+    got = _compare(Trainer(cfg, progress=False), monkeypatch)
+    for phase, (planned, measured) in got.items():
+        assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32():
+    from fasttrain.models import load_policy
+    return load_policy(None, dtype=torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,G,T,mb", [(3, 2, 3, 3), (2, 3, 3, 4), (3, 2, 4, 6)])
+def test_smollm2_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, smollm2_fp32, n, G, T, mb):
+    """SmolLM2-135M in fp32 at tiny shapes (a few rows and tokens: the profiled steps stay cheap on 2
+    shared cores; the model loads once, each shape trains a copy)."""
+    import copy
+
+    import fasttrain.train.policy as policy
+    from conftest_recipe import tiny_recipe
+    from fasttrain.train import Trainer, load_config
+
+    model, tok = smollm2_fp32
+    monkeypatch.setattr(policy, "_load_base", lambda spec, dtype: (copy.deepcopy(model), tok))
+    r = tiny_recipe(tmp_path, n, G, T, mb)
+    r["policy"]["model"] = "smollm2-135m"
+    got = _compare(Trainer(load_config(r), progress=False), monkeypatch)
+    for phase, (planned, measured) in got.items():
+        assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)

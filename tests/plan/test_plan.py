@@ -1,0 +1,128 @@
+"""fasttrain.plan on paper: the meta-device build, the table's invariants, bad inputs."""
+import json
+
+import pytest
+import torch
+
+from fasttrain.plan import Device, gpu_spec, meta_policy, model_config, plan_memory
+from fasttrain.plan.run_shape import RunShape
+
+SHAPE = RunShape(prompts=4, group=12, prompt_tokens=300, new_tokens=128, micro_batch=8, passes=2)
+
+
+def _qwen7b_params(c):
+    H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    D = H // c["num_attention_heads"]
+    qd, kd = c["num_attention_heads"] * D, c["num_key_value_heads"] * D
+    per_layer = H * qd + 2 * H * kd + (qd + 2 * kd) + qd * H + 3 * H * I + 2 * H   # q,k,v (+bias), o, MLP, norms
+    return 2 * V * H + L * per_layer + H
+
+
+def test_meta_build_reads_no_weight_file(tmp_path, monkeypatch):
+    cfg = model_config("qwen2.5-7b")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"not a weight file")
+
+    def refuse(*a, **k):
+        raise AssertionError("a weight file was read")
+    import safetensors
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    m = meta_policy(model_config(str(tmp_path)), name="qwen2.5-7b")
+    assert m.params == _qwen7b_params(cfg) == 7_615_616_512       # the published 7.61 B
+    # NF4: half a byte per weight + one fp32 absmax per 64, plus the q/k/v biases (bf16)
+    qkv_bias = m.layers * (m.heads + 2 * m.kv_heads) * m.head_dim * 2
+    assert m.resident["nf4_base"] == m.linear_params // 2 + m.linear_params // 64 * 4 + qkv_bias
+    # LoRA r=32 on the 7 projections: r·(in + out) fp32 each
+    assert m.resident["adapter_masters"] == sum(32 * (o + i) * 4 for o, i in m.projections)
+
+
+@pytest.mark.parametrize("name,expected", [("qwen2.5-32b", 32.76e9), ("llama-3.1-70b", 70.55e9),
+                                           ("smollm2-135m", 134.5e6)])
+def test_bundled_configs_give_the_published_sizes(name, expected):
+    m = meta_policy(model_config(name), name=name)
+    assert abs(m.params - expected) / expected < 0.005
+
+
+@pytest.mark.parametrize("name,gpu", [("qwen2.5-32b", "h100-sxm-80gb"), ("smollm2-135m", "cpu")])
+def test_every_part_is_nonnegative_and_sums_to_the_total(name, gpu):
+    from fasttrain.plan.report import as_json, make_plan
+    p = make_plan(model_config(name), SHAPE, gpu_spec(gpu), name=name, with_limits=False)
+    j = as_json(p)
+    for phase, parts in j["memory"].items():
+        vals = {k: v for k, v in parts.items() if k != "total"}
+        assert all(v >= 0 for v in vals.values()), (phase, vals)
+        assert sum(vals.values()) == parts["total"] == p.memory.total(phase)
+    assert j["peak_bytes"] == max(parts["total"] for parts in j["memory"].values())
+
+
+def test_unfused_logits_cost_v_over_h_times_the_fused_head():
+    m = meta_policy(model_config("qwen3-32b"), name="qwen3-32b")
+    n = plan_memory(m, SHAPE, Device("cuda")).notes
+    assert n["head_tokens"] == 8 * 128
+    assert n["unfused_logits_bytes"] / n["fused_head_bytes"] == pytest.approx(m.vocab / m.hidden, rel=1e-12)
+
+
+def test_checkpointing_keeps_fewer_activations_and_more_rows_cost_more():
+    m = meta_policy(model_config("llama-3.1-8b"), name="llama-3.1-8b")
+    on = plan_memory(m, SHAPE, Device("cuda"))
+    off = plan_memory(m, SHAPE.with_(gradient_checkpointing=False), Device("cuda"))
+    assert on.phases["update"]["activations"] < off.phases["update"]["activations"]
+    assert on.notes["update_activations_other"] == off.phases["update"]["activations"] + off.phases["update"]["logprob_head"]
+    bigger = plan_memory(m, SHAPE.with_(group=24), Device("cuda"))
+    assert bigger.phases["rollout"]["kv_cache"] == 2 * on.phases["rollout"]["kv_cache"]
+
+
+def test_unknown_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="known: h100-sxm-80gb, h200-141gb, a100-80gb, l40s-48gb, cpu"):
+        gpu_spec("rtx-9090")
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 12}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported.*llama, qwen2, qwen3, mistral"):
+        meta_policy(model_config(str(tmp_path)), name="gpt2")
+    with pytest.raises(FileNotFoundError, match="bundled: llama-3.1-70b"):
+        model_config(str(tmp_path / "nowhere"))
+
+
+def test_the_study_run_on_one_h100_and_a_run_that_cannot_fit():
+    from typer.testing import CliRunner
+
+    from fasttrain.cli import app
+    r = CliRunner().invoke(app, ["plan", "cispo_repo_r", "--model", "qwen2.5-32b", "--gpu", "h100-sxm-80gb", "--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.output[r.output.index("{"):])
+    assert j["fits"] and j["peak_bytes"] < 80e9 and j["largest"]["micro_batch"] == 48
+    assert j["dominant"] in j["seconds"]
+    r = CliRunner().invoke(app, ["plan", "cispo", "--model", "llama-3.1-70b", "--gpu", "l40s-48gb",
+                                 "--set", "rollout.group_size=64"])
+    assert r.exit_code == 1
+    assert "does not fit even at micro_batch 1" in r.output
+
+
+def test_plan_never_imports_the_trainer():
+    import subprocess
+    import sys
+    code = "import sys, fasttrain.plan, fasttrain.plan.report; print(any(m.startswith('fasttrain.train') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_trainer_prints_the_plan_and_warns_when_it_will_not_fit(worlds, tmp_path, monkeypatch):
+    from conftest_recipe import tiny_recipe
+    from rich.console import Console
+
+    import fasttrain.plan.gpus as gpus
+    from fasttrain.train import Trainer, load_config
+
+    console = Console(file=open(tmp_path / "out.txt", "w"), width=400)
+    tr = Trainer(load_config(tiny_recipe(tmp_path, 2, 2, 4, 3)), progress=False, console=console)
+    monkeypatch.setattr(gpus, "_host_memory", lambda: 1 << 20)      # a 1 MiB host: nothing fits
+    tr._setup()
+    console.file.close()
+    text = (tmp_path / "out.txt").read_text()
+    assert "plan: tiny_world:tiny_policy on this host's CPU: peak" in text and "DOES NOT FIT" in text
+    assert any("DOES NOT FIT" in w["message"] for w in tr.warnings)
