@@ -205,7 +205,7 @@ def main():
         print(f"  agreement with eager: logp {agree['logp_maxdiff']:.2e}, entropy {agree['ent_maxdiff']:.2e}, "
               f"grad rel {agree['grad_rel']:.2e}")
         if device == "cuda" and (N, H, V) == GPU_SHAPES[0]:
-            print("  H100 floor (DESIGN.md): 24 ms forward, 72 ms forward+backward")
+            print("  H100 floor (docs/design.md): 24 ms forward, 72 ms forward+backward")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -4,7 +4,7 @@ side by side in one run (interleaved repetitions, median), so both sides see the
 
     python bench/bench_nf4_linear.py [--quick] [--csv bench/results/nf4_linear_cpu.csv]
 
-Targets (issue 5, CPU): training shapes (M >= 256) fwd+bwd <= 1.1x the plain fp32 products and no
+Targets (CPU): training shapes (M >= 256) fwd+bwd <= 1.1x the plain fp32 products and no
 slower than bnb+PEFT; decode shapes (M <= 16) forward <= 0.6x bnb+PEFT; DoRA <= 0.8x PEFT DoRA at
 training shapes and <= 0.5x at decode shapes. On a GPU (not run yet): the decode kernel's GB/s
 against the card's (floor for 5120x27648 at batch 48: 76 MB -> 23 us on an H100, 16 us on an H200).

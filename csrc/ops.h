@@ -8,7 +8,7 @@
 
 namespace fasttrain {
 
-// ---- nf4 (issue 2) ------------------------------------------------------------------
+// ---- nf4 ----------------------------------------------------------------------------
 // w: any shape, float32/float16/bfloat16, contiguous. Returns (packed uint8 [ceil(n/2)],
 // absmax float32 [ceil(n/blocksize)]).
 std::tuple<at::Tensor, at::Tensor> nf4_quantize_cpu(const at::Tensor& w, int64_t blocksize);
@@ -28,7 +28,7 @@ at::Tensor blockwise8_dequantize_cpu(const at::Tensor& q, const at::Tensor& absm
 at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code,
                                       int64_t blocksize);
 
-// ---- fused_logprob (issue 3) ----------------------------------------------------------
+// ---- fused_logprob --------------------------------------------------------------------
 // See the schemas in torch_bindings.cpp. Returns (logp, entropy, stats, grad_vec).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cuda(
     const std::optional<at::Tensor>& bias, const at::Tensor& stats, double temperature, int64_t ignore_index,
     int64_t chunk_bytes);
 
-// ---- policy_loss (issue 4) ------------------------------------------------------------
+// ---- policy_loss ----------------------------------------------------------------------
 // Returns (loss fp32 [], stats fp32 [7], coef fp32 [B,T], rowscale fp32 [B]); see torch_bindings.cpp.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
@@ -66,7 +66,7 @@ at::Tensor policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tenso
 at::Tensor policy_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& coef, const at::Tensor& rowscale,
                                      at::ScalarType dtype);
 
-// ---- nf4_linear (issue 5) -------------------------------------------------------------
+// ---- nf4_linear -----------------------------------------------------------------------
 // x [M, K]; W NF4 [out_features, K]; lora_a [r, K]; lora_b [out_features, r]; dora_m [out_features].
 using OptTensor = std::optional<at::Tensor>;
 using NF4LinearOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

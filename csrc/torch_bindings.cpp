@@ -4,10 +4,11 @@
 #include <torch/library.h>
 #include <torch/extension.h>
 
+#include "core/cpu_features.h"
 #include "ops.h"
 
 TORCH_LIBRARY(fasttrain, m) {
-  // ---- nf4 (issue 2): bitsandbytes-compatible NF4 -----------------------------------
+  // ---- nf4: bitsandbytes-compatible NF4 ---------------------------------------------
   // w [*] fp32|fp16|bf16 -> packed uint8 [ceil(n/2)] (element 2j high nibble), absmax fp32 [ceil(n/bs)]
   m.def("nf4_quantize(Tensor w, int blocksize) -> (Tensor, Tensor)");
   // packed uint8 [ceil(n/2)], absmax fp32 [ceil(n/bs)] -> [numel] of dtype
@@ -17,7 +18,7 @@ TORCH_LIBRARY(fasttrain, m) {
   // q uint8 [n], absmax fp32 [ceil(n/bs)], code fp32 [256] -> fp32 [n]
   m.def("blockwise8_dequantize(Tensor q, Tensor absmax, Tensor code, int blocksize) -> Tensor");
 
-  // ---- fused_logprob (issue 3) --------------------------------------------------------
+  // ---- fused_logprob ------------------------------------------------------------------
   // hidden [N,H], weight [V,H] (fp32|fp16|bf16|fp64, same dtype), targets [N] int64, bias [V]?
   // -> logp [N], entropy [N], stats [2,N] = (ref, log s) with lse = ref + log s (fp32; fp64 for fp64
   // inputs), grad_vec [N,H] fp32|fp64 when
@@ -31,7 +32,7 @@ TORCH_LIBRARY(fasttrain, m) {
   m.def("fused_logprob_backward_weight(Tensor grad_logp, Tensor hidden, Tensor weight, Tensor targets, "
         "Tensor? bias, Tensor stats, float temperature, int ignore_index, int chunk_bytes) -> (Tensor, Tensor)");
 
-  // ---- policy_loss (issue 4) ----------------------------------------------------------
+  // ---- policy_loss --------------------------------------------------------------------
   // logp, old_logp, ref_logp [B,T] fp32|fp16|bf16 (one dtype); advantages fp32 [B] or [B,T]; mask [B,T] bool or
   // fp32 (0 = inactive, else the token's weight); token_normalizer fp32 [] or [1] (or the float value, used
   // when > 0): the divisor of the token-level loss (GRPO: the number of sequences).
@@ -44,7 +45,7 @@ TORCH_LIBRARY(fasttrain, m) {
   // grad_loss fp32 [], coef fp32 [B,T], rowscale fp32 [B] -> grad_logp [B,T] of dtype
   m.def("policy_loss_backward(Tensor grad_loss, Tensor coef, Tensor rowscale, ScalarType dtype) -> Tensor");
 
-  // ---- nf4_linear (issue 5) -----------------------------------------------------------
+  // ---- nf4_linear ---------------------------------------------------------------------
   // y = g ⊙ (x·Wᵀ + scale·(x·Aᵀ)·Bᵀ), W NF4 [N=out_features, K] (packed uint8 [ceil(NK/2)], absmax
   // fp32 [ceil(NK/bs)]), A [r, K], B [N, r] (fp32 masters), g = m / ‖W + scale·B·A‖_row (DoRA) or 1.
   // x [M, K] fp32|bf16|fp16 (fp64 on CPU) -> y [M, N] x.dtype, xa [M, r] (or [0] without LoRA), rnorm [N] fp32
@@ -87,4 +88,6 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fasttrain native extension: ops are registered under torch.ops.fasttrain";
   m.def("build_info", &build_info, "version, torch version, compiled backends, CUDA archs");
+  m.def("cpu_has_bf16", &fasttrain::cpu_has_bf16,
+        "whether the CPU kernels compute bfloat16 inputs in bfloat16 (avx512_bf16 and ATen at AVX512), else fp32");
 }

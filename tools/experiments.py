@@ -1,4 +1,4 @@
-"""Rerunnable experiments behind docs/experiments.md (issue 8, item 5): the seed study's findings
+"""Rerunnable experiments behind docs/experiments.md: the seed study's findings
 reproduced small with the real model (SmolLM2-135M-Instruct, NF4 + LoRA/DoRA).
 
     python tools/experiments.py learning [scale flags]   # (a) train-side and holdout scores vs the start

@@ -17,7 +17,7 @@
 namespace fasttrain::math {
 
 // =====================================================================================
-// NF4 (issue 2). The 16 NormalFloat-4 levels of QLoRA (Dettmers et al. 2023), as float32 values
+// NF4. The 16 NormalFloat-4 levels of QLoRA (Dettmers et al. 2023), as float32 values
 // exactly as bitsandbytes stores them. A code is the 4-bit index into this table.
 // =====================================================================================
 FT_HD float nf4_level(int code) {
@@ -89,7 +89,7 @@ FT_HD float blockwise_scale(float x, float absmax, bool tail) {
 }
 
 // =====================================================================================
-// fused_logprob (issue 3): online log-sum-exp and entropy over vocabulary chunks.
+// fused_logprob: online log-sum-exp and entropy over vocabulary chunks.
 // =====================================================================================
 // Per token n, over the vocabulary v, with z_v = (h_n . w_v + b_v) / T:
 //   lse = log sum_v exp(z_v),  log p(target) = z_t - lse,  entropy = lse - sum_v p_v z_v.
@@ -218,7 +218,7 @@ FT_HD T logprob_dlogit(T g, bool is_target, T p, T inv_temp) {
 }
 
 // =====================================================================================
-// policy_loss (issue 4): per-token loss, gradient and REPO-R factor.
+// policy_loss: per-token loss, gradient and REPO-R factor.
 // =====================================================================================
 
 // exp for float32. On the GPU: the hardware-assisted expf. On the CPU: a branch-free Cephes-style
@@ -275,7 +275,7 @@ struct PolicyToken {
   float clip_low, clip_high, capped;  // 0/1 indicators
 };
 
-// Per-token loss of shared/DESIGN.md section 5, one formula for CPU and CUDA.
+// Per-token loss of the recipe (docs/design.md), one formula for CPU and CUDA.
 //  CISPO (MiniMax-M1, 2025): -sg(min(r, cap)) * A' * logp; its gradient -min(r, cap) * A' never
 //    vanishes, capped tokens still learn (the point of CISPO against PPO's clip).
 //  DAPO (Yu et al. 2025, clip-higher) / PPO: -min(r A', clip(r, 1-eps_low, 1+eps_high) A'); the
@@ -357,7 +357,7 @@ FT_HD void policy_stats(const double* sums, float* stats) {
 }
 
 // =====================================================================================
-// nf4_linear (issue 5): LoRA / DoRA helpers.
+// nf4_linear: LoRA / DoRA helpers.
 // =====================================================================================
 
 // DoRA's row norm ‖W_n + s·B_n·A‖ from its factorised parts (Liu et al. 2024 "DoRA"; the expansion

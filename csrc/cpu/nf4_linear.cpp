@@ -26,6 +26,7 @@
 #endif
 
 #include "core/checks.h"
+#include "core/cpu_features.h"
 #include "core/dispatch.h"
 #include "core/math.h"
 #include "core/nf4_linear_checks.h"
@@ -146,25 +147,19 @@ at::Tensor decode_tiled(const at::Tensor& x, const at::Tensor& packed, const at:
   return out.t();  // [M, N] view; callers add into it / cast it
 }
 
-bool cpu_has_avx512_bf16() {
-#if defined(__GNUC__) && !defined(__clang__) && (__GNUC__ >= 11)
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-#else
-  return false;
-#endif
-}
-
 at::ScalarType compute_dtype(const at::Tensor& x) {
   if (x.scalar_type() == at::kDouble) return at::kDouble;
-  if (x.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16()) return at::kBFloat16;
+  if (x.scalar_type() == at::kBFloat16 && cpu_has_bf16()) return at::kBFloat16;
   return at::kFloat;
 }
 
-// DoRA: 1 / ‖W + s·B·A‖ per row from the factorised form, in float32 (float64 when ct is double).
+// DoRA: ‖W + s·B·A‖ per row from the factorised form, in float32 (float64 when ct is double).
+// The norm itself, not its reciprocal: callers form g = m / ‖·‖ by one division, so at
+// initialisation (B = 0, m = ‖W‖ from the same ‖W‖²) g is exactly 1; m · (1/‖·‖) is not (1 ± 1 ulp
+// for some rows), and that ulp flips the bf16 rounding of some outputs.
 // w: the dequantised W [N, K] in ct. Returns [N] in the statistics dtype.
-at::Tensor dora_rnorm(const at::Tensor& w, const at::Tensor& A, const at::Tensor& B, double scale,
-                      const std::optional<at::Tensor>& weight_sq_norm, at::ScalarType ct) {
+at::Tensor dora_norm(const at::Tensor& w, const at::Tensor& A, const at::Tensor& B, double scale,
+                     const std::optional<at::Tensor>& weight_sq_norm, at::ScalarType ct) {
   const at::ScalarType st = ct == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor As = A.to(st), Bs = B.to(st);
   const at::Tensor wsq = weight_sq_norm.has_value() ? weight_sq_norm->to(st)
@@ -173,13 +168,13 @@ at::Tensor dora_rnorm(const at::Tensor& w, const at::Tensor& A, const at::Tensor
   const at::Tensor cross = (Bs * aw.t()).sum(1);                       // rowdot(B, A·Wᵀ)
   const at::Tensor bab = (at::mm(Bs, at::mm(As, As.t())) * Bs).sum(1); // rowdot(B·(A·Aᵀ), B)
   at::Tensor rn = at::empty_like(wsq);
-  AT_DISPATCH_FLOATING_TYPES(st, "dora_rnorm", [&] {
+  AT_DISPATCH_FLOATING_TYPES(st, "dora_norm", [&] {
     const scalar_t* pw = wsq.const_data_ptr<scalar_t>();
     const scalar_t* pc = cross.const_data_ptr<scalar_t>();
     const scalar_t* pb = bab.const_data_ptr<scalar_t>();
     scalar_t* o = rn.data_ptr<scalar_t>();
     for (int64_t n = 0; n < rn.numel(); ++n)
-      o[n] = scalar_t(1) / fm::dora_row_norm<scalar_t>(pw[n], pc[n], pb[n], static_cast<scalar_t>(scale));
+      o[n] = fm::dora_row_norm<scalar_t>(pw[n], pc[n], pb[n], static_cast<scalar_t>(scale));
   });
   return rn;
 }
@@ -198,8 +193,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cpu(
   const at::Tensor packed = packed_.contiguous(), absmax = absmax_.contiguous();
   const at::Tensor x = x_.to(ct).contiguous();
   at::Tensor z, w;
-  if (a.M <= kDecodeMaxM && !a.dora) {
+  // The base term is computed the same way with or without adapters (decode kernel at M <= 64,
+  // dequantise + GEMM above), so that at initialisation (B = 0, DoRA scale 1) the output equals
+  // the base bit for bit.
+  if (a.M <= kDecodeMaxM) {
     z = decode_tiled(x, packed, absmax, blocksize, a.N, a.K);
+    if (a.dora) w = dequant_weight(packed, absmax, blocksize, a.N, a.K, ct);  // for the DoRA norm only
   } else {
     w = dequant_weight(packed, absmax, blocksize, a.N, a.K, ct);  // scratch [N, K]
     z = at::mm(x, w.t());                                        // [M, N]
@@ -214,8 +213,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cpu(
   }
   at::Tensor y;
   if (a.dora) {
-    rnorm = dora_rnorm(w, *lora_a, *lora_b, scale, weight_sq_norm, ct);
-    const at::Tensor g = (dora_m->to(rnorm.scalar_type()) * rnorm).to(ct);  // m / ‖W + sBA‖
+    const at::Tensor norm = dora_norm(w, *lora_a, *lora_b, scale, weight_sq_norm, ct);
+    rnorm = norm.reciprocal();                                              // saved for the backward
+    const at::Tensor g = (dora_m->to(norm.scalar_type()) / norm).to(ct);  // m / ‖W + sBA‖
+    z = z.contiguous();  // at M <= 64 a transposed view; z is returned (saved), y is formed from it
     y = (z * g).to(x_.scalar_type());
   } else {
     y = z.to(x_.scalar_type()).contiguous();
@@ -274,7 +275,7 @@ at::Tensor nf4_dora_norm_cpu(const at::Tensor& packed, const at::Tensor& absmax,
   const at::ScalarType ct = lora_a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor w = dequant_weight(packed.contiguous(), absmax.contiguous(), blocksize, out_features,
                                       lora_a.size(1), ct);
-  return dora_rnorm(w, lora_a, lora_b, scale, weight_sq_norm, ct).reciprocal();
+  return dora_norm(w, lora_a, lora_b, scale, weight_sq_norm, ct);
 }
 
 at::Tensor nf4_weight_sq_norm_cpu(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,

@@ -138,12 +138,14 @@ __global__ void nf4_skinny_epilogue_kernel(const float* __restrict__ partial, in
   }
 }
 
-// rnorm[n] = 1 / ‖W_n + s·B_n·A‖ from the factorised parts (fm::dora_row_norm); grid-stride, so any N.
+// norm[n] = ‖W_n + s·B_n·A‖ from the factorised parts (fm::dora_row_norm); grid-stride, so any N.
+// The norm itself, not its reciprocal: g = m / ‖·‖ is then exactly 1 at initialisation (B = 0,
+// m = ‖W‖ from the same ‖W‖²); m · (1/‖·‖) is 1 ± 1 ulp on some rows.
 template <typename T>
-__global__ void dora_rnorm_kernel(const T* __restrict__ wsq, const T* __restrict__ cross, const T* __restrict__ bab,
-                                  T s, int64_t N, T* __restrict__ rnorm) {
+__global__ void dora_norm_kernel(const T* __restrict__ wsq, const T* __restrict__ cross, const T* __restrict__ bab,
+                                 T s, int64_t N, T* __restrict__ norm) {
   for (int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; n < N; n += (int64_t)gridDim.x * blockDim.x)
-    rnorm[n] = T(1) / fm::dora_row_norm<T>(wsq[n], cross[n], bab[n], s);
+    norm[n] = fm::dora_row_norm<T>(wsq[n], cross[n], bab[n], s);
 }
 
 // W [N, K] in dtype dt (float32, float16 or bfloat16), by the NF4 decode kernel of nf4.cu.
@@ -197,12 +199,12 @@ at::Tensor skinny(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   return out;
 }
 
-// 1/‖W + sBA‖ [N] in dtype st (float32, or float64 for nf4_dora_norm with float64 A, as on the CPU).
+// ‖W + sBA‖ [N] in dtype st (float32, or float64 for nf4_dora_norm with float64 A, as on the CPU).
 // AW = A·Wᵀ through the decode path (one pass over the 4-bit weight) when st is float32 and r ≤ 64,
 // else from a dequantised W.
-at::Tensor dora_rnorm(const at::Tensor& packed, const at::Tensor& absmax, int64_t bs, int64_t N, int64_t K,
-                      const at::Tensor& A, const at::Tensor& B, double scale,
-                      const std::optional<at::Tensor>& weight_sq_norm, at::ScalarType st) {
+at::Tensor dora_norm(const at::Tensor& packed, const at::Tensor& absmax, int64_t bs, int64_t N, int64_t K,
+                     const at::Tensor& A, const at::Tensor& B, double scale,
+                     const std::optional<at::Tensor>& weight_sq_norm, at::ScalarType st) {
   const at::Tensor As = A.to(st).contiguous(), Bs = B.to(st).contiguous();
   at::Tensor aw, wsq, w;
   const at::Tensor none;
@@ -220,8 +222,8 @@ at::Tensor dora_rnorm(const at::Tensor& packed, const at::Tensor& absmax, int64_
   const at::Tensor cross = (Bs * aw.t()).sum(1).contiguous();
   const at::Tensor bab = (at::mm(Bs, at::mm(As, As.t())) * Bs).sum(1).contiguous();
   at::Tensor rn = at::empty({N}, wsq.options());
-  AT_DISPATCH_FLOATING_TYPES(st, "dora_rnorm_cuda", [&] {
-    dora_rnorm_kernel<scalar_t><<<fc::grid_for(N, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+  AT_DISPATCH_FLOATING_TYPES(st, "dora_norm_cuda", [&] {
+    dora_norm_kernel<scalar_t><<<fc::grid_for(N, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
         wsq.const_data_ptr<scalar_t>(), cross.const_data_ptr<scalar_t>(), bab.const_data_ptr<scalar_t>(),
         static_cast<scalar_t>(scale), N, rn.data_ptr<scalar_t>());
   });
@@ -250,8 +252,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cuda(
   at::Tensor g;
   if (a.lora) xa = at::mm(x.to(at::kFloat), lora_a->to(at::kFloat).t());  // [M, r], fp32 (small)
   if (a.dora) {
-    rnorm = dora_rnorm(packed, absmax, blocksize, a.N, a.K, *lora_a, *lora_b, scale, weight_sq_norm, at::kFloat);
-    g = (dora_m->to(at::kFloat) * rnorm).contiguous();
+    const at::Tensor norm = dora_norm(packed, absmax, blocksize, a.N, a.K, *lora_a, *lora_b, scale, weight_sq_norm,
+                                      at::kFloat);
+    rnorm = norm.reciprocal();  // saved for the backward
+    g = (dora_m->to(at::kFloat) / norm).contiguous();
   }
   const at::Tensor Bf = a.lora ? lora_b->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor none;
@@ -324,9 +328,8 @@ at::Tensor nf4_dora_norm_cuda(const at::Tensor& packed, const at::Tensor& absmax
   const c10::cuda::CUDAGuard guard(lora_a.device());
   // float64 for float64 A, as the CPU op, the fake kernel and the schema say
   const at::ScalarType st = lora_a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return dora_rnorm(packed.contiguous(), absmax.contiguous(), blocksize, out_features, lora_a.size(1), lora_a, lora_b,
-                    scale, weight_sq_norm, st)
-      .reciprocal();
+  return dora_norm(packed.contiguous(), absmax.contiguous(), blocksize, out_features, lora_a.size(1), lora_a, lora_b,
+                   scale, weight_sq_norm, st);
 }
 
 at::Tensor nf4_weight_sq_norm_cuda(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,

@@ -2,7 +2,6 @@ import hashlib
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -185,7 +184,7 @@ def test_prompts_are_deterministic_versioned_and_probe_unseen(env_a):
     train, probe = env_a.prompts("train"), env_a.prompts("probe")
     assert len(train) == 500 and len(probe) == 50
     assert len({p.id for p in train + probe}) == 550
-    assert all("signal-prompts-v2" in p.id for p in train + probe)
+    assert all("signal-prompts-v3" in p.id for p in train + probe)
     assert {p.fields["key"] for p in train}.isdisjoint({p.fields["key"] for p in probe})
     again = SignalEnvironment("a").prompts("train")
     assert [(p.id, p.spec) for p in again] == [(p.id, p.spec) for p in train]
@@ -233,21 +232,41 @@ def test_hostile_answers_are_fast_and_invalid(env_a):
     hostile = ["<signal>" + "(" * 10_000 + "close" + ")" * 10_000 + "</signal>",
                "<signal>1e999</signal>", "<signal>__import__('os').system('x')</signal>",
                "<signal>\u00e9\u4e2d</signal>", "<signal></signal>", "", "<signal>" * 5000]
-    t = time.perf_counter()
     out = env_a.score_many([OPEN] * len(hostile), hostile, record=False)
-    # Bounded, not benchmarked: a parser that recursed per parenthesis or backtracked would take
-    # seconds to minutes here (or crash); the limits reject these in milliseconds.
-    assert time.perf_counter() - t < 5.0
+    # the limits reject these before any evaluation (how fast: bench/bench_env.py)
     assert not any(s.valid for s in out) and all(s.reason for s in out)
 
 
-def test_the_answer_format_examples_are_distinct_valid_answers(env_a):
-    """The prompt shows several example answers (one example was copied by every valid answer of
-    the real model, leaving GDPO nothing to rank): each must be a valid, scorable answer."""
+def _shown_examples(env, prompt) -> list[str]:
+    """Every example answer the model sees with `prompt`: the shared format line and the spec."""
     import re
-    examples = re.findall(r"<signal>(.*?)</signal>", env_a.answer_format)
-    examples = [e for e in examples if e != "..."]
-    assert len(examples) >= 3 and len(set(examples)) == len(examples)
-    scores = [env_a.score(OPEN, f"<signal>{e}</signal>", record=False) for e in examples]
-    assert all(s.valid for s in scores), [s.reason for s in scores]
-    assert len({round(s.core, 9) for s in scores}) == len(examples)      # they score differently
+    shown = re.findall(r"<signal>(.*?)</signal>", env.answer_format + "\n" + prompt.spec)
+    return list(dict.fromkeys(e for e in shown if e != "..."))   # distinct, in order
+
+
+@pytest.mark.parametrize("variant", ["a", "b"])
+def test_every_example_a_prompt_shows_is_valid_for_that_prompt(variant, env_a, env_b):
+    """Each prompt shows three example answers (one example was copied by every valid answer of the
+    real model, leaving GDPO nothing to rank). Each must be valid for that very prompt (its fields)
+    and within its budget, on every train and probe prompt: an example the prompt forbids teaches an
+    answer the verifier rejects."""
+    from fasttrain.envs.signal_lang import count_nodes
+    env = env_a if variant == "a" else env_b
+    prompts, answers, seen = [], [], set()
+    for p in env.prompts("train") + env.prompts("probe"):
+        shown = _shown_examples(env, p)
+        assert len(shown) == 3, (p.id, shown)
+        assert all(count_nodes(parse(e)) <= p.fields["budget"] for e in shown), (p.id, shown)
+        for e in shown:
+            # validity depends on the answer, the allowed fields and the data slice, never on the
+            # style, horizon or budget: score each (example, fields) once (all 1650 scorings take ~2 min)
+            if (e, p.fields["allowed_fields"]) not in seen:
+                seen.add((e, p.fields["allowed_fields"]))
+                prompts.append(p)
+                answers.append(f"<signal>{e}</signal>")
+    scores = env.score_many(prompts, answers, record=False)
+    bad = [(p.id, a, s.reason) for p, a, s in zip(prompts, answers, scores) if not s.valid]
+    assert not bad, f"{len(bad)} invalid examples, first: {bad[:3]}"
+    # they are different answers, not three spellings of one signal
+    first = [s.core for s in scores[:3]]
+    assert len({round(c, 9) for c in first}) == 3

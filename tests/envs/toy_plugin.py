@@ -39,11 +39,37 @@ class GuessEnv:
         return Score(ch, True, core, core > 0, None)
 
     def score_many(self, prompts, answers, data_slice="train"):
-        return [self.score(p, a, data_slice) for p, a in zip(prompts, answers)]
+        if self.mode == "batch_raise":
+            raise RuntimeError("batch verifier exploded")
+        out = [self.score(p, a, data_slice) for p, a in zip(prompts, answers)]
+        return out[:-1] if self.mode == "batch_short" else out
+
+
+class NoveltyEnv(GuessEnv):
+    """Stateful: an answer seen before scores 0 on novelty (like the signal archive); `record`."""
+    name = "novelty"
+    channels = [Channel("core", 3.0, "1 if new"), Channel("format", 1.0, "1")]
+
+    def __init__(self, mode: str = "ok"):
+        super().__init__(mode)
+        self.seen: list[str] = []
+
+    def score_many(self, prompts, answers, data_slice="train", record=True):
+        out = [Score({"core": float(a not in self.seen), "format": 1.0}, True, float(a not in self.seen),
+                     a not in self.seen, None) for a in answers]
+        if record:
+            self.seen.extend(answers)
+        if self.mode == "batch_raise" and len(answers) > 1:
+            raise RuntimeError("batch verifier exploded")
+        return out
 
 
 def make_env(mode: str = "ok") -> GuessEnv:
     return GuessEnv(mode)
+
+
+def make_novelty_env(mode: str = "ok") -> NoveltyEnv:
+    return NoveltyEnv(mode)
 
 
 def broken_factory() -> object:

@@ -133,11 +133,13 @@ def test_bundled_conversion_caches_and_reloads(monkeypatch, tmp_path):
     assert "model.safetensors" in names and "tokenizer.json" in names and "config.json" in names
     assert not any(p.name.startswith(".") for p in (tmp_path / "models").iterdir())  # tmp renamed
     assert not any(n.endswith(".bin") for n in names)
+    stamp = {n: os.stat(out / n).st_mtime_ns for n in names}
     t0 = time.perf_counter()
     m2, tok2 = load_policy("smollm2-135m")
     second = time.perf_counter() - t0
     print(f"bundled SmolLM2: first load (convert) {first:.1f} s, second load {second:.1f} s")
-    assert second < first / 3
+    # the second load reads the cache: nothing converted or rewritten (timings are printed, not asserted)
+    assert sorted(os.listdir(out)) == names and {n: os.stat(out / n).st_mtime_ns for n in names} == stamp
     s1, s2 = m1.state_dict(), m2.state_dict()
     assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
     assert tok1("hello world").input_ids == tok2("hello world").input_ids

@@ -68,6 +68,29 @@ def test_nf4linear_from_linear_and_init_equals_base():
     assert layer.scale == 2.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M", [5, 100], ids=["decode-M5", "gemm-M100"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_dora_at_init_equals_the_base_bit_for_bit(dtype, M, grad):
+    """At initialisation (B = 0, m = ‖W‖) DoRA's scale m/‖W + s·B·A‖ is exactly 1 and the base term is
+    computed as without adapters, so the output equals the base bit for bit, in the training forward
+    (grad) and the cached rollout path (no grad). Formed as m · (1/‖W‖) the scale is 1 ± 1 ulp on some
+    rows, which moves fp32 outputs by an ulp and flips the bf16 rounding of some of them."""
+    torch.manual_seed(0)
+    layer = NF4Linear.from_linear(nn.Linear(576, 1536).to(dtype))
+    layer.attach_adapter("dora", r=8, alpha=16)
+    x = torch.randn(M, 576, dtype=dtype)
+    with torch.no_grad():
+        layer.adapters_enabled = False
+        base = layer(x)
+        layer.adapters_enabled = True
+    with torch.set_grad_enabled(grad):
+        y = layer(x)
+    assert y.dtype == base.dtype and torch.equal(y, base), (y.float() - base.float()).abs().max()
+    # and the same layout: a transposed output would send attention down another kernel downstream
+    assert y.is_contiguous() and y.stride() == base.stride()
+
+
 def test_gradients_flow_only_to_adapters():
     model = quantize_model(tiny_llama())
     params = attach_adapters(model, "dora", r=4, alpha=8)

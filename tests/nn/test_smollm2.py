@@ -67,3 +67,26 @@ def test_smollm2_nf4_with_adapters(smollm2):
     # Not a tolerance (NF4's own rounding of a GGUF Q4_1 source decides this error; the bound that
     # tests our code is the one above): a sanity bound that catches a broken layer or wrong layout.
     assert rel < 0.3 and top1 > 0.5
+
+
+def test_smollm2_bf16_dora_at_init_equals_the_base_bit_for_bit(smollm2):
+    """The real model in bf16 with fresh DoRA adapters gives the base model's logits bit for bit: in
+    the training forward (grad on, as the update scores the policy) and without grad (rollout),
+    against the base as the KL reference is scored (adapters off, no grad), at a decode-sized batch
+    (64 tokens: the decode kernel) and a training-sized one (160: dequantise + GEMM), with a padded
+    row as in a rollout. Any difference makes the KL to the base non-zero before the first update.
+    Run under ATEN_CPU_CAPABILITY=avx2 too (or on a host without avx512_bf16): bf16 inputs are then
+    computed in fp32, where m · (1/‖W‖) = 1 ± 1 ulp used to flip bf16 roundings."""
+    model = quantize_model(copy.deepcopy(smollm2).to(torch.bfloat16))
+    attach_adapters(model, "dora", r=8, alpha=16)
+    torch.manual_seed(1)
+    for shape in ((2, 32), (4, 40)):
+        ids = torch.randint(100, smollm2.config.vocab_size, shape)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0                                 # a left-padded row
+        with torch.no_grad(), adapters_disabled(model):
+            base = model(input_ids=ids, attention_mask=mask).logits
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                ours = model(input_ids=ids, attention_mask=mask).logits.detach()
+            assert torch.equal(ours, base), (shape, grad, (ours.float() - base.float()).abs().max())

@@ -1,4 +1,4 @@
-"""The floor guard is the Euclidean projection of DESIGN.md §5; the legacy clamp is the trap."""
+"""The floor guard is the Euclidean projection of the recipe (docs/design.md); the legacy clamp is the trap."""
 import itertools
 
 import pytest

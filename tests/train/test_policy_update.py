@@ -1,5 +1,6 @@
 """The k-pass update: micro-batching gives the one-batch gradient, pass 1 runs on the old policy
 (ratio exactly 1), non-finite losses never reach the adapters."""
+import dataclasses
 import math
 
 import pytest
@@ -74,7 +75,7 @@ def test_first_pass_is_on_policy_and_later_passes_are_not(tiny):
     scores = score_batch(model, roll, 3, 1.0, need_ref=False)
     opt = torch.optim.AdamW(params, lr=5e-2)
     stats = update_policy(model, params, opt, roll, scores, adv, roll.completion_mask.bool(),
-                          LossSection(kind="dapo", beta=0.0, passes=2), 0.0, 3, 1.0, 1.0)
+                          LossSection(kind="dapo", beta=0.0, passes=2), 0.0, 3, 1.0, 1.0).passes
     assert len(stats) == 2
     assert stats[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)       # old log-probs = pass 1
     assert stats[0]["clip_low_frac"] == 0 and stats[0]["clip_high_frac"] == 0
@@ -88,9 +89,10 @@ def test_non_finite_loss_leaves_adapters_untouched(tiny):
     adv = torch.full((roll.completion_ids.shape[0],), math.nan)
     scores = score_batch(model, roll, 4, 1.0, need_ref=False)
     opt = torch.optim.AdamW(params, lr=1e-2)
-    with pytest.raises(NonFiniteLoss):
+    with pytest.raises(NonFiniteLoss) as err:
         update_policy(model, params, opt, roll, scores, adv, roll.completion_mask.bool(),
                       LossSection(kind="cispo", beta=0.0), 0.0, 4, 1.0, 1.0)
+    assert torch.equal(err.value.result.old_logp, scores.old_logp)      # what was computed comes back
     assert all(torch.equal(a, b) for a, b in zip(before, params))
     assert all(p.grad is None for p in params)
 
@@ -212,9 +214,11 @@ def test_old_logprobs_from_the_first_pass_equal_a_separate_forward(tiny, passes)
         scores = score_batch(model, roll, 3, 1.0, need_ref=True, need_old=need_old)
         assert (scores.old_logp is None) == (not need_old)
         opt = RecordingSGD(params)
-        stats = update_policy(model, params, opt, roll, scores, adv, mask, cfg, zeta=0.01, micro_batch=3,
-                              grad_clip=0.0, temperature=1.0)
-        runs.append((scores, opt.seen, stats))
+        result = update_policy(model, params, opt, roll, scores, adv, mask, cfg, zeta=0.01, micro_batch=3,
+                               grad_clip=0.0, temperature=1.0)
+        # the update returns the pre-update log-probs; it never writes into its `scores` argument
+        assert (scores.old_logp is None) == (not need_old) and (scores.entropy is None) == (not need_old)
+        runs.append((result, opt.seen, result.passes))
     (a, ga, sa), (b, gb, sb) = runs
     torch.testing.assert_close(b.old_logp, a.old_logp, rtol=0, atol=1e-6)
     torch.testing.assert_close(b.entropy, a.entropy, rtol=0, atol=1e-5)
@@ -223,3 +227,27 @@ def test_old_logprobs_from_the_first_pass_equal_a_separate_forward(tiny, passes)
         for x, y in zip(pa, pb):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6 * float(x.abs().max()) + 1e-9)
     assert sb[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_update_uses_the_rollouts_positions_and_groups(tiny):
+    """Positions and groups come from the rollout (Rollout.position_ids, Rollout.prompt_index), not
+    rebuilt from the mask and the prompt tokens: a rollout whose positions are twice as far apart scores
+    differently, and one that declares every row its own group runs the prompts unshared."""
+    from fasttrain.train.policy_update import score_batch
+    model, params, roll = _setup(tiny)
+    base = score_batch(model, roll, 8, 1.0, need_ref=False).old_logp
+    shifted = dataclasses.replace(roll, position_ids=roll.position_ids * 2)   # RoPE sees distances
+    m = roll.completion_mask.bool()
+    assert float((score_batch(model, shifted, 8, 1.0, need_ref=False).old_logp - base)[m].abs().max()) > 1e-4
+    rows_seen = []
+    # the shared-prefix forward embeds the distinct prompts first ([U, P]), then the answers
+    hook = model.model.embed_tokens.register_forward_pre_hook(lambda mod, args: rows_seen.append(args[0].shape[0]))
+    try:
+        score_batch(model, roll, 8, 1.0, need_ref=False)
+        grouped = rows_seen[:]
+        rows_seen.clear()
+        score_batch(model, dataclasses.replace(roll, prompt_index=torch.arange(8)), 8, 1.0, need_ref=False)
+    finally:
+        hook.remove()
+    assert grouped[0] == 2            # two prompts of four answers each: each prompt runs once
+    assert rows_seen[0] == 8          # every row its own group: eight prompt rows, nothing shared

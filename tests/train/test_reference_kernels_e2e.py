@@ -20,7 +20,7 @@ from fasttrain.train import Trainer, load_config
 
 EXACT = ("reward", "reward_core", "reward_action_cost", "reward_format", "core", "success", "valid", "cost",
          "nonzero_adv_share", "guarded_share", "adv_abs_mean", "tokens", "loss_tokens", "mean_length", "skipped")
-CLOSE = ("loss", "grad_norm", "kl", "entropy", "ratio_mean", "kl_loss_mean", "repo_r_factor_mean", "zeta_next",
+CLOSE = ("loss", "grad_norm", "kl", "entropy", "ratio_mean", "repo_r_factor_mean", "zeta_next",
          "clip_low_frac", "clip_high_frac", "cap_frac")
 
 

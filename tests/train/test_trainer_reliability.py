@@ -56,3 +56,8 @@ def test_start_up_errors_name_the_key(tiny, tiny_recipe):
         Trainer(load_config(tiny_recipe(tiny, **{"policy.model": "no_such_module:f"})), progress=False).train()
     with pytest.raises(FileNotFoundError, match="config.toml"):
         Trainer.resume(tiny / "nowhere")
+    # a priority for a channel the environment does not have is an error for every environment
+    # (here a plug-in), not only for the built-in signal ones
+    with pytest.raises(ConfigError, match=r"advantages.priorities: unknown channel\(s\) \['stability'\]"):
+        Trainer(load_config(tiny_recipe(tiny, **{"advantages.priorities": {"core": 3.0, "stability": 1.0}})),
+                progress=False)

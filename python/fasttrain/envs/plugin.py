@@ -5,18 +5,33 @@
 return an object with the `Environment` protocol. Plug-ins are wrapped in `GuardedEnvironment`,
 which turns every broken verdict (exception, wrong or missing channel, non-finite value,
 wrong type) into an invalid `Score` whose `reason` says what happened, so a bad verifier costs
-one answer's reward, never the run.
+one answer's reward, never the run. Nothing is silent: a batch verifier (`score_many`) that
+raises or returns the wrong number of scores is logged (once per environment) and counted in
+`batch_failures` (the trainer writes it to metrics.jsonl) before the batch is scored one answer at
+a time; a stateful plug-in (its `score_many` takes `record`) gets `record` passed through, so
+probes leave it unchanged and resume can replay it.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 import math
 from typing import Any, Sequence
 
 from .protocol import Channel, Environment, Prompt, Score, check_score, invalid_score
 
 BUILTINS = ("signal-a", "signal-b", "dataset")
+log = logging.getLogger("fasttrain.envs")
+
+
+def takes_record(score_many: Any) -> bool:
+    """Whether a score_many accepts `record` (the mark of a stateful environment)."""
+    try:
+        return "record" in inspect.signature(score_many).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class GuardedEnvironment:
@@ -39,7 +54,10 @@ class GuardedEnvironment:
         self.channels: list[Channel] = channels
         self.data_slices = tuple(getattr(inner, "data_slices", ("train",)))
         self.answer_format = str(getattr(inner, "answer_format", ""))
-        self.invalid_count = 0
+        self.invalid_count = 0      # verdicts turned invalid because the verifier broke the protocol
+        self.batch_failures = 0     # score_many calls that raised or returned the wrong length
+        batch = getattr(inner, "score_many", None)
+        self.stateful = batch is not None and takes_record(batch)
 
     def prompts(self, split: str) -> list[Prompt]:
         return list(self.inner.prompts(split))
@@ -63,18 +81,44 @@ class GuardedEnvironment:
         return self._check(s)
 
     def score_many(self, prompts: Sequence[Prompt], answers: Sequence[str],
-                   data_slice: str = "train") -> list[Score]:
+                   data_slice: str = "train", record: bool = True) -> list[Score]:
+        """Score a batch. `record` goes to a stateful plug-in (ignored by a stateless one). When the
+        batch verifier fails, the failure is reported and each answer is scored on its own, so one
+        bad answer spoils only itself."""
         if len(prompts) != len(answers):
             raise ValueError("prompts and answers differ in length")
         batch = getattr(self.inner, "score_many", None)
         if batch is not None:
+            kw = {"record": record} if self.stateful else {}
             try:
-                out = list(batch(prompts, answers, data_slice))
+                out = list(batch(prompts, answers, data_slice, **kw))
+            except Exception as e:  # a user verifier's bug must not end the run
+                self._batch_failed(f"raised {type(e).__name__}: {str(e)[:200]}")
+            else:
                 if len(out) == len(answers):
                     return [self._check(s) for s in out]
-            except Exception:
-                pass  # fall back to one at a time, so one bad answer spoils only itself
+                self._batch_failed(f"returned {len(out)} scores for {len(answers)} answers")
+            if self.stateful:  # one answer per call, still through score_many, so `record` holds
+                return [self._score_one_recorded(p, a, data_slice, record) for p, a in zip(prompts, answers)]
         return [self.score(p, a, data_slice) for p, a in zip(prompts, answers)]
+
+    def _score_one_recorded(self, prompt: Prompt, answer: str, data_slice: str, record: bool) -> Score:
+        try:
+            out = list(self.inner.score_many([prompt], [answer], data_slice, record=record))
+        except Exception as e:
+            self.invalid_count += 1
+            return invalid_score(self.channels, f"verifier raised {type(e).__name__}: {str(e)[:200]}")
+        if len(out) != 1:
+            self.invalid_count += 1
+            return invalid_score(self.channels, f"verifier returned {len(out)} scores for 1 answer")
+        return self._check(out[0])
+
+    def _batch_failed(self, why: str) -> None:
+        self.batch_failures += 1
+        if self.batch_failures == 1:
+            log.warning("environment %s: score_many %s; scoring those answers one at a time (each "
+                        "further failure is counted in metrics.jsonl as verifier_batch_failures)",
+                        self.name, why)
 
 
 def load_env(spec: str, **kwargs: Any) -> Environment:

@@ -44,13 +44,9 @@ from .signal_lang import (DEFAULT_LIMITS, FIELDS, Limits, Node, SignalError, cou
                           cs_rank, cs_zscore, evaluate, fields_used, parse)
 from .signal_prompts import HORIZONS, make_prompts
 
-# Three examples on different fields, not one: measured with SmolLM2-135M-Instruct (prefilled
-# "<signal>", temperature 0.7, 32 answers), a single example was copied verbatim by nearly every
-# valid answer, so the answers of a group tied on every channel and GDPO had nothing to rank;
-# with three, 16% were valid and they varied (negated, re-nested, other windows).
-ANSWER_FORMAT = ("Answer with one expression inside <signal>...</signal>, for example "
-                 "<signal>rank(ts_mean(volume, 10))</signal>, <signal>-ts_delta(close, 5)</signal> or "
-                 "<signal>zscore(ts_std(returns, 20))</signal>.")
+# The example answers are part of each prompt (signal_prompts.EXAMPLES), chosen from the fields that
+# prompt allows; the format line shared by every prompt names none.
+ANSWER_FORMAT = "Answer with one expression inside <signal>...</signal>."
 OPEN_TAG, CLOSE_TAG = "<signal>", "</signal>"
 WARMUP = DEFAULT_LIMITS.max_lookback      # history rows before each slice's first scored day
 N_FOLDS = 4

@@ -8,11 +8,15 @@ budget. Bump PROMPT_VERSION whenever templates or seeds change: recipes record
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from .protocol import Prompt
+from .signal_lang import count_nodes, fields_used, parse
 
-PROMPT_VERSION = "signal-prompts-v2"      # v2: answer format with three examples
+# v2: three example answers; v3: the examples shown use only the fields the prompt allows
+PROMPT_VERSION = "signal-prompts-v3"
 N_TRAIN, N_PROBE = 500, 50
 _SEEDS = {"train": 1_000_003, "probe": 2_000_029}
 
@@ -34,9 +38,29 @@ FIELD_SETS = (
 )
 HORIZONS = (1, 3, 5, 10, 20)
 BUDGETS = (6, 8, 10, 12, 16, 20)
+# Example answers, in the order they are offered: each prompt shows the first three that use only
+# the fields it allows and fit its budget (every field set and budget above admits three). Three, not one: measured with SmolLM2-135M-Instruct
+# (prefilled "<signal>", temperature 0.7, 32 answers), a single example was copied verbatim by nearly
+# every valid answer, so a group's answers tied on every channel and GDPO had nothing to rank. And
+# only allowed fields: an example the prompt forbids teaches an answer the verifier rejects.
+EXAMPLES = ("rank(ts_mean(volume, 10))", "-ts_delta(close, 5)", "zscore(ts_std(returns, 20))",
+            "(close - low) / (high - low)", "-ts_mean(returns, 5)", "zscore(ts_std(close, 20))",
+            "-ts_rank(high - low, 10)")
+N_EXAMPLES = 3
 OPERATORS = ("+ - * /, abs(x), log(x), sign(x), rank(x), zscore(x) (across assets), "
              "ts_mean(x, n), ts_std(x, n), ts_delta(x, n), ts_rank(x, n), ts_corr(x, y, n), "
              "delay(x, n) (over the last n days, n an integer from 1 to 60)")
+
+
+@lru_cache(maxsize=None)
+def examples_for(fields: tuple[str, ...], budget: int) -> tuple[str, ...]:
+    """The example answers of a prompt that allows `fields` and `budget` nodes: the first three of
+    EXAMPLES within both (the language's own parser says which fields and how many nodes)."""
+    out = tuple(e for e in EXAMPLES
+                if fields_used(parse(e)) <= set(fields) and count_nodes(parse(e)) <= budget)[:N_EXAMPLES]
+    if len(out) < N_EXAMPLES:
+        raise ValueError(f"fields {fields} with budget {budget} admit only {len(out)} of the example answers")
+    return out
 
 
 def _spec_text(style: str, fields: tuple[str, ...], horizon: int, budget: int, answer_format: str) -> str:
@@ -48,8 +72,13 @@ def _spec_text(style: str, fields: tuple[str, ...], horizon: int, budget: int, a
         f"Operators: {OPERATORS}.\n"
         f"Secondary horizon: {horizon} day{'s' if horizon > 1 else ''}. "
         f"Use at most {budget} operators, fields and numbers.\n"
-        f"{answer_format}"
+        f"{answer_format} For example {_example_list(examples_for(fields, budget))}."
     )
+
+
+def _example_list(examples: tuple[str, ...]) -> str:
+    tagged = [f"<signal>{e}</signal>" for e in examples]
+    return ", ".join(tagged[:-1]) + " or " + tagged[-1]
 
 
 def make_prompts(split: str, answer_format: str, prefix: str) -> list[Prompt]:

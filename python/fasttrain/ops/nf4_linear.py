@@ -83,24 +83,8 @@ def _(x, packed, absmax, blocksize, out_features, lora_a, lora_b, scale, dora_m,
 
 
 def _cpu_bf16_compute() -> bool:
-    return "avx512_bf16" in _cpu_flags()
-
-
-_FLAGS: list[str] = []
-
-
-def _cpu_flags() -> list[str]:
-    if not _FLAGS:
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("flags"):
-                        _FLAGS.extend(line.split(":", 1)[1].split())
-                        break
-        except OSError:
-            pass
-        _FLAGS.append("-")
-    return _FLAGS
+    """Whether the CPU kernel computes bf16 inputs in bf16 (else fp32): the extension's own answer."""
+    return bool(_load().cpu_has_bf16())
 
 
 @torch.library.register_fake("fasttrain::nf4_linear_backward")

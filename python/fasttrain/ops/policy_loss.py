@@ -1,6 +1,6 @@
 """Fused policy loss: CISPO, DAPO or GRPO with k3 KL, REPO-R advantage rescaling and a token mask.
 
-Per token (shared/DESIGN.md section 5), with r = exp(logp - old_logp):
+Per token (the recipe in docs/design.md), with r = exp(logp - old_logp):
   A'    = A * (1 - zeta * log p) if A > 0, A * (1 + zeta * log p) if A < 0   (REPO-R; log p detached,
           clamped at -20; the factor never goes below 0, so A' never changes sign)
   CISPO   -sg(min(r, cispo_cap)) * A' * logp                       (MiniMax-M1, 2025)

@@ -1,4 +1,4 @@
-"""REPO-R entropy thermostat: the controller of the REPO-R strength zeta (shared/DESIGN.md section 5).
+"""REPO-R entropy thermostat: the controller of the REPO-R strength zeta (the recipe: docs/design.md).
 
 REPO-R rescales advantages by the token's log-prob (fasttrain.ops.policy_loss, `zeta`): positive
 advantages weigh rare tokens more, negative ones weigh them less, which holds entropy up. The

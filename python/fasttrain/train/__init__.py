@@ -2,7 +2,7 @@
 
     from fasttrain.train import load_config, Trainer
     cfg = load_config("cispo_repo_r", ["run.steps=50"])     # bundled recipe or a .toml path
-    result = Trainer(cfg).train()                            # runs/<run-id>/ (DESIGN.md §7)
+    result = Trainer(cfg).train()                            # runs/<run-id>/ (docs/design.md, "The run folder")
     Trainer.resume("runs/<run-id>").train()                  # continue from the last checkpoint
 """
 from fasttrain.train.config import Config, ConfigError, config_to_toml, list_recipes, load_config

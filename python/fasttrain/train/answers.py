@@ -119,5 +119,7 @@ def score_answers(env, prompts: Sequence[Prompt], answers: Sequence[str], data_s
 
 
 def is_stateful(env) -> bool:
-    """Environments whose scores depend on what they scored before declare `record`."""
-    return _takes_record(env)
+    """Environments whose scores depend on what they scored before declare `record` (a wrapped
+    plug-in says so through its `stateful` attribute)."""
+    stateful = getattr(env, "stateful", None)
+    return bool(stateful) if stateful is not None else _takes_record(env)

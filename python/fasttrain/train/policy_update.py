@@ -16,11 +16,16 @@ import torch
 
 from fasttrain.train.config import LossSection
 
-__all__ = ["answer_logprobs", "BatchScores", "score_batch", "update_policy", "NonFiniteLoss"]
+__all__ = ["answer_logprobs", "BatchScores", "score_batch", "update_policy", "UpdateResult", "NonFiniteLoss"]
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    """A pass's loss or gradient norm was not finite. `result`: what the update had computed (the
+    earlier passes' stats, the pre-update log-probs and entropies)."""
+
+    def __init__(self, message: str, result: "UpdateResult | None" = None):
+        super().__init__(message)
+        self.result = result
 
 
 def _decoder(model):
@@ -31,21 +36,25 @@ def _decoder(model):
 
 
 def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completion_ids, completion_mask,
-                    temperature: float, shared_prefix: bool = True):
+                    temperature: float, shared_prefix: bool = True, position_ids=None, prompt_index=None):
     """log p and entropy [B, T] of the answer tokens (zeros where completion_mask is 0).
 
     `shared_prefix`: run each distinct prompt once and let its answers attend to its keys and
     values (fasttrain.train.prefix_forward: same values and gradients as the full forward, with
-    or without gradient checkpointing; the model's own forward runs where that one does not apply)."""
+    or without gradient checkpointing; the model's own forward runs where that one does not apply).
+    `position_ids` [B, P+T] and `prompt_index` [B]: the rollout's own (Rollout.position_ids,
+    Rollout.prompt_index), which the update passes; callers holding only ids and a mask omit them
+    and get cumsum(mask) - 1 positions and groups of equal prompt tokens."""
     from fasttrain.ops import fused_logprob
     from fasttrain.train.prefix_forward import shared_prefix_hidden
 
     decoder = _decoder(model)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     T = completion_ids.shape[1]
     h = None
     if shared_prefix:
-        h = shared_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T)
+        h = shared_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index)
     if h is None:
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=False).last_hidden_state
@@ -61,9 +70,21 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
 
 @dataclass
 class BatchScores:
-    old_logp: torch.Tensor | None   # [B, T] pre-update policy (None: pass 1 of the update fills it)
-    entropy: torch.Tensor | None    # [B, T] (filled with old_logp)
+    old_logp: torch.Tensor | None   # [B, T] pre-update policy (None: pass 1 of the update computes it)
+    entropy: torch.Tensor | None    # [B, T] (with old_logp)
     ref_logp: torch.Tensor | None   # [B, T] base model (adapters off), None when beta == 0
+
+
+@dataclass
+class UpdateResult:
+    passes: list[dict[str, float]]  # one stats dict per pass (loss, grad_norm, the op's stats)
+    old_logp: torch.Tensor          # [B, T] the pre-update policy's log-probs (scored, or pass 1's)
+    entropy: torch.Tensor           # [B, T] its entropies
+
+
+def _rollout_args(roll, sl):
+    """The rollout's own tensors for rows `sl`, as answer_logprobs takes them."""
+    return dict(position_ids=roll.position_ids[sl], prompt_index=roll.prompt_index[sl])
 
 
 def _chunks(n: int, size: int):
@@ -75,8 +96,8 @@ def _chunks(n: int, size: int):
 def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: bool,
                 need_old: bool = True) -> BatchScores:
     """No-grad scores of the batch. `need_old=False` skips the pre-update policy's forward: the
-    update's first pass runs on that same policy and fills old_logp and entropy from its own
-    forward (DESIGN.md §5: old log-probs come from the first pass), which saves one forward per
+    update's first pass runs on that same policy and returns old_logp and entropy from its own
+    forward (the recipe's old log-probs are the first pass's), which saves one forward per
     step. Only a token mask that needs the entropies before the update (top-entropy) needs them here."""
     from fasttrain.nn import adapters_disabled
 
@@ -88,12 +109,12 @@ def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: boo
         args = (roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len, roll.completion_ids[sl],
                 roll.completion_mask[sl], temperature)
         if need_old:
-            lp, ent = answer_logprobs(model, *args)
+            lp, ent = answer_logprobs(model, *args, **_rollout_args(roll, sl))
             olds.append(lp)
             ents.append(ent)
         if need_ref:
             with adapters_disabled(model):
-                refs.append(answer_logprobs(model, *args)[0])
+                refs.append(answer_logprobs(model, *args, **_rollout_args(roll, sl))[0])
     model.train(was)
     return BatchScores(torch.cat(olds) if need_old else None, torch.cat(ents) if need_old else None,
                        torch.cat(refs) if need_ref else None)
@@ -102,9 +123,10 @@ def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: boo
 def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, roll,
                   scores: BatchScores, advantages: torch.Tensor, loss_mask: torch.Tensor,
                   loss_cfg: LossSection, zeta: float, micro_batch: int, grad_clip: float,
-                  temperature: float) -> list[dict[str, float]]:
-    """k passes; returns one stats dict per pass. Raises NonFiniteLoss (after zeroing grads) when
-    a pass's loss or gradient norm is not finite; the caller skips the step."""
+                  temperature: float) -> UpdateResult:
+    """k passes; returns one stats dict per pass and the pre-update policy's log-probs and
+    entropies (`scores`' own when it has them, else pass 1's). Raises NonFiniteLoss (after zeroing
+    grads) when a pass's loss or gradient norm is not finite; the caller skips the step."""
     from fasttrain.ops import policy_loss
 
     B = roll.completion_ids.shape[0]
@@ -118,6 +140,7 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
     model.train()
     out = []
     fill_old = scores.old_logp is None          # pass 1 provides the old log-probs and entropy
+    old_logp, entropy = scores.old_logp, scores.entropy
     for k in range(loss_cfg.passes):
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
@@ -130,13 +153,14 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
                 continue
             with torch.set_grad_enabled(bool(m.any())):
                 logp, ent = answer_logprobs(model, roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len,
-                                            roll.completion_ids[sl], roll.completion_mask[sl], temperature)
+                                            roll.completion_ids[sl], roll.completion_mask[sl], temperature,
+                                            **_rollout_args(roll, sl))
             if first_fill:
                 olds.append(logp.detach())
                 ents.append(ent)
                 old = olds[-1]
             else:
-                old = scores.old_logp[sl]
+                old = old_logp[sl]
             if not bool(m.any()):
                 continue
             loss, stats = policy_loss(
@@ -151,15 +175,15 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
                 if key != "active_tokens":
                     acc[key] = acc.get(key, 0.0) + w * float(v)
         if fill_old and k == 0:
-            scores.old_logp, scores.entropy = torch.cat(olds), torch.cat(ents)
+            old_logp, entropy = torch.cat(olds), torch.cat(ents)
         distributed.sum_gradients(params)               # the whole batch's gradient on every rank
         loss_v, acc = distributed.sum_stats(float(total), acc)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
         gn = float(grad_norm)
         if not (math.isfinite(loss_v) and math.isfinite(gn)):
             optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLoss(f"loss {loss_v}, gradient norm {gn}")
+            raise NonFiniteLoss(f"loss {loss_v}, gradient norm {gn}", UpdateResult(out, old_logp, entropy))
         optimizer.step()
         out.append({"loss": loss_v, "grad_norm": gn, **acc})
     optimizer.zero_grad(set_to_none=True)
-    return out
+    return UpdateResult(out, old_logp, entropy)

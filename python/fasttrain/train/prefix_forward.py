@@ -46,12 +46,14 @@ def _family(model) -> LlamaFamilyDecoder | None:
 
 
 def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                         prompt_len: int, T: int) -> Tensor | None:
+                         prompt_len: int, T: int, prompt_index: Tensor | None = None) -> Tensor | None:
     """Final-norm hidden states [B, T, H] whose row b, column t predicts answer token t of row b
     (the full forward's hidden[:, P-1 : P-1+T]), with each distinct prompt run once.
 
-    input_ids/attention_mask/position_ids [B, P+T]: left-padded prompts then answers. Returns None
-    when the model is not one this forward drives (the caller runs the model's own forward)."""
+    input_ids/attention_mask/position_ids [B, P+T]: left-padded prompts then answers.
+    `prompt_index` [B]: the rollout's group of each row (rows of one group share their prompt);
+    without it, rows whose prompt tokens and mask are equal are grouped. Returns None when the
+    model is not one this forward drives (the caller runs the model's own forward)."""
     dec = _family(model)
     if dec is None:
         return None
@@ -60,8 +62,11 @@ def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, posit
         return None
     B = input_ids.shape[0]
     device = input_ids.device
-    key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)          # [B] -> its prompt in 0..U-1
+    if prompt_index is not None:
+        _, inverse = torch.unique(prompt_index, return_inverse=True)    # [B] -> its prompt in 0..U-1
+    else:
+        key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
+        _, inverse = torch.unique(key, dim=0, return_inverse=True)
     U = int(inverse.max()) + 1
     # one row per distinct prompt (any row of its group: their prompt tokens are equal)
     first = torch.zeros(U, dtype=torch.long, device=device).scatter_(

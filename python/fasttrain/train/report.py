@@ -1,5 +1,5 @@
 """What a run leaves behind for judging it: export.json, report.md, PNG plots, and the ladder
-table that compares several runs (DESIGN.md §7)."""
+table that compares several runs (docs/design.md, "The run folder")."""
 from __future__ import annotations
 
 import json

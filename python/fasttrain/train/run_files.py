@@ -6,10 +6,11 @@ import math
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["write_text", "write_json", "read_jsonl", "append_jsonl", "truncate_jsonl", "new_run_id",
+__all__ = ["write_text", "write_json", "read_jsonl", "CorruptRunFile", "append_jsonl", "truncate_jsonl", "new_run_id",
            "json_safe"]
 
 
@@ -54,16 +55,32 @@ def append_jsonl(path: str | Path, row: dict[str, Any]) -> None:
         f.flush()
 
 
+class CorruptRunFile(ValueError):
+    """A line of a run's JSONL file is not JSON; the message names the file and the line."""
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL run file. A line that is not JSON raises CorruptRunFile naming the file
+    and the line; the one exception is an unterminated last line (a crash in the middle of
+    append_jsonl), which is dropped with a warning that names it."""
     path = Path(path)
     if not path.exists():
         return []
+    text = path.read_text()
+    lines = text.split("\n")
     rows = []
-    for line in path.read_text().splitlines():
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+        except json.JSONDecodeError as e:
+            if n == len(lines):            # no newline after it: the write was interrupted
+                warnings.warn(f"{path}: line {n} was cut short by an interrupted write; dropping it",
+                              stacklevel=2)
+                break
+            raise CorruptRunFile(f"{path}: line {n} is not JSON ({e.msg}): {line[:80]!r}. Fix or delete "
+                                 "that line (a run folder's JSONL files are one JSON object per line).") from e
     return rows
 
 

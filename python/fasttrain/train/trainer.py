@@ -1,8 +1,8 @@
-"""The training loop of DESIGN.md §1: rollout -> verifier -> GDPO + floor guard -> k-pass
+"""The training loop (docs/design.md, "One training step"): rollout -> verifier -> GDPO + floor guard -> k-pass
 policy update (REPO-R, CISPO/DAPO, β·KL) -> log / probe / checkpoint.
 
     trainer = Trainer(cfg)                     # or Trainer.resume(run_dir)
-    result = trainer.train()                   # writes runs/<run-id>/ as DESIGN.md §7
+    result = trainer.train()                   # writes runs/<run-id>/ (docs/design.md, "The run folder")
 
 Determinism: the prompts of step s, each prompt's rollout seed (run.seed, s, its place in the step)
 and torch's global seed at step s are pure functions of (run.seed, s), and checkpoints hold adapters, AdamW moments, the thermostat and RNG
@@ -90,12 +90,13 @@ class Trainer:
         names = [c.name for c in self.env.channels]
         unknown = [k for k in self.cfg.advantages.priorities if k not in names]
         if unknown:
-            # The seed's priorities name signal channels; other environments keep their own,
-            # unless the recipe wrote priorities for its reward functions (a typo is an error).
-            own = self.cfg.env.name == "dataset" and self.cfg.advantages.priorities != SEED_PRIORITIES
-            if self.cfg.env.name.startswith("signal") or own:
-                raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; "
-                                  f"channels of {self.env.name}: {', '.join(names)}")
+            # An error for every environment. The one exception is the untouched default, the seed's
+            # priorities (written for the signal channels): another environment keeps its own there.
+            default = self.cfg.advantages.priorities == SEED_PRIORITIES
+            if self.cfg.env.name.startswith("signal") or not default:
+                raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; the channels of "
+                                  f"{self.env.name} are {', '.join(names)} (or set advantages.priorities = {{}} "
+                                  f"to use the environment's own priorities)")
         self.channel_names = names
         self.weights = torch.tensor([self.cfg.advantages.priorities.get(c.name, c.priority)
                                      for c in self.env.channels], dtype=torch.float64)
@@ -214,25 +215,27 @@ class Trainer:
 
         t = time.perf_counter()
         zeta = float(self.thermostat.zeta) if L.repo_r else 0.0
-        skipped, passes = False, []
+        skipped = False
         try:
-            passes = update_policy(self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L,
+            result = update_policy(self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L,
                                    zeta, cfg.optim.micro_batch, cfg.optim.grad_clip, R.temperature)
             self.nonfinite_in_row = 0
         except NonFiniteLoss as e:
-            skipped = True
+            skipped, result = True, e.result
             self.nonfinite_in_row += 1
             self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
-        # entropy and KL of the pre-update policy (old_logp is filled by the update's first pass)
-        kl_sum = 0.0
-        if batch.ref_logp is not None:
-            d = batch.ref_logp - batch.old_logp
-            kl_sum = float(((torch.exp(d) - d - 1) * mask).sum())
-        n_tok, n_loss, ent_sum, kl_sum = distributed.sum_values(
-            [float(mask.sum()), float(loss_mask.sum()), float((batch.entropy * mask).sum()), kl_sum])
+        passes = result.passes
+        # entropy of the pre-update policy (scored before the update, or by its first pass), all ranks
+        n_tok, n_loss, ent_sum = distributed.sum_values(
+            [float(mask.sum()), float(loss_mask.sum()), float((result.entropy * mask).sum())])
         n_tok, n_loss = int(n_tok), int(n_loss)
-        mean_entropy, kl = ent_sum / max(1, n_tok), kl_sum / max(1, n_tok)
+        mean_entropy = ent_sum / max(1, n_tok)
+        # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy, over every
+        # rank's tokens), the one value the loss used; 0 without a reference (beta = 0)
+        kl = passes[0].get("kl_mean", math.nan) if passes else math.nan
+        if batch.ref_logp is None:
+            kl = 0.0
         if L.repo_r:
             self.thermostat.update(mean_entropy)
         times["update"] = time.perf_counter() - t
@@ -255,11 +258,12 @@ class Trainer:
             "clip_low_frac": last.get("clip_low_frac", math.nan),
             "clip_high_frac": last.get("clip_high_frac", math.nan),
             "cap_frac": last.get("cap_frac", math.nan),
-            "kl_loss_mean": last.get("kl_mean", math.nan),
             "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
             "tokens": n_tok, "loss_tokens": n_loss,
             "mean_length": n_tok / len(scores), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
+            # a plug-in's batch verifier that raised or returned the wrong length (run total)
+            "verifier_batch_failures": int(getattr(self.env, "batch_failures", 0)),
             **{f"seconds_{k}": v for k, v in times.items()},
         }
         row["seconds_step"] = sum(times.values())
