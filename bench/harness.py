@@ -91,17 +91,16 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
 def host_precision() -> tuple[str, str]:
     """("bf16" | "fp32", why): the faster compute precision for this host's CPU.
 
-    The native extension says whether its kernels compute in bf16 on this CPU (build_info key
-    "cpu_bf16", where the extension reports it); otherwise the faster of a bf16 and an fp32
-    1024-cube matmul here decides (a CPU without bf16 instructions runs bf16 GEMMs far slower)."""
+    The native extension says whether its kernels compute in bf16 on this CPU (`_C.cpu_has_bf16`:
+    avx512_bf16 and ATen's kernels at AVX512); without the extension the faster of a bf16 and an
+    fp32 1024-cube matmul here decides (a CPU without bf16 instructions runs bf16 GEMMs far slower)."""
     try:
-        from fasttrain._native import build_info
-        info = build_info()
+        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
+        native = _cpu_bf16_compute()
     except Exception:  # noqa: BLE001  (no extension: the measurement decides)
-        info = {}
-    for key in ("cpu_bf16", "cpu_avx512_bf16"):
-        if key in info:
-            return ("bf16" if info[key] else "fp32"), f"native extension: {key}={info[key]}"
+        native = None
+    if native is not None:
+        return ("bf16" if native else "fp32"), f"native extension: cpu_has_bf16={native}"
     bf, fp = matmul_gflops(torch.bfloat16), matmul_gflops(torch.float32)
     return ("bf16" if bf > fp else "fp32"), f"measured 1024^3 matmul: bf16 {bf:.0f} vs fp32 {fp:.0f} GFLOP/s"
 
