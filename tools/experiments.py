@@ -98,14 +98,21 @@ def _halves(e, key) -> tuple[float, float]:
     return sum(v[:h]) / h, sum(v[-h:]) / h
 
 
-def summarize_learning(exports, fig_dir: Path) -> str:
-    e = exports[-1]
-    lines = [f"run `{e['run_id']}`, {e['steps_done']} steps, wall {e['wall_seconds']:.0f} s", ""] + _probe_rows(e)
-    lines += ["", "| rollout mean (first half -> second half of the steps) | first | second |", "|---|---:|---:|"]
-    for k in ("core", "reward", "valid", "reward_format", "reward_syntax", "nonzero_adv_share", "kl", "entropy"):
+def _halves_table(e, keys) -> list[str]:
+    """Markdown rows: each rollout metric's mean over the first and the second half of the steps."""
+    lines = ["", "| rollout mean (first half -> second half of the steps) | first | second |", "|---|---:|---:|"]
+    for k in keys:
         if k in e["steps"][0]:
             a, b = _halves(e, k)
             lines.append(f"| {k} | {_f(a)} | {_f(b)} |")
+    return lines
+
+
+def summarize_learning(exports, fig_dir: Path) -> str:
+    e = exports[-1]
+    lines = [f"run `{e['run_id']}`, {e['steps_done']} steps, wall {e['wall_seconds']:.0f} s", ""] + _probe_rows(e)
+    lines += _halves_table(e, ("core", "reward", "valid", "reward_format", "reward_syntax", "nonzero_adv_share",
+                               "kl", "entropy"))
     _plot_learning(e, fig_dir / "learning.png")
     return "\n".join(lines) + "\n"
 
@@ -143,11 +150,8 @@ def summarize_countdown(exports, fig_dir: Path) -> str:
     lines = [f"run `{e['run_id']}`, {e['steps_done']} steps, wall {e['wall_seconds']:.0f} s", "",
              "| probe step | solved (answer) | valid |", "|---:|---:|---:|"]
     lines += [f"| {p['step']} | {p['train_core']:.1%} | {p['train_valid']:.0%} |" for p in e["probes"]]
-    lines += ["", "| rollout mean (first half -> second half of the steps) | first | second |", "|---|---:|---:|"]
-    for k in ("reward_answer", "reward_format", "valid", "nonzero_adv_share", "kl", "entropy", "mean_length"):
-        if k in e["steps"][0]:
-            a, b = _halves(e, k)
-            lines.append(f"| {k} | {_f(a)} | {_f(b)} |")
+    lines += _halves_table(e, ("reward_answer", "reward_format", "valid", "nonzero_adv_share", "kl", "entropy",
+                               "mean_length"))
     _plot_countdown(e, fig_dir / "countdown.png")
     return "\n".join(lines) + "\n"
 
