@@ -23,6 +23,11 @@ for cap in "${order[@]}"; do
     exit 1
   fi
   echo "== numeric tests under ATEN_CPU_CAPABILITY=${cap,,} (host best: ${best,,}) =="
-  ATEN_CPU_CAPABILITY=${cap,,} "$py" -m pytest -q -p no:cacheprovider "$@" tests/ops tests/nn tests/rl || status=$?
+  # torch.compile's inductor cache does not key on ATEN_CPU_CAPABILITY: a kernel cached by a run at
+  # another capability fails to compile against this one's headers, so each run gets its own cache.
+  inductor_cache=$(mktemp -d)
+  TORCHINDUCTOR_CACHE_DIR=$inductor_cache ATEN_CPU_CAPABILITY=${cap,,} \
+    "$py" -m pytest -q -p no:cacheprovider "$@" tests/ops tests/nn tests/rl || status=$?
+  rm -rf "$inductor_cache"
 done
 exit $status
