@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # a path out of the repository, the founders' design notes, or an issue number in place of a reason
-OUTSIDE = re.compile(r"\.\./shared|shared/DESIGN|DESIGN\.md|[Ii]ssue #?[0-9]+")
+# (built from pieces so this line does not match itself)
+OUTSIDE = re.compile("|".join([r"\.\./" + "shared", "shared/" + "DESIGN", "DESIGN" + r"\.md", "[Ii]" + r"ssue #?[0-9]+"]))
 # an assert that compares a measured duration
 WALL_CLOCK = re.compile(r"assert\b.*(perf_counter|time\.time\(|monotonic\(|elapsed|seconds?\b).*[<>]"
                         r"|assert\b.*[<>].*(perf_counter|time\.time\(|monotonic\(|elapsed)")
