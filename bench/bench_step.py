@@ -28,6 +28,22 @@ can differ: the mean completion length per side is printed next to the times.
 What it is not: a tuned TRL (no vLLM, no Liger); TRL runs in the precision chosen by
 --trl-precision (default bf16 weights + bf16=True, its fastest on this CPU; see the output).
 
+Default shape: the study's, 4 prompts x 12 answers, <= 64 new tokens, micro-batch 12, gradient
+checkpointing on both sides, 1 warm-up + 3 measured steps (median); `--quick` is a smoke run
+(1 x 4, 8 new tokens, 1 + 1 steps). Precision: each side at the host's faster one, detected once
+and printed (bench/harness.host_precision: the native extension's report, else a bf16 vs fp32
+matmul measured here); --fasttrain-dtype / --trl-precision override it.
+
+Distance to the machine's limit (fasttrain side, printed after the table):
+  update     model FLOPs of the update per step (reference forward + policy forward + backward of
+             the frozen-base network, as run: each distinct prompt once per micro-batch; checkpoint
+             recompute not counted; attention backward counted as its forward) over the update's
+             time, as a share of the rate of a 2048^3 matmul in the same precision measured in the
+             same process right after the steps.
+  decode     one decode step of the trainer's rollout (weights as the trainer decodes them) against
+             the floor of reading those weights and the mean KV cache once at the read bandwidth
+             measured in the same process (a sum over 512 MiB).
+
 Run: python bench/bench_step.py [--quick] [--device cpu|cuda] [--csv PATH]
 """
 from __future__ import annotations
@@ -122,6 +138,7 @@ def worker_fasttrain(a) -> dict:
         tr = Trainer(fasttrain_config(a, tmp, str(sel)), Path(tmp) / "run", progress=False)
         tr._setup()
         order = [p.id for s in range(1, a.warmup + a.steps + 1) for p in tr._prompts_for_step(s)]
+        shapes = capture_rollout_shapes()
         steps = []
         for s in range(1, a.warmup + a.steps + 1):
             if s == a.warmup + 1:
@@ -133,12 +150,108 @@ def worker_fasttrain(a) -> dict:
             wall = time.perf_counter() - t0
             steps.append({"step": wall, "generation": row["seconds_rollout"],
                           "update": wall - row["seconds_rollout"], "tokens": row["tokens"],
-                          "phases": {k[8:]: v for k, v in row.items() if k.startswith("seconds_")}})
+                          "phases": {k[8:]: v for k, v in row.items() if k.startswith("seconds_")},
+                          "update_flops": update_flops(tr.model, shapes[-1], a)})
             print(f"fasttrain step {s}: {wall:.1f} s (gen {row['seconds_rollout']:.1f} s), "
                   f"{row['tokens']} tokens", file=sys.stderr, flush=True)
         mem = peaks(a.device, base)
-    return {"steps": steps[a.warmup:], "memory": mem, "prompt_order": order,
-            "setting": f"{a.fasttrain_dtype} base quantized to NF4 + fp32 LoRA masters"}
+        limits = machine_limits(a, tr, prompts[:a.prompts], shapes[-1])
+    R = tr.cfg.rollout
+    return {"steps": steps[a.warmup:], "memory": mem, "prompt_order": order, "limits": limits,
+            "setting": f"{a.fasttrain_dtype} base quantized to NF4 + fp32 LoRA masters, rollout from "
+                       f"{'dense merged weights' if tr.rollout_weights is not None else 'NF4'}"
+                       f" (rollout.base_weights={R.base_weights}), compile={R.compile}"}
+
+
+def capture_rollout_shapes() -> list[dict]:
+    """Record (B, P, T, completion tokens) of every rollout the trainer samples (a wrapper around
+    the trainer's sample_answers; the update's work follows from these)."""
+    import fasttrain.train.trainer as trainer_mod
+    seen: list[dict] = []
+    original = trainer_mod.sample_answers
+
+    def recording(*args, **kw):
+        roll, texts = original(*args, **kw)
+        seen.append({"B": roll.completion_ids.shape[0], "P": roll.prompt_len, "T": roll.completion_ids.shape[1],
+                     "G": roll.group_size, "answer_tokens": int(roll.completion_mask.sum())})
+        return roll, texts
+    trainer_mod.sample_answers = recording
+    return seen
+
+
+def _dims(model) -> dict:
+    c = model.config
+    nh = c.num_attention_heads
+    D = getattr(c, "head_dim", None) or c.hidden_size // nh
+    nkv = getattr(c, "num_key_value_heads", None) or nh
+    H, I, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    proj = L * (H * nh * D + 2 * H * nkv * D + nh * D * H + 3 * H * I)   # weights of the 7 projections
+    return {"H": H, "L": L, "nh": nh, "nkv": nkv, "D": D, "V": c.vocab_size, "proj": proj}
+
+
+def update_flops(model, shape: dict, a) -> float:
+    """Model FLOPs of one step's update (see the header): per micro-batch, each distinct prompt's
+    P tokens once plus every row's answer tokens through the projections, causal attention over
+    the context, and the answer tokens' logits; x3 (reference forward, forward, backward) or x2
+    without the reference (beta 0)."""
+    d = _dims(model)
+    P, T, B, G = shape["P"], shape["T"], shape["B"], shape["G"]
+    mb = a.micro_batch
+    total = 0.0
+    for start in range(0, B, mb):
+        rows = min(mb, B - start)
+        U = len({(start + i) // G for i in range(rows)})          # distinct prompts in the micro-batch
+        tokens = U * P + rows * (T - 1)
+        ctx = U * P * (P + 1) / 2 + rows * sum(P + t for t in range(1, T))
+        answer = shape["answer_tokens"] * rows / B
+        total += 2 * d["proj"] * tokens + 4 * d["L"] * d["nh"] * d["D"] * ctx + 2 * d["H"] * d["V"] * answer
+    return total * (3 if a.beta > 0 else 2)
+
+
+def machine_limits(a, tr, prompts, shape: dict) -> dict:
+    """The matmul rate and read bandwidth of this host now, and one decode step of the trainer's
+    rollout with the floor of reading its weights and KV cache once."""
+    import statistics
+
+    import torch
+    from harness import matmul_gflops, memory_gbps
+
+    from fasttrain.rollout import sample
+    from fasttrain.train.answers import prompt_token_ids
+    dt = torch.bfloat16 if a.fasttrain_dtype == "bf16" else torch.float32
+    gflops = statistics.median(matmul_gflops(dt, n=2048, reps=3) for _ in range(2))
+    gbps = memory_gbps()
+    R = tr.cfg.rollout
+    ids = prompt_token_ids(tr.tokenizer, tr.env, prompts, R.answer_prefix)
+    T = a.new
+    w = tr.rollout_weights
+    if w is not None:
+        w.refresh()
+
+    def run(n):
+        t0 = time.perf_counter()
+        sample(tr.model, ids, group_size=a.group, max_new_tokens=n, temperature=1.0, eos_token_ids=[], seed=0,
+               weights=w, compile=R.compile)
+        return time.perf_counter() - t0
+    with torch.inference_mode():
+        run(2)
+        full, one = statistics.median(run(T) for _ in range(2)), statistics.median(run(1) for _ in range(2))
+    decode_s = (full - one) / max(T - 1, 1)
+    d = _dims(tr.model)
+    esz = 2 if dt == torch.bfloat16 else 4
+    if w is not None:
+        weight_bytes = w.nbytes()
+    else:
+        from fasttrain.nn import nf4_layers
+        weight_bytes = sum(m.qweight.numel() + (m.qabsmax.numel() if m.double_quant else 4 * m.absmax.numel())
+                           for _, m in nf4_layers(tr.model))
+    weight_bytes += d["H"] * d["V"] * esz                                   # lm_head
+    B, P = a.prompts * a.group, max(map(len, ids))
+    kv_bytes = d["L"] * 2 * B * d["nkv"] * d["D"] * (P + T / 2) * esz      # the mean context's cache
+    floor = (weight_bytes + kv_bytes) / (gbps * 1e9)
+    return {"matmul_gflops": gflops, "read_gbps": gbps, "decode_step_s": decode_s, "decode_floor_s": floor,
+            "decode_weight_mib": weight_bytes / 2**20, "decode_kv_mib": kv_bytes / 2**20,
+            "precision": a.fasttrain_dtype}
 
 
 def worker_trl(a) -> dict:
@@ -303,12 +416,11 @@ def main() -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--quick", action="store_true",
                     help="smoke config (gpu_check): 1 prompt x 4 answers, 8 new tokens, 1 warm-up + 1 measured step")
-    # Defaults sized for the shared 2-core box (load ~7-10): one fasttrain step of 1 x 4 x 8 took
-    # ~140 s there (prompts are ~280 tokens), so 4 steps per side plus the rollout bench is ~25 min.
-    ap.add_argument("--prompts", type=int, default=1, help="prompts per step")
-    ap.add_argument("--group", type=int, default=4, help="answers per prompt (num_generations)")
-    ap.add_argument("--new", type=int, default=16, help="max new tokens (max_completion_length)")
-    ap.add_argument("--micro-batch", type=int, default=4, help="answers per forward/backward, both sides")
+    # Defaults: the study's shape. On a shared 2-core box each TRL step of it takes minutes.
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--group", type=int, default=12, help="answers per prompt (num_generations)")
+    ap.add_argument("--new", type=int, default=64, help="max new tokens (max_completion_length)")
+    ap.add_argument("--micro-batch", type=int, default=12, help="answers per forward/backward, both sides")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per side")
     ap.add_argument("--rank", type=int, default=32)
@@ -317,11 +429,12 @@ def main() -> int:
     ap.add_argument("--cap", type=float, default=1.2, help="CISPO cap (TRL: epsilon_high)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trl-precision", choices=["bf16", "bf16-autocast", "fp32"], default="bf16")
-    ap.add_argument("--rollout-dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--fasttrain-dtype", choices=["bf16", "fp32"], default="bf16",
-                    help="fasttrain's base dtype before NF4 (non-quantized layers compute in it); fp32 is "
-                         "faster on CPUs without avx512_bf16")
+    ap.add_argument("--trl-precision", choices=["auto", "bf16", "bf16-autocast", "fp32"], default="auto",
+                    help="auto: bf16 where the host computes bf16 faster, else fp32")
+    ap.add_argument("--rollout-dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    ap.add_argument("--fasttrain-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="fasttrain's base dtype before NF4 (non-quantized layers compute in it); auto: the "
+                         "host's faster precision (fp32 on CPUs without bf16 instructions)")
     ap.add_argument("--rollout-reps", type=int, default=3)
     ap.add_argument("--only", default="fasttrain,trl,rollout", help="comma-separated: fasttrain,trl,rollout")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per worker")
@@ -340,8 +453,17 @@ def main() -> int:
         return 0
 
     import torch
-    from harness import machine_name, row, versions, write_csv
+    from harness import host_precision, machine_name, row, versions, write_csv
     argv = _strip_csv(sys.argv[1:])
+    if "auto" in (a.fasttrain_dtype, a.trl_precision, a.rollout_dtype):
+        fast, why = host_precision() if a.device == "cpu" else ("bf16", "CUDA")
+        a.fasttrain_dtype = fast if a.fasttrain_dtype == "auto" else a.fasttrain_dtype
+        a.rollout_dtype = fast if a.rollout_dtype == "auto" else a.rollout_dtype
+        a.trl_precision = fast if a.trl_precision == "auto" else a.trl_precision
+        print(f"precision: {fast} is the faster on this host ({why}); fasttrain {a.fasttrain_dtype}, "
+              f"TRL {a.trl_precision}, rollout bench {a.rollout_dtype}")
+        argv += ["--fasttrain-dtype", a.fasttrain_dtype, "--trl-precision", a.trl_precision,
+                 "--rollout-dtype", a.rollout_dtype]
     only = {s.strip() for s in a.only.split(",") if s.strip()}
     B = a.prompts * a.group
     load = os.getloadavg()[0]
@@ -388,6 +510,8 @@ def main() -> int:
               "   (includes each side's imports)")
         ph = {k: statistics.median(s["phases"][k] for s in f["steps"]) for k in f["steps"][0]["phases"]}
         print("fasttrain phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
+    if "fasttrain" in res:
+        rows += print_limits(res["fasttrain"], case, extra)
     if "rollout" in res:
         r = res["rollout"]
         s, g = statistics.median(r["times"]["sample"]), statistics.median(r["times"]["generate"])
@@ -404,6 +528,26 @@ def main() -> int:
     if a.csv:
         write_csv(rows, Path(a.csv))
     return 0
+
+
+def print_limits(f: dict, case: str, extra: dict) -> list[dict]:
+    from harness import row
+    lim = f["limits"]
+    flops = med(f["steps"], "update_flops")
+    upd = med(f["steps"], "update")
+    achieved = flops / upd / 1e9
+    share = achieved / lim["matmul_gflops"]
+    ratio = lim["decode_step_s"] / lim["decode_floor_s"]
+    print(f"\ndistance to this machine's limit (fasttrain, {lim['precision']}):")
+    print(f"  update   {flops / 1e12:.2f} TFLOP in {upd:.1f} s = {achieved:.0f} GFLOP/s; a {lim['precision']} "
+          f"2048^3 matmul here runs {lim['matmul_gflops']:.0f} GFLOP/s: {100 * share:.0f}% of it (target >= 50%)")
+    print(f"  decode   {lim['decode_step_s'] * 1e3:.0f} ms/step; floor {lim['decode_floor_s'] * 1e3:.1f} ms = "
+          f"{lim['decode_weight_mib']:.0f} MiB weights + {lim['decode_kv_mib']:.0f} MiB KV cache at "
+          f"{lim['read_gbps']:.1f} GB/s read: {ratio:.1f}x the floor")
+    return [row("step", case, "fasttrain", "update_gflops", achieved, "GFLOP/s", **extra),
+            row("step", case, "fasttrain", "update_share_of_matmul", share, "x", **extra),
+            row("step", case, "fasttrain", "decode_ms_per_step", lim["decode_step_s"] * 1e3, "ms", **extra),
+            row("step", case, "fasttrain", "decode_over_floor", ratio, "x", **extra)]
 
 
 def _strip_csv(argv: list[str]) -> list[str]:

@@ -78,3 +78,34 @@ def write_csv(rows: list[dict], path: Path) -> None:
         if new:
             w.writeheader()
         w.writerows(rows)
+
+
+# ---- the host's limits ------------------------------------------------------------------------
+def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
+    """GFLOP/s of an n x n x n matmul in `dtype` on the CPU, current thread count, median of reps."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    return 2 * n ** 3 / time_it(lambda: a @ b, warmup=1, reps=reps) / 1e9
+
+
+def host_precision() -> tuple[str, str]:
+    """("bf16" | "fp32", why): the faster compute precision for this host's CPU.
+
+    The native extension says whether its kernels compute in bf16 on this CPU (`_C.cpu_has_bf16`:
+    avx512_bf16 and ATen's kernels at AVX512); without the extension the faster of a bf16 and an
+    fp32 1024-cube matmul here decides (a CPU without bf16 instructions runs bf16 GEMMs far slower)."""
+    try:
+        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
+        native = _cpu_bf16_compute()
+    except Exception:  # noqa: BLE001  (no extension: the measurement decides)
+        native = None
+    if native is not None:
+        return ("bf16" if native else "fp32"), f"native extension: cpu_has_bf16={native}"
+    bf, fp = matmul_gflops(torch.bfloat16), matmul_gflops(torch.float32)
+    return ("bf16" if bf > fp else "fp32"), f"measured 1024^3 matmul: bf16 {bf:.0f} vs fp32 {fp:.0f} GFLOP/s"
+
+
+def memory_gbps(mib: int = 512, reps: int = 5) -> float:
+    """Read bandwidth in GB/s: a sum over a `mib` MiB fp32 tensor (larger than any cache)."""
+    x = torch.ones(mib * 2**20 // 4)
+    return x.numel() * 4 / time_it(lambda: x.sum(), warmup=1, reps=reps) / 1e9

@@ -97,9 +97,20 @@ def test_non_finite_loss_leaves_adapters_untouched(tiny):
     assert all(p.grad is None for p in params)
 
 
-def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny):
-    """Running each prompt once and sharing its KV cache across the group gives the full
-    forward's log-probs and adapter gradients (float64: equal to rounding)."""
+def _tokens_through_q_proj(model):
+    """A forward hook on layer 0's q_proj that counts the tokens it runs (recomputes included)."""
+    seen = []
+    handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda mod, args, out: seen.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    return seen, handle
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny, checkpointing):
+    """Running each prompt once per micro-batch and letting its answers attend to its keys and
+    values gives the full forward's log-probs and adapter gradients (float64: equal to rounding),
+    with gradient checkpointing off and on; under checkpointing the layers recompute from the
+    prompts' U rows, not from B copies, and keep only the layer inputs."""
     from fasttrain.rollout import sample
     from fasttrain.train.policy_update import answer_logprobs
     model, tok, params = _adapted_tiny_policy("float64", 5)
@@ -108,21 +119,41 @@ def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny):
                   eos_token_ids=[tok.eos_token_id], seed=2)
     pad = (roll.attention_mask[:, :roll.prompt_len] == 0).sum(1)
     assert int(pad.max()) > int(pad.min())        # prompts of different lengths: left padding is exercised
+    B, T, P = roll.completion_ids.shape[0], roll.completion_ids.shape[1], roll.prompt_len
+    # two rows end early (as at an EOS): their padded tails are masked and never read
+    for b, n in ((1, 3), (5, 5)):
+        roll.completion_mask[b, n:] = False
+        roll.attention_mask[b, P + n:] = 0
+        roll.completion_ids[b, n:] = 0
+        roll.input_ids[b, P + n:] = 0
     model.train()
-    from fasttrain.train.policy_update import _shared_prefix_hidden
-    pos = (roll.attention_mask.cumsum(-1) - 1).clamp_min(0)
-    with torch.no_grad():         # the shared path really runs here (it returns None when it falls back)
-        assert _shared_prefix_hidden(model.model, roll.input_ids, roll.attention_mask, pos, roll.prompt_len,
-                                     roll.completion_ids.shape[1]) is not None
-    out = {}
+    if checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    seen, hook = _tokens_through_q_proj(model)
+    out, saved = {}, {}
     for shared in (False, True):
         for p in params:
             p.grad = None
-        logp, ent = answer_logprobs(model, roll.input_ids, roll.attention_mask, roll.prompt_len,
-                                    roll.completion_ids, roll.completion_mask, 1.0, shared_prefix=shared)
+        seen.clear()
+        numel = [0]
+
+        def pack(t):
+            numel[0] += t.numel()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, ent = answer_logprobs(model, roll.input_ids, roll.attention_mask, roll.prompt_len,
+                                        roll.completion_ids, roll.completion_mask, 1.0, shared_prefix=shared)
+        saved[shared] = numel[0]
+        forward_tokens = sum(seen)
         (logp * torch.linspace(-1, 1, logp.numel()).reshape(logp.shape)).sum().backward()
-        out[shared] = (logp.detach(), ent, [p.grad.clone() for p in params])
+        out[shared] = (logp.detach(), ent, [p.grad.clone() for p in params], forward_tokens, sum(seen))
+    hook.remove()
     full, shared = out[False], out[True]
+    # tokens through a layer: the full forward runs B·(P+T), the shared one U·P + B·(T-1) (3 prompts)
+    assert full[3] == B * (P + T) and shared[3] == 3 * P + B * (T - 1)
+    # the backward recomputes each layer (checkpointing) from those same tokens, or runs nothing
+    assert shared[4] == shared[3] * (2 if checkpointing else 1)
+    assert full[4] == full[3] * (2 if checkpointing else 1)
     m = roll.completion_mask.bool()
     assert bool(m.sum() > 0) and float(full[0][m].abs().max()) > 0
     torch.testing.assert_close(shared[0], full[0], rtol=0, atol=1e-10)
@@ -133,6 +164,36 @@ def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny):
         scale = float(a.abs().max())
         assert a.dtype == torch.float32 and scale > 0
         torch.testing.assert_close(b, a, rtol=0, atol=8 * torch.finfo(torch.float32).eps * scale)
+    if checkpointing:
+        # checkpointed layers keep their inputs only: the shared forward keeps less than the full one
+        assert saved[True] < saved[False]
+
+
+def test_shared_prefix_forward_under_checkpointing_keeps_only_layer_inputs(tiny):
+    """With checkpointing the autograd graph of the shared forward holds far fewer saved values
+    than without it (the layer internals are recomputed in the backward)."""
+    from fasttrain.train.prefix_forward import shared_prefix_hidden
+    model, tok, params = _adapted_tiny_policy("float32", 5)
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10]]).repeat_interleave(4, 0)
+    am = torch.ones_like(ids)
+    am[:4, 0] = 0
+    pos = (am.cumsum(1) - 1).clamp_min(0)
+    model.train()
+    kept = []
+    for on in (False, True):
+        if on:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        numel = [0]
+
+        def pack(t):
+            numel[0] += t.numel()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = shared_prefix_hidden(model, ids, am, pos, 5, 3)
+        assert h.shape == (8, 3, 64) and h.requires_grad
+        kept.append(numel[0])
+    # per layer, inputs only: 2 prompts x 5 + 8 answers x 2 tokens, H = 64 (plus the final norm's)
+    assert kept[1] < kept[0] / 4
 
 
 @pytest.mark.parametrize("passes", [1, 2])
@@ -179,8 +240,8 @@ def test_the_update_uses_the_rollouts_positions_and_groups(tiny):
     m = roll.completion_mask.bool()
     assert float((score_batch(model, shifted, 8, 1.0, need_ref=False).old_logp - base)[m].abs().max()) > 1e-4
     rows_seen = []
-    hook = model.model.register_forward_pre_hook(lambda mod, args, kw: rows_seen.append(kw["input_ids"].shape[0]),
-                                                 with_kwargs=True)
+    # the shared-prefix forward embeds the distinct prompts first ([U, P]), then the answers
+    hook = model.model.embed_tokens.register_forward_pre_hook(lambda mod, args: rows_seen.append(args[0].shape[0]))
     try:
         score_batch(model, roll, 8, 1.0, need_ref=False)
         grouped = rows_seen[:]
@@ -189,4 +250,4 @@ def test_the_update_uses_the_rollouts_positions_and_groups(tiny):
     finally:
         hook.remove()
     assert grouped[0] == 2            # two prompts of four answers each: each prompt runs once
-    assert rows_seen == [8]           # every row its own group: one full forward, nothing shared
+    assert rows_seen[0] == 8          # every row its own group: eight prompt rows, nothing shared

@@ -28,7 +28,7 @@ def _rotate_half(x: Tensor) -> Tensor:
 class LlamaFamilyDecoder:
     """Forward passes of `model` (a *ForCausalLM of a Llama-family architecture) on a static cache."""
 
-    def __init__(self, model):
+    def __init__(self, model, weights=None):
         if hasattr(model, "get_base_model"):  # a PEFT wrapper: its adapters live in the modules
             model = model.get_base_model()
         base = getattr(model, "model", None)
@@ -50,6 +50,9 @@ class LlamaFamilyDecoder:
             cfg, "use_sliding_window", True) else None
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        # Optional dense weights by module (fasttrain.nn.RolloutWeights: merged NF4 + adapter
+        # copies); None runs every projection module as it is.
+        self.weights = weights
 
     def new_cache(self, batch: int, seq: int) -> Tensor:
         # kv: [layers, 2, B, kv_heads, S_max, head_dim]; uninitialised, every read column is written first
@@ -85,25 +88,44 @@ class LlamaFamilyDecoder:
                          key_valid[:, None, None, :], decode=True)
         return self.norm(x[:, 0])
 
-    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, start: int, mask: Tensor,
+    def decode_static(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
+                      column: Tensor) -> Tensor:
+        """`decode` with shapes that do not change from step to step (for torch.compile): the new
+        keys/values go to cache column `column` (a one-element long tensor) and the query attends
+        over all S_max columns, key_valid bool [B, S_max] masking the ones not written yet.
+        `cache` here is per layer: cache[i] = (keys, values), each its own [B, kv, S_max, D]
+        tensor, so a compiled step writes one column in place (a write into a view of one big
+        cache tensor makes the compiled graph copy the whole tensor)."""
+        x = self.embed(tokens[:, None])  # [B, 1, H]
+        x = self._layers(x, cos[:, None, None], sin[:, None, None], cache, column,
+                         key_valid[:, None, None, :], decode=True)
+        return self.norm(x[:, 0])
+
+    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, start: int | Tensor, mask: Tensor,
                 decode: bool) -> Tensor:
         B, S, _ = x.shape
-        end = start + S
+        static = isinstance(start, Tensor)  # decode_static: write at a tensor column, read every column
+        end = cache[0][0].shape[2] if static else start + S
         D, G = self.head_dim, self.group
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, S, self.n_heads, D)
-            k = attn.k_proj(h).view(B, S, self.n_kv, D)
-            v = attn.v_proj(h).view(B, S, self.n_kv, D).transpose(1, 2)
+            q, k, v = self._project(h, (attn.q_proj, attn.k_proj, attn.v_proj))
+            q = q.view(B, S, self.n_heads, D)
+            k = k.view(B, S, self.n_kv, D)
+            v = v.view(B, S, self.n_kv, D).transpose(1, 2)
             if self.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, D]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            cache[i, 0, :, :, start:end] = k
-            cache[i, 1, :, :, start:end] = v
-            keys, values = cache[i, 0, :, :, :end], cache[i, 1, :, :, :end]  # [B, kv, end, D]
+            if static:
+                cache[i][0].index_copy_(2, start, k)
+                cache[i][1].index_copy_(2, start, v)
+            else:
+                cache[i][0][:, :, start:end] = k
+                cache[i][1][:, :, start:end] = v
+            keys, values = cache[i][0][:, :, :end], cache[i][1][:, :, :end]  # [B, kv, end, D]
             if decode:
                 # One query per row: the G query heads sharing a KV head become G query rows of
                 # that head, so grouped-query attention needs no repeat of K/V (HF's repeat_kv
@@ -118,6 +140,25 @@ class LlamaFamilyDecoder:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                    scale=self.scaling)
                 o = o.transpose(1, 2).reshape(B, S, self.n_heads * D)
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._project(o, (attn.o_proj,))[0]
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
+
+    def _project(self, h: Tensor, mods: tuple) -> tuple[Tensor, ...]:
+        """Each module of `mods` applied to h: one GEMM over their stacked dense weights when the
+        rollout weights hold them, else the modules themselves."""
+        if self.weights is None:
+            return tuple(m(h) for m in mods)
+        w = self.weights.fused(mods) if len(mods) > 1 else self.weights.linear(mods[0])
+        if w is None:
+            return tuple(m(h) if len(mods) == 1 else self._project(h, (m,))[0] for m in mods)
+        y = F.linear(h, w)
+        outs = y.split([m.out_features for m in mods], dim=-1) if len(mods) > 1 else (y,)
+        return tuple(o if m.bias is None else o + m.bias for o, m in zip(outs, mods))
+
+    def _mlp(self, mlp, h: Tensor) -> Tensor:
+        act = getattr(mlp, "act_fn", None)
+        if self.weights is None or act is None or not hasattr(mlp, "gate_proj"):
+            return mlp(h)
+        gate, up = self._project(h, (mlp.gate_proj, mlp.up_proj))
+        return self._project(act(gate) * up, (mlp.down_proj,))[0]

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .compiled_decode import compiled_decode
 from .decoder import LlamaFamilyDecoder
 
 
@@ -75,7 +76,7 @@ def _default_pad(model, eos: list[int]) -> int:
 def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int,
            temperature: float = 1.0, eos_token_ids: Sequence[int] | int | None, seed: int | Sequence[int],
            pad_token_id: int | None = None, stop_strings: Sequence[str] = (),
-           token_text: Callable[[int], str] | None = None) -> Rollout:
+           token_text: Callable[[int], str] | None = None, weights=None, compile: bool | str = False) -> Rollout:
     """Sample `group_size` completions of at most `max_new_tokens` for each prompt.
 
     eos_token_ids: ids that end a row (included in its completion); [] or None never stops
@@ -85,13 +86,20 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     BPE splits a string differently by context (SmolLM2: "</signal>" is 3 tokens, "</signal>."
     ends in the token ">."). The computation runs in the model's parameter dtype; log-probs and
     sampling in fp32. Plain temperature sampling: no top-k/top-p (the behaviour policy is exactly
-    the model's).
+    the model's). weights: dense rollout weights (fasttrain.nn.RolloutWeights, refreshed by the
+    caller after each optimizer step) used in place of the NF4 projections; None runs the modules.
+    compile: run the decode step through torch.compile (fasttrain.rollout.compiled_decode; the
+    compiled step is kept per model, its first call per batch shape compiles); True is inductor,
+    a string names another torch.compile backend.
 
     seed: an int seeds one generator for the whole batch; a list of one int per prompt seeds one
     generator per group, so each group draws the same answers whatever else is in the batch (how
     data-parallel ranks split a step and still sample what one process would).
     """
-    dec = LlamaFamilyDecoder(model)
+    step = None
+    if compile:
+        step = compiled_decode(model, weights, compile if isinstance(compile, str) else "inductor")
+    dec = step.dec if step is not None else LlamaFamilyDecoder(model, weights)
     vocab = model.config.vocab_size
     _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
@@ -124,10 +132,21 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     cos, sin = dec.rotary_table(pos_all)  # [n, S, D]
 
     # Prefill each distinct prompt once, then give its G rows the same cache columns.
-    cache = dec.new_cache(B, S)
+    if step is not None:
+        cache = step.cache(B, S)            # per layer; S rounded up; columns past P masked until written
+        width = cache[0][0].shape[2]
+    else:
+        cache = dec.new_cache(B, S)
+        width = S
     small = dec.new_cache(n, P)
     h_last = dec.prefill(ids, valid, cos[:, :P], sin[:, :P], small)  # [n, H]
-    cache[:, :, :, :, :P].unflatten(2, (n, G)).copy_(small.unsqueeze(3))
+    if step is not None:
+        for i, kv in enumerate(cache):
+            for j, t in enumerate(kv):
+                t[:, :, :P].unflatten(0, (n, G)).copy_(small[i, j].unsqueeze(1))
+                t[:, :, P:].zero_()
+    else:
+        cache[:, :, :, :, :P].unflatten(2, (n, G)).copy_(small.unsqueeze(3))
     del small
     logits = dec.lm_head(h_last).float().repeat_interleave(G, dim=0)  # [B, V]
     cos, sin = cos.repeat_interleave(G, 0), sin.repeat_interleave(G, 0)
@@ -140,7 +159,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
     rows = B // len(gens)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
-    key_valid = torch.zeros(B, S, dtype=torch.bool, device=device)
+    key_valid = torch.zeros(B, width, dtype=torch.bool, device=device)
     key_valid[:, :P] = valid.repeat_interleave(G, 0)
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
@@ -186,8 +205,13 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
             break
         col = P + t
         key_valid[:, col] = True  # finished rows keep decoding pads; their outputs are unused
-        h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col)
-        logits = dec.lm_head(h).float()
+        if step is not None:
+            column = torch.full((1,), col, dtype=torch.long, device=device)
+            logits = step.step(tokens[:, t].contiguous(), key_valid, cos[:, col].contiguous(),
+                               sin[:, col].contiguous(), cache, column)
+        else:
+            h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col)
+            logits = dec.lm_head(h).float()
 
     T = steps
     completion_ids = tokens[:, :T].contiguous()

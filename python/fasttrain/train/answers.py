@@ -56,10 +56,12 @@ def answer_token_ids(roll) -> list[list[int]]:
 @torch.no_grad()
 def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
                    max_new_tokens: int, temperature: float, seed: int | Sequence[int], answer_prefix: str = "",
-                   stop_strings: Sequence[str] = ()):
+                   stop_strings: Sequence[str] = (), weights=None, compile_decode: bool = False):
     """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
     Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn;
-    a row stops at EOS or once its text contains one of `stop_strings`."""
+    a row stops at EOS or once its text contains one of `stop_strings`. `weights`: dense rollout
+    weights (fasttrain.nn.RolloutWeights), re-merged here if the adapters changed since the last
+    call; `compile_decode`: the decode step through torch.compile."""
     from fasttrain.models import extract_answer
     from fasttrain.rollout import sample
 
@@ -69,11 +71,13 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
     use_cache = getattr(cfg, "use_cache", None)
     if cfg is not None:
         cfg.use_cache = True
+    if weights is not None:
+        weights.refresh()
     try:
         roll = sample(model, prompt_token_ids(tokenizer, env, prompts, answer_prefix), group_size=group_size,
                       max_new_tokens=max_new_tokens, temperature=temperature,
                       eos_token_ids=eos_ids(model, tokenizer), seed=seed, stop_strings=stop_strings,
-                      token_text=lambda i: tokenizer.decode([i]))
+                      token_text=lambda i: tokenizer.decode([i]), weights=weights, compile=compile_decode)
     finally:
         if cfg is not None:
             cfg.use_cache = use_cache

@@ -98,6 +98,15 @@ class RolloutSection:
     # An answer also ends once its text contains one of these (e.g. "</signal>"): the verifier
     # reads nothing after it, so neither sampling nor the update pays for trailing chatter.
     stop_strings: tuple[str, ...] = ()
+    # The weights the rollout decodes from: "nf4" (the training layers), "dequantized" (a dense
+    # merged copy in the model's dtype, 2 bytes per weight more, refreshed after each optimizer
+    # step), "auto" (dequantized when that copy takes at most a quarter of the free memory).
+    base_weights: Literal["auto", "nf4", "dequantized"] = "auto"
+    # The decode step through torch.compile (CPU: inductor; CUDA: mode "reduce-overhead", CUDA
+    # graphs over the static cache). Compile time is paid once per run (and per new batch shape).
+    # Off by default: on a CPU it measured equal to eager (bench/results, step-speed), and the
+    # compile costs seconds to minutes; unmeasured on a GPU so far.
+    compile: bool = False
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 
 from fasttrain.train.config import Config, ConfigError
 
-__all__ = ["build_policy", "pick_device", "adapter_parameters"]
+__all__ = ["build_policy", "pick_device", "adapter_parameters", "rollout_weights"]
 
 
 def pick_device(choice: str) -> torch.device:
@@ -85,3 +85,14 @@ def adapter_parameters(model: torch.nn.Module, params) -> dict[str, torch.nn.Par
     for q in named.values():
         q.requires_grad_(True)
     return named
+
+
+def rollout_weights(cfg: Config, model):
+    """The rollout's dense weights (fasttrain.nn.RolloutWeights) per `rollout.base_weights`, or None
+    when the rollout decodes from the NF4 layers."""
+    from fasttrain.nn import RolloutWeights
+    from fasttrain.nn.rollout_weights import fits
+    choice = cfg.rollout.base_weights
+    if choice == "nf4" or (choice == "auto" and not fits(model)):
+        return None
+    return RolloutWeights(model)

@@ -9,7 +9,6 @@ is the gradient of the one-batch loss.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -36,78 +35,18 @@ def _decoder(model):
     return inner
 
 
-def _cache_arg(decoder) -> str | None:
-    """The decoder's KV-cache keyword: `cache` (transformers 5) or `past_key_values` (4.x)."""
-    params = inspect.signature(decoder.forward).parameters
-    for name in ("cache", "past_key_values"):
-        if name in params:
-            return name
-    return None
-
-
-def _returned_cache(out):
-    for name in ("cache", "past_key_values"):
-        c = getattr(out, name, None)
-        if c is not None:
-            return c
-    return None
-
-
-def _shared_prefix_hidden(decoder, input_ids, attention_mask, position_ids, prompt_len: int, T: int,
-                          prompt_index=None):
-    """Hidden states [B, T, H] that predict the T answer tokens, with each distinct prompt run
-    through the decoder once and its KV cache shared by the answers of its group.
-
-    Rows that answer the same prompt (a GRPO group) hold the same P prompt tokens; the full
-    forward repeats those P positions G times. Here the distinct prompts go through once
-    (keeping the cache), the cache is gathered per row (index_select: its backward adds the
-    group's gradients into the one prompt forward, so the gradient is the full forward's), and
-    only the answer tokens run on top. Returns None when every row's prompt is distinct or the
-    decoder cannot return a cache; the caller then runs the full forward.
-    `prompt_index` [B]: the rollout's group of each row (rows of one group share their prompt);
-    without it, rows whose prompt tokens and mask are equal are grouped.
-    """
-    name = _cache_arg(decoder)
-    if name is None:
-        return None
-    if decoder.training and torch.is_grad_enabled() and any(
-            getattr(m, "gradient_checkpointing", False) for m in decoder.modules()):
-        return None       # HF turns the cache off under gradient checkpointing
-    P = prompt_len
-    if prompt_index is not None:
-        uniq, inverse = torch.unique(prompt_index, return_inverse=True)
-    else:
-        key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
-        uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
-    if uniq.shape[0] == input_ids.shape[0]:
-        return None
-    # one row per distinct prompt (any row of the group: their prompt tokens are equal)
-    first = torch.zeros(uniq.shape[0], dtype=torch.long, device=inverse.device).scatter_(
-        0, inverse, torch.arange(inverse.numel(), device=inverse.device))
-    pre = decoder(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
-                  position_ids=position_ids[first, :P], use_cache=True)
-    cache = _returned_cache(pre)
-    if cache is None or not hasattr(cache, "batch_select_indices"):
-        return None
-    h0 = pre.last_hidden_state[inverse, P - 1:P]                 # predicts answer token 0
-    if T == 1:
-        return h0
-    cache.batch_select_indices(inverse)                          # [U, ...] -> [B, ...], differentiable
-    rest = decoder(input_ids=input_ids[:, P:P + T - 1], attention_mask=attention_mask[:, :P + T - 1],
-                   position_ids=position_ids[:, P:P + T - 1], use_cache=True, **{name: cache})
-    return torch.cat([h0, rest.last_hidden_state], dim=1)
-
-
 def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completion_ids, completion_mask,
                     temperature: float, shared_prefix: bool = True, position_ids=None, prompt_index=None):
     """log p and entropy [B, T] of the answer tokens (zeros where completion_mask is 0).
 
-    `shared_prefix`: run each distinct prompt once and share its KV cache across its answers
-    (same values and gradients as the full forward; falls back to it when nothing is shared).
+    `shared_prefix`: run each distinct prompt once and let its answers attend to its keys and
+    values (fasttrain.train.prefix_forward: same values and gradients as the full forward, with
+    or without gradient checkpointing; the model's own forward runs where that one does not apply).
     `position_ids` [B, P+T] and `prompt_index` [B]: the rollout's own (Rollout.position_ids,
     Rollout.prompt_index), which the update passes; callers holding only ids and a mask omit them
     and get cumsum(mask) - 1 positions and groups of equal prompt tokens."""
     from fasttrain.ops import fused_logprob
+    from fasttrain.train.prefix_forward import shared_prefix_hidden
 
     decoder = _decoder(model)
     if position_ids is None:
@@ -115,7 +54,7 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
     T = completion_ids.shape[1]
     h = None
     if shared_prefix:
-        h = _shared_prefix_hidden(decoder, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index)
+        h = shared_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index)
     if h is None:
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=False).last_hidden_state

@@ -32,7 +32,7 @@ from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, 
 from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
 from fasttrain.train.environment import load_run_env
-from fasttrain.train.policy import build_policy, pick_device
+from fasttrain.train.policy import build_policy, pick_device, rollout_weights
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.probe import run_probe, select_shipped
 from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
@@ -126,6 +126,7 @@ class Trainer:
         self.model, self.tokenizer, self.named_params = build_policy(cfg, self.device)
         self.params = list(self.named_params.values())
         distributed.broadcast_parameters(self.params)          # every rank starts from rank 0's adapters
+        self.rollout_weights = rollout_weights(cfg, self.model)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=False)
@@ -188,7 +189,8 @@ class Trainer:
         roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts[lo:hi], group_size=R.group_size,
                                      max_new_tokens=R.max_new_tokens, temperature=R.temperature,
                                      seed=group_seeds([cfg.run.seed, step], lo, hi), answer_prefix=R.answer_prefix,
-                                     stop_strings=R.stop_strings)
+                                     stop_strings=R.stop_strings, weights=self.rollout_weights,
+                                     compile_decode=R.compile)
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
         scores, texts = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll))  # whole step, every rank

@@ -1,0 +1,139 @@
+"""Dense rollout weights: every NF4Linear's merged weight W + s·B·A (DoRA: m/‖W + s·B·A‖ ⊙ it) kept
+in the model's dtype for sampling only, refreshed when the adapters change.
+
+Why: a decode step multiplies a few rows (one token per answer) by every weight of the model, so
+its time is the time to read the weights. From NF4 each read also decodes 4-bit codes and adds the
+adapter's two small products per projection; from a dense merged copy it is one plain GEMM per
+projection, the same work as decoding a plain bf16 model. The adapters only change at optimizer
+steps, so the merge (one pass over the weights) is paid once per step against the dozens of decode
+steps that read them. q/k/v and gate/up are stored side by side (one GEMM each per layer).
+
+What it costs: 2 bytes per base weight in bf16 (the model's dtype), on top of the NF4 copy that
+training uses: `dense_bytes(model)` says how much, `fits(model)` whether that is under a share of
+the memory free now. What it is not: a training path (the update always runs on NF4).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fasttrain.nn.nf4_linear import NF4Linear
+
+__all__ = ["RolloutWeights", "dense_bytes", "fits"]
+
+_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _nf4(model: nn.Module) -> list[NF4Linear]:
+    return [m for m in model.modules() if isinstance(m, NF4Linear)]
+
+
+def dense_bytes(model: nn.Module) -> int:
+    """Bytes of the dense copy of every NF4Linear weight in its layer's dtype."""
+    return sum(m.in_features * m.out_features * torch.empty((), dtype=m.weight_dtype).element_size()
+               for m in _nf4(model))
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def fits(model: nn.Module, share: float = 0.25) -> bool:
+    """True when the dense copy takes at most `share` of the memory free now on the model's device
+    (the rest is left to the update's activations and the KV cache)."""
+    layers = _nf4(model)
+    if not layers:
+        return False
+    return dense_bytes(model) <= share * _free_bytes(layers[0].qweight.device)
+
+
+def _merged(m: NF4Linear, ct: torch.dtype) -> Tensor:
+    """W + s·B·A (DoRA: times m / ‖W + s·B·A‖ per row) in the compute dtype `ct`."""
+    w = m.dequantized_weight(ct)
+    w = w.addmm_(m.lora_B.detach().to(ct), m.lora_A.detach().to(ct), alpha=m.scale)
+    if m.adapter == "dora":
+        w = w.mul_((m.lora_magnitude.detach().to(ct) / w.norm(dim=1)).unsqueeze(1))
+    return w
+
+
+class RolloutWeights:
+    """Merged dense weights of a model's NF4Linear layers, by module, for the rollout decoder.
+
+    `refresh()` re-merges the layers whose adapter changed since the last call (version counters
+    of A, B and m) and is cheap when nothing changed; call it before each rollout. `linear(mod)`
+    is the merged weight of `mod` or None; `fused(mods)` the weight of several projections of one
+    input stacked by rows (q/k/v, gate/up), or None.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._weight: dict[int, Tensor] = {}       # id(module) -> view into its group's buffer
+        self._fused: dict[tuple[int, ...], Tensor] = {}
+        self._seen: dict[int, tuple] = {}
+        layers = _nf4(model)
+        if not layers:
+            raise ValueError("RolloutWeights: the model has no NF4Linear layers (call quantize_model first)")
+        grouped: set[int] = set()
+        for parent in model.modules():
+            for names in _GROUPS:
+                mods = [getattr(parent, n, None) for n in names]
+                if all(isinstance(m, NF4Linear) for m in mods) and \
+                        len({(m.in_features, m.weight_dtype, m.qweight.device) for m in mods}) == 1:
+                    buf = torch.empty(sum(m.out_features for m in mods), mods[0].in_features,
+                                      dtype=mods[0].weight_dtype, device=mods[0].qweight.device)
+                    self._fused[tuple(id(m) for m in mods)] = buf
+                    for m, part in zip(mods, buf.split([m.out_features for m in mods])):
+                        self._weight[id(m)] = part
+                        grouped.add(id(m))
+        for m in layers:
+            if id(m) not in grouped:
+                self._weight[id(m)] = torch.empty(m.out_features, m.in_features, dtype=m.weight_dtype,
+                                                  device=m.qweight.device)
+        self._layers = layers
+        self.refresh()
+
+    @staticmethod
+    def _key(m: NF4Linear) -> tuple:
+        ps = m.adapter_parameters() if m.adapter is not None else []
+        return (m.adapter, m.adapters_enabled, m.scale) + tuple((p._version, p.data_ptr()) for p in ps)
+
+    @torch.no_grad()
+    def refresh(self) -> int:
+        """Re-merge the layers whose adapter changed; returns how many were merged."""
+        n = 0
+        for m in self._layers:
+            key = self._key(m)
+            if self._seen.get(id(m)) == key:
+                continue
+            w = self._weight[id(m)]
+            if m.adapter is None or not m.adapters_enabled:
+                w.copy_(m.dequantized_weight(w.dtype))
+            else:
+                w.copy_(_merged(m, torch.float64 if w.dtype == torch.float64 else torch.float32))
+            self._seen[id(m)] = key
+            n += 1
+        return n
+
+    def linear(self, mod: nn.Module) -> Tensor | None:
+        return self._weight.get(id(mod))
+
+    def fused(self, mods: tuple[nn.Module, ...]) -> Tensor | None:
+        return self._fused.get(tuple(id(m) for m in mods))
+
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for t in list(self._fused.values()) + list(self._weight.values()):
+            base = t._base if t._base is not None else t
+            if id(base) not in seen:
+                seen.add(id(base))
+                total += base.numel() * base.element_size()
+        return total

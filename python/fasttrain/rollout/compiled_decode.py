@@ -1,0 +1,87 @@
+"""The decode step (decoder layers + lm_head) through torch.compile, kept per model.
+
+Why: a decode step at rollout batch sizes is hundreds of small ops (7 projections, norms, rotary,
+attention per layer); in eager PyTorch their per-op overhead is a large share of the step on a
+CPU and most of it on a GPU. Inductor fuses the elementwise work around the GEMMs; on CUDA,
+mode "reduce-overhead" replays the whole step as one CUDA graph.
+
+How the shapes stay fixed: `LlamaFamilyDecoder.decode_static` writes the new keys/values at a
+column given as a tensor and attends over every cache column under the key mask, so one compiled
+graph serves every step of a rollout; each layer's keys and values are their own tensors, so the
+compiled step writes one column in place. The cache length is rounded up to a multiple of `BUCKET`
+and the cache buffer is kept here across rollouts, so prompts of different lengths share a few
+compiled graphs (and, on CUDA, the captured graphs keep their static cache address).
+Sampling stays outside the compiled step (it owns the seeded generator).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+from torch import Tensor
+
+from .decoder import LlamaFamilyDecoder
+
+__all__ = ["CompiledDecode", "compiled_decode", "BUCKET"]
+
+BUCKET = 64
+
+_BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class CompiledDecode:
+    """step(tokens, key_valid, cos, sin, column) -> fp32 logits [B, V] on a cache it owns."""
+
+    def __init__(self, dec: LlamaFamilyDecoder, backend: str = "inductor"):
+        self.dec, self.backend = dec, backend
+        cuda = dec.device.type == "cuda" and backend == "inductor"
+        self._fn = torch.compile(self._step, backend=backend, mode="reduce-overhead" if cuda else None,
+                                 dynamic=False)
+        self._caches: dict[tuple[int, int], Tensor] = {}
+        self.compile_seconds = 0.0     # first call per shape (compile + first run), summed
+        self._shapes_run: set[tuple] = set()
+
+    def _step(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: list,
+              column: Tensor) -> Tensor:
+        h = self.dec.decode_static(tokens, key_valid, cos, sin, cache, column)
+        return self.dec.lm_head(h).float()
+
+    def cache(self, batch: int, seq: int) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer (keys, values) [B, kv, S_max, D] for `batch` rows and at least `seq` columns."""
+        seq = -(-seq // BUCKET) * BUCKET
+        key = (batch, seq)
+        if key not in self._caches:
+            d = self.dec
+            c = [tuple(torch.zeros(batch, d.n_kv, seq, d.head_dim, dtype=d.dtype, device=d.device) for _ in range(2))
+                 for _ in d.layers]
+            if d.device.type == "cuda":
+                for kv in c:
+                    for t in kv:
+                        torch._dynamo.mark_static_address(t)
+            self._caches = {key: c}        # one live shape at a time: a new batch shape frees the old
+        return self._caches[key]
+
+    def step(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: list,
+             column: Tensor) -> Tensor:
+        shape = (tuple(key_valid.shape), tokens.shape[0])
+        first = shape not in self._shapes_run
+        t0 = time.perf_counter()
+        out = self._fn(tokens, key_valid, cos, sin, cache, column)
+        if first:
+            if out.is_cuda:
+                torch.cuda.synchronize()
+            self.compile_seconds += time.perf_counter() - t0
+            self._shapes_run.add(shape)
+        return out.clone() if out.is_cuda else out   # CUDA graphs reuse their output buffer
+
+
+def compiled_decode(model, weights=None, backend: str = "inductor") -> CompiledDecode:
+    """The CompiledDecode of `model` with these rollout weights and torch.compile backend (tests use
+    "aot_eager": the same traced graph without code generation), built on first use."""
+    per = _BY_MODEL.setdefault(model, {})
+    key = (id(weights), backend)
+    if key not in per or per[key].dec.weights is not weights:
+        per.clear()
+        per[key] = CompiledDecode(LlamaFamilyDecoder(model, weights), backend)
+    return per[key]

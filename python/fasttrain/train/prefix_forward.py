@@ -1,0 +1,148 @@
+"""The update's forward with each distinct prompt run once per micro-batch, with or without
+gradient checkpointing.
+
+The rows of a GRPO group hold the same P prompt tokens; the plain forward runs them G times.
+Here, layer by layer, the U distinct prompts [U, P] and the answer tokens of all B rows [B, T-1]
+go through the projections and the MLP together (one matmul per projection over U·P + B·(T-1)
+tokens), the prompts attend among themselves, and every answer row attends to its own prompt's
+keys and values (gathered by index: the gather's backward adds a group's gradients into its one
+prompt) followed by its own answer tokens. The cost of a pass scales with U·P + B·T tokens instead
+of B·(P+T).
+
+Under gradient checkpointing each decoder layer is one checkpointed function of (prompt hidden
+states, answer hidden states): the layer's prompt keys and values are recomputed from the prompt's
+U rows in the backward, not from B copies, and only the layer inputs are kept (as Hugging Face's
+checkpointing keeps them). The layers whose `gradient_checkpointing` flag is set (by
+`gradient_checkpointing_enable` / `activation_checkpointing_enable`) are checkpointed, with the
+model's own checkpoint function (its use_reentrant and offload settings).
+
+What it is not: a general attention implementation. It drives the modules of a Llama-family
+model (the families `fasttrain.rollout.decoder` knows), so NF4 and adapter layers run as they
+are; anything else (attention dropout in training, a sliding window shorter than the sequence)
+returns None and the caller runs the model's own forward.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fasttrain.rollout.decoder import LlamaFamilyDecoder, _rotate_half
+
+__all__ = ["shared_prefix_hidden"]
+
+
+def _family(model) -> LlamaFamilyDecoder | None:
+    try:
+        dec = LlamaFamilyDecoder(model)
+    except (ValueError, AttributeError):
+        return None
+    cfg = dec.model.config
+    if dec.model.training and float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
+        return None
+    return dec
+
+
+def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                         prompt_len: int, T: int, prompt_index: Tensor | None = None) -> Tensor | None:
+    """Final-norm hidden states [B, T, H] whose row b, column t predicts answer token t of row b
+    (the full forward's hidden[:, P-1 : P-1+T]), with each distinct prompt run once.
+
+    input_ids/attention_mask/position_ids [B, P+T]: left-padded prompts then answers.
+    `prompt_index` [B]: the rollout's group of each row (rows of one group share their prompt);
+    without it, rows whose prompt tokens and mask are equal are grouped. Returns None when the
+    model is not one this forward drives (the caller runs the model's own forward)."""
+    dec = _family(model)
+    if dec is None:
+        return None
+    P = prompt_len
+    if dec.sliding_window is not None and P + T > dec.sliding_window:
+        return None
+    B = input_ids.shape[0]
+    device = input_ids.device
+    if prompt_index is not None:
+        _, inverse = torch.unique(prompt_index, return_inverse=True)    # [B] -> its prompt in 0..U-1
+    else:
+        key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
+        _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    U = int(inverse.max()) + 1
+    # one row per distinct prompt (any row of its group: their prompt tokens are equal)
+    first = torch.zeros(U, dtype=torch.long, device=device).scatter_(
+        0, inverse, torch.arange(B, device=device))
+
+    prompt_valid = attention_mask[first, :P].bool()                     # [U, P]
+    A = T - 1                                                           # answer tokens that are inputs
+    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril_()
+    eye = torch.eye(P, dtype=torch.bool, device=device)
+    # A pad query of the prompt sees itself only (no NaN); no real token reads its output.
+    prompt_mask = ((causal & prompt_valid[:, None, :]) | eye)[:, None]  # [U, 1, P, P]
+    cos_p, sin_p = dec.rotary_table(position_ids[first, :P])           # [U, P, D]
+    x_p = dec.embed(input_ids[first, :P])                              # [U, P, H]
+    if A > 0:
+        ans_valid = attention_mask[:, P:P + A].bool()                   # [B, A]
+        keys_of_prompt = attention_mask[:, :P].bool()[:, None, :].expand(B, A, P)
+        ans_causal = torch.ones(A, A, dtype=torch.bool, device=device).tril_() & ans_valid[:, None, :]
+        # every answer query sees its prompt's real tokens, so no query row is all-masked
+        answer_mask = torch.cat([keys_of_prompt, ans_causal], dim=2)[:, None]   # [B, 1, A, P+A]
+        cos_a, sin_a = dec.rotary_table(position_ids[:, P:P + A])      # [B, A, D]
+        x_a = dec.embed(input_ids[:, P:P + A])                         # [B, A, H]
+    else:
+        answer_mask = cos_a = sin_a = None
+        x_a = x_p.new_empty(B, 0, x_p.shape[-1])
+
+    checkpointing = dec.model.training and torch.is_grad_enabled()
+    for layer in dec.layers:
+        run = functools.partial(_layer, dec, layer, inverse, cos_p[:, None], sin_p[:, None], prompt_mask,
+                                None if cos_a is None else cos_a[:, None], None if sin_a is None else sin_a[:, None],
+                                answer_mask)
+        if checkpointing and getattr(layer, "gradient_checkpointing", False):
+            ckpt = getattr(layer, "_gradient_checkpointing_func", None) or functools.partial(
+                torch.utils.checkpoint.checkpoint, use_reentrant=False)
+            x_p, x_a = ckpt(run, x_p, x_a)
+        else:
+            x_p, x_a = run(x_p, x_a)
+    h = torch.cat([x_p[inverse, P - 1:P], x_a], dim=1)                 # [B, T, H]
+    return dec.norm(h)
+
+
+def _layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor, sin_p: Tensor, prompt_mask: Tensor,
+           cos_a: Tensor | None, sin_a: Tensor | None, answer_mask: Tensor | None,
+           x_p: Tensor, x_a: Tensor) -> tuple[Tensor, Tensor]:
+    """One decoder layer over the U prompts x_p [U, P, H] and the B answers x_a [B, A, H]."""
+    U, P, H = x_p.shape
+    B, A, _ = x_a.shape
+    D, G, nh, nkv = dec.head_dim, dec.group, dec.n_heads, dec.n_kv
+    attn = layer.self_attn
+    n_p = U * P
+    x = torch.cat([x_p.reshape(n_p, H), x_a.reshape(B * A, H)])        # [U·P + B·A, H]
+    h = layer.input_layernorm(x)
+    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    if dec.qk_norm:
+        q = attn.q_norm(q.view(-1, nh, D)).view(q.shape)
+        k = attn.k_norm(k.view(-1, nkv, D)).view(k.shape)
+
+    def heads(t: Tensor, n: int, rows: int, cols: int, lo: int, hi: int) -> Tensor:
+        return t[lo:hi].view(rows, cols, n, D).transpose(1, 2)        # [rows, n, cols, D]
+
+    q_p, k_p, v_p = heads(q, nh, U, P, 0, n_p), heads(k, nkv, U, P, 0, n_p), heads(v, nkv, U, P, 0, n_p)
+    q_p = q_p * cos_p + _rotate_half(q_p) * sin_p
+    k_p = k_p * cos_p + _rotate_half(k_p) * sin_p
+    kk, vv = (k_p.repeat_interleave(G, 1), v_p.repeat_interleave(G, 1)) if G > 1 else (k_p, v_p)
+    o_p = F.scaled_dot_product_attention(q_p, kk, vv, attn_mask=prompt_mask, scale=dec.scaling)
+    outs = [o_p.transpose(1, 2).reshape(n_p, nh * D)]
+    if A > 0:
+        q_a, k_a, v_a = (heads(q, nh, B, A, n_p, None), heads(k, nkv, B, A, n_p, None),
+                         heads(v, nkv, B, A, n_p, None))
+        q_a = q_a * cos_a + _rotate_half(q_a) * sin_a
+        k_a = k_a * cos_a + _rotate_half(k_a) * sin_a
+        keys = torch.cat([k_p[inverse], k_a], dim=2)                   # [B, kv, P+A, D]
+        values = torch.cat([v_p[inverse], v_a], dim=2)
+        if G > 1:
+            keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
+        o_a = F.scaled_dot_product_attention(q_a, keys, values, attn_mask=answer_mask, scale=dec.scaling)
+        outs.append(o_a.transpose(1, 2).reshape(B * A, nh * D))
+    x = x + attn.o_proj(torch.cat(outs))
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x[:n_p].view(U, P, H), x[n_p:].view(B, A, H)

@@ -1,0 +1,97 @@
+"""Dense rollout weights (merged NF4 + adapter copies): the rollout on them equals the rollout on
+the NF4 modules (float64: to rounding; same tokens), they follow the adapters after an update, and
+adapters switched off give the base."""
+import pytest
+import torch
+
+from fasttrain.models import tiny_llama
+from fasttrain.nn import RolloutWeights, attach_adapters, quantize_model
+from fasttrain.rollout import sample
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+def adapted(kind: str):
+    model = tiny_llama(vocab_size=128, seed=1, dtype=torch.float64)
+    quantize_model(model)
+    torch.manual_seed(4)
+    params = attach_adapters(model, kind=kind, r=4, alpha=8)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn_like(p) * 0.2)      # B != 0 (and m moved): the adapters matter
+    return model, params
+
+
+def run(model, weights, seed=3):
+    return sample(model, PROMPTS, group_size=2, max_new_tokens=10, temperature=1.0, eos_token_ids=[],
+                  seed=seed, pad_token_id=0, weights=weights)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_rollout_on_dense_weights_equals_the_nf4_modules_in_float64(kind):
+    model, params = adapted(kind)
+    w = RolloutWeights(model)
+    a, b = run(model, None), run(model, w)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    # float64: the two sum W·x + s·B·(A·x) and (W + s·B·A)·x in different orders
+    torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-9)
+    # q/k/v and gate/up are one stacked weight per layer
+    layer = model.model.layers[0]
+    qkv = w.fused((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+    assert qkv is not None and qkv.shape == (64 + 32 + 32, 64)
+
+
+def test_dense_weights_follow_the_adapters_and_adapters_off():
+    from fasttrain.nn import adapters_disabled
+    model, params = adapted("lora")
+    w = RolloutWeights(model)
+    assert w.refresh() == 0                          # nothing changed since construction
+    before = run(model, w).logprobs
+    with torch.no_grad():
+        params[1].mul_(3.0)                          # one layer's B: an optimizer step on it
+    # not yet refreshed: the rollout reads the dense copy, not the modules
+    torch.testing.assert_close(run(model, w).logprobs, before, rtol=0, atol=0)
+    assert w.refresh() == 1                          # only that layer is merged again
+    after_nf4, after_dense = run(model, None), run(model, w)
+    assert not torch.allclose(after_dense.logprobs, before)
+    torch.testing.assert_close(after_dense.logprobs, after_nf4.logprobs, rtol=0, atol=1e-9)
+    with adapters_disabled(model):
+        w.refresh()
+        torch.testing.assert_close(run(model, w).logprobs, run(model, None).logprobs, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_compiled_decode_samples_the_eager_tokens(dense):
+    """The static-shape decode step (written column as a tensor, every cache column read under the
+    key mask, cache length rounded up) traced by torch.compile gives eager's tokens under the same
+    seed, twice in a row (the kept cache is reused), on the NF4 modules and on dense weights.
+    The "aot_eager" backend runs the traced, functionalised graph without code generation
+    (inductor's C++ build takes minutes on a small CI machine; bench_rollout measures it)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    backend = "aot_eager"
+    model, params = adapted("lora")
+    w = RolloutWeights(model) if dense else None
+    ref = run(model, w)
+    for seed in (3, 3):
+        got = sample(model, PROMPTS, group_size=2, max_new_tokens=10, temperature=1.0, eos_token_ids=[],
+                     seed=seed, pad_token_id=0, weights=w, compile=backend)
+        assert torch.equal(got.completion_ids, ref.completion_ids)
+        # float64: masked columns add exact zeros; only the reduction order may differ
+        torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0, atol=1e-9)
+    other = sample(model, PROMPTS[:2], group_size=3, max_new_tokens=4, temperature=1.0, eos_token_ids=[2],
+                   seed=5, pad_token_id=0, weights=w, compile=backend)
+    plain = sample(model, PROMPTS[:2], group_size=3, max_new_tokens=4, temperature=1.0, eos_token_ids=[2],
+                   seed=5, pad_token_id=0, weights=w)
+    assert torch.equal(other.completion_ids, plain.completion_ids)     # a new batch shape: a new cache
+
+
+def test_rollout_base_weights_setting_picks_the_weights():
+    from fasttrain.train.config import ConfigError, load_config
+    from fasttrain.train.policy import rollout_weights
+    model, _ = adapted("lora")
+    pick = {v: rollout_weights(load_config({"rollout": {"base_weights": v}}), model) for v in ("nf4", "dequantized")}
+    assert pick["nf4"] is None and isinstance(pick["dequantized"], RolloutWeights)
+    with pytest.raises(ConfigError, match=r"rollout.base_weights: 'bf16' is not allowed; allowed values: 'auto', "
+                                          r"'nf4', 'dequantized'"):
+        load_config({"rollout": {"base_weights": "bf16"}})
