@@ -3,7 +3,7 @@
 What is measured: every allocation and free made through torch's CPU allocator during two
 training steps (the profiler's memory events, `profile_memory=True`), on top of the bytes of the
 tensors resident when profiling starts (the model's parameters and buffers, after NF4 surgery and
-adapters, deduplicated by storage). Step 1 is the warm-up: it creates the AdamW moments and the
+adapters, deduplicated by storage, and the dense rollout weights when the run keeps them). Step 1 is the warm-up: it creates the AdamW moments and the
 reusable scratch buffers; the phases of step 2 are reported. Both steps run in a fresh thread, so
 the NF4 kernels' thread-local scratch is always created (and counted) in step 1. Peak of a phase =
 the largest live total while the phase runs. Resident set size is never used: it counts pages, not tensors.
@@ -53,7 +53,10 @@ def measure_steps(trainer, monkeypatch) -> dict[str, int]:
     trainer._setup()
     counter = [0]
     gc.collect()
-    base = resident_bytes(trainer.model)
+    # the dense rollout weights (rollout.base_weights) are made when the trainer is built, before
+    # profiling starts, and kept for the run: resident like the model
+    dense = trainer.rollout_weights.nbytes() if getattr(trainer, "rollout_weights", None) is not None else 0
+    base = resident_bytes(trainer.model) + dense
     threads, result = torch.get_num_threads(), {}
 
     def run():
@@ -97,5 +100,5 @@ def measure_steps(trainer, monkeypatch) -> dict[str, int]:
     from fasttrain.train.answers import prompt_token_ids
     ids = prompt_token_ids(trainer.tokenizer, trainer.env, trainer._prompts_for_step(2),
                            trainer.cfg.rollout.answer_prefix)
-    return {"resident": base, **peaks, "prompt_tokens": max(len(i) for i in ids),
+    return {"resident": base - dense, "rollout_weights": dense, **peaks, "prompt_tokens": max(len(i) for i in ids),
             "phase_start": {k: v for k, v in starts.items()}}

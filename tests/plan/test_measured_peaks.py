@@ -15,7 +15,8 @@ assumes; micro-batches span two prompts, so attention runs with a padding mask, 
 import pytest
 import torch
 
-from fasttrain.plan import Device, meta_policy, plan_memory, run_shape
+from fasttrain.plan import gpu_spec, meta_policy, plan_memory, run_shape
+from fasttrain.plan.report import device_for
 
 TOL = 0.15
 
@@ -27,11 +28,12 @@ def _compare(trainer, monkeypatch):
     cfg = trainer.cfg
     m = meta_policy(trainer.model.config, dtype=cfg.policy.dtype, adapter=cfg.policy.adapter,
                     rank=cfg.policy.rank, alpha=cfg.policy.alpha)
-    from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-    plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]),
-                       Device("cpu", cpu_bf16=_cpu_bf16_compute(), threads=torch.get_num_threads()))
+    plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]), device_for(gpu_spec("cpu")))
     resident = sum(plan.phases["update"][k] for k in ("nf4_base", "dense_parts", "adapter_masters", "dora_norms"))
     assert resident == measured["resident"]          # the meta build counts the real model's bytes exactly
+    # the plan keeps dense rollout weights exactly when the trainer did, and counts their bytes exactly
+    assert plan.phases["update"]["rollout_weights"] == measured["rollout_weights"]
+    resident += measured["rollout_weights"]
     out = {}
     for phase in ("rollout", "scores", "update"):
         out[phase] = (plan.total(phase), measured[phase])

@@ -126,3 +126,24 @@ def test_trainer_prints_the_plan_and_warns_when_it_will_not_fit(worlds, tmp_path
     text = (tmp_path / "out.txt").read_text()
     assert "plan: tiny_world:tiny_policy on this host's CPU: peak" in text and "DOES NOT FIT" in text
     assert any("DOES NOT FIT" in w["message"] for w in tr.warnings)
+
+
+def test_rollout_weights_follow_the_trainers_rule():
+    """rollout.base_weights: the plan keeps the dense copy exactly when the trainer's rule would
+    (fasttrain.nn.rollout_weights.use_dense), and counts it in every phase."""
+    from fasttrain.nn.rollout_weights import AUTO_SHARE
+
+    cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+    m = meta_policy(cfg, dtype="bfloat16")
+    dense = m.linear_params * 2
+    resident = sum(m.resident[k] for k in ("nf4_base", "dense_parts", "adapter_masters", "dora_norms"))
+    s = RunShape(prompts=2, group=2, prompt_tokens=16, new_tokens=8, micro_batch=4)
+    just = resident + int(dense / AUTO_SHARE)          # free memory at which the copy just fits
+    for choice, free, kept in (("auto", just, True), ("auto", just - 8, False), ("nf4", 10 ** 15, False),
+                               ("dequantized", 0, True)):
+        plan = plan_memory(m, s.with_(rollout_weights=choice), Device("cuda", free=free))
+        got = {ph: parts["rollout_weights"] for ph, parts in plan.phases.items()}
+        assert set(got.values()) == {dense if kept else 0}, (choice, free, got)
+    with pytest.raises(ValueError, match="base_weights"):
+        plan_memory(m, s.with_(rollout_weights="fp8"), Device("cuda"))

@@ -107,6 +107,6 @@ def test_a_run_whose_rewards_fail_or_hang_still_finishes(tiny, tiny_recipe):
 def test_a_priority_for_no_reward_is_an_error(tiny):
     write_starter(tiny / "task")
     cfg = load_config(str(tiny / "task" / "recipe.toml"), ["advantages.priorities.corect=2.0"])
-    with pytest.raises(ConfigError, match=r"unknown channel\(s\) \['corect'\]; channels of dataset:data.jsonl: "
-                                          r"correct, concise"):
+    with pytest.raises(ConfigError, match=r"unknown channel\(s\) \['corect'\]; the channels of dataset:data.jsonl "
+                                          r"are correct, concise"):
         Trainer(cfg, progress=False)

@@ -19,7 +19,12 @@ from torch import Tensor, nn
 
 from fasttrain.nn.nf4_linear import NF4Linear
 
-__all__ = ["RolloutWeights", "dense_bytes", "fits"]
+__all__ = ["RolloutWeights", "dense_bytes", "fits", "use_dense", "AUTO_SHARE"]
+
+# `rollout.base_weights = "auto"` keeps the dense copy when it takes at most this share of the memory
+# free when the trainer starts; the rest is left to the update's activations and the KV cache.
+# fasttrain.plan makes the same choice from the same rule.
+AUTO_SHARE = 0.25
 
 _GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -47,13 +52,20 @@ def _free_bytes(device: torch.device) -> int:
     return 0
 
 
-def fits(model: nn.Module, share: float = 0.25) -> bool:
-    """True when the dense copy takes at most `share` of the memory free now on the model's device
-    (the rest is left to the update's activations and the KV cache)."""
+def use_dense(choice: str, dense: int, free: int) -> bool:
+    """Whether the rollout decodes from a dense copy: `choice` is rollout.base_weights, `dense` the
+    copy's bytes, `free` the bytes free on the device once the model is built."""
+    if choice not in ("auto", "nf4", "dequantized"):
+        raise ValueError(f"rollout.base_weights must be auto, nf4 or dequantized, got {choice!r}")
+    return choice == "dequantized" or (choice == "auto" and dense <= AUTO_SHARE * free)
+
+
+def fits(model: nn.Module) -> bool:
+    """True when the dense copy takes at most AUTO_SHARE of the memory free now on the model's device."""
     layers = _nf4(model)
     if not layers:
         return False
-    return dense_bytes(model) <= share * _free_bytes(layers[0].qweight.device)
+    return use_dense("auto", dense_bytes(model), _free_bytes(layers[0].qweight.device))
 
 
 def _merged(m: NF4Linear, ct: torch.dtype) -> Tensor:

@@ -4,18 +4,22 @@ Phases (what is live at each one's peak):
   rollout  resident + KV cache [L, 2, B, kv_heads, P+T, head_dim] + prefill of the n distinct
            prompts (their own cache, the masks, one layer's activations) or a decode step's
            sampling buffers ([B, V] fp32 logits, log-probs, Gumbel noise, their difference), whichever
-           is larger
+           is larger; with dense rollout weights (rollout.base_weights) the projections run as one
+           GEMM per group (q/k/v, gate/up) whose output stays whole while a part of it is used
   probe    the same rollout with the probe's prompts x samples
   scores   no-grad log-probs of one micro-batch (reference with adapters off, and the pre-update
-           policy when the token mask needs entropies first): the shared-prefix forward (each
-           distinct prompt once, its KV cache gathered per row and extended by the answer) or the
-           full forward
-  update   one micro-batch forward + backward: with gradient checkpointing, each layer's input
-           [mb, P+T, H] is kept and the last layer is recomputed with all its activations; without,
-           every layer keeps its activations; plus the fused log-prob head's [N, H] buffers, the
-           adapters' gradients and the AdamW moments
+           policy when the token mask needs entropies first) through fasttrain.train.prefix_forward:
+           per layer the U distinct prompts [U, P] and the answers [mb, T-1] run together (N = U·P +
+           mb·(T-1) token rows through every projection), each answer row attending to its prompt's
+           gathered keys and values; a layer's locals all stay referenced until it returns
+  update   one micro-batch forward + backward through the same forward: with gradient checkpointing
+           each layer's input [N, H] is kept and the last layer is recomputed with all its
+           activations; without, every layer keeps its activations; plus the fused log-prob head's
+           [mb·T, H] buffers, the adapters' gradients and the AdamW moments
 Resident in every phase: the NF4 base (packed 4-bit + absmax), the unquantised parts (embeddings,
-lm_head, norms), the fp32 adapter masters, DoRA's row norms, the AdamW moments (from step 2 on),
+lm_head, norms), the fp32 adapter masters, DoRA's row norms, the dense rollout weights when the
+run keeps them (rollout.base_weights: "dequantized", or "auto" when they take at most
+fasttrain.nn.rollout_weights.AUTO_SHARE of the memory left after the model), the AdamW moments (from step 2 on),
 the step's batch tensors (ids, masks, log-probs) after the rollout, and workspace: on the CPU the
 NF4 kernels' reusable dequantisation scratch (the largest projection, in the compute dtype); on
 CUDA the dequantised weight of one projection, a temporary of every call with more than 64 rows.
@@ -24,7 +28,10 @@ Activation sizes follow the code paths: Hugging Face's Llama-family layer (RMSNo
 SDPA with grouped K/V repeated when a padding mask is present), fasttrain.ops.nf4_linear (saves its
 input and x·Aᵀ, never the dequantised weight) and fasttrain.ops.fused_logprob (an [N, H] fp32
 gradient vector instead of [N, V] logits). What is not modelled: allocator fragmentation and the
-CUDA context (added by the fit check), Python objects, and the tokenizer.
+CUDA context (added by the fit check), Python objects, and the tokenizer; the compiled decode
+(rollout.compile: its cache rounded up to 64 columns, inductor's buffers); a model whose forward
+prefix_forward does not drive (attention dropout in training, a sliding window shorter than the
+sequence) and so runs its own full forward.
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ PARTS = {
     "adapter_masters": "adapters: fp32 masters",
     "dora_norms": "adapters: DoRA row norms",
     "adam_moments": "adapters: AdamW moments",
+    "rollout_weights": "dense rollout weights (merged, model dtype)",
     "adapter_grads": "adapters: gradients",
     "workspace": "workspace (dequantised NF4 projection)",
     "batch": "step batch (ids, masks, log-probs)",
@@ -63,6 +71,7 @@ class Device:
     kind: str = "cuda"                # "cuda" | "cpu"
     cpu_bf16: bool = False            # the CPU has avx512_bf16 (NF4 GEMMs then run in bf16)
     threads: int = 1
+    free: int = 0                     # bytes free before the model is built ("auto" rollout weights)
 
 
 @dataclass
@@ -104,43 +113,69 @@ def update_tokens(s: RunShape) -> int:
     return min(s.micro_batch, s.rows) * s.new_tokens
 
 
-def _layer_forward_peak(m: ModelShape, tokens: int, keys: int, rows: int, q_len: int, c: int) -> int:
-    """No-grad transient of one Hugging Face decoder layer over `tokens` queries that see `keys`
-    keys per row: at the attention, the norm output, q/k/v and their rotated copies, the grouped K/V
-    repeated to every query head, the padding mask (bool, and the float copy SDPA makes) and the
-    SDPA output; at the MLP, the norm output, act(gate), up and their product. The larger."""
-    w, H, I = m.w, m.hidden, m.intermediate
-    qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    rep = 2 * rows * keys * qd * w if m.heads != m.kv_heads else 0
-    attn = tokens * (H * w + 2 * qd * w + 2 * kd * w + qd * w) + rep + rows * q_len * keys * (1 + w)
-    mlp = tokens * (H * w + 3 * I * w + (I * c if c != w else 0))
-    return max(attn, mlp)
-
-
-def _decoder_layer_peak(m: ModelShape, tokens: int, keys: int, rows: int, c: int) -> int:
-    """The same for fasttrain.rollout's prefill loop, whose attention locals (norm output, q, k, v,
-    repeated K/V, output) stay referenced until the next layer reassigns them, so they are still
-    live while the MLP runs."""
+def _decoder_layer_peak(m: ModelShape, tokens: int, keys: int, rows: int, c: int, dense: bool = False) -> int:
+    """No-grad peak of one layer of fasttrain.rollout's prefill loop, whose attention locals (norm
+    output, q, k, v, repeated K/V, output) stay referenced until the next layer reassigns them, so
+    they are still live while the MLP runs. `dense`: the projections read the dense rollout weights,
+    one GEMM for q/k/v and one for gate/up; v (a part of the q/k/v output) keeps that whole output
+    alive after q and k are rotated into new tensors, and the gate/up output lives through the MLP."""
     w, H, I = m.w, m.hidden, m.intermediate
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     rep = 2 * rows * keys * qd * w if m.heads != m.kv_heads else 0
     attn_locals = tokens * (H * w + 2 * qd * w + 2 * kd * w) + rep
-    mlp = tokens * (H * w + 3 * I * w + (I * c if c != w else 0))
+    if dense:
+        attn_locals += tokens * (qd + kd) * w
+        mlp = tokens * (H * w + 4 * I * w)
+    else:
+        mlp = tokens * (H * w + 3 * I * w + (I * c if c != w else 0))
     return attn_locals + max(mlp, tokens * (qd + kd) * w)
 
 
-def _layer_saved(m: ModelShape, tokens: int, keys: int, rows: int, c_xa: int) -> int:
-    """Bytes one decoder layer saves for its backward (recomputed under checkpointing)."""
+def _prefix_tokens(U: int, P: int, B: int, A: int) -> int:
+    """Token rows of one prefix_forward layer: the U prompts' P tokens and the B answers' A inputs."""
+    return U * P + B * A
+
+
+def _prefix_inputs(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
+    """What prefix_forward builds before its layers and keeps through them: the prompts' mask
+    [U, P, P] (and the causal/identity [P, P] it is made from), the answers' mask [B, A, P+A] (and
+    its causal part [B, A, A]), bool; the rotary tables of prompts and answers."""
+    masks = U * P * P + 2 * P * P + (B * A * (P + A) + B * A * A if A else 0)
+    return masks + 2 * _prefix_tokens(U, P, B, A) * m.head_dim * m.w
+
+
+def _prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int) -> int:
+    """No-grad peak of one prefix_forward layer, at its MLP product: every local of the layer stays
+    referenced until it returns. Live then: the layer input and its normalised copy, q/k/v, the
+    rotated prompt and answer queries and keys, the prompts' K/V repeated to every query head, the
+    answers' gathered keys and values (repeated likewise), both attention outputs and their
+    reshaped copies, the new residual, the MLP's norm output, act(gate), up and their product
+    (plus the NF4 kernel's output in its compute dtype when that is not the model's)."""
+    w, H, I = m.w, m.hidden, m.intermediate
+    qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    grouped = m.heads != m.kv_heads
+    N = _prefix_tokens(U, P, B, A)
+    lin = N * (4 * H + qd + 2 * kd) * w
+    prompts = U * P * (qd + kd + (2 * qd if grouped else 0) + 2 * qd) * w
+    answers = B * A * (qd + kd + 2 * qd) * w + 2 * B * (P + A) * (qd if grouped else kd) * w if A else 0
+    mlp = N * (3 * I * w + (I * c if c != w else 0))
+    return lin + prompts + answers + mlp
+
+
+def _prefix_layer_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
+    """Bytes one prefix_forward layer saves for its backward (recomputed under checkpointing): per
+    token row the concatenated input (or its fp32 copy) and its normalised copy, each projection's
+    x·Aᵀ, o_proj's input, the residual and the MLP's norm output, gate/act/up/product; per
+    attention the queries, the keys and values it read (repeated to every query head when grouped),
+    its output and log-sum-exp, and the float mask SDPA makes of the bool one."""
     w, H, I, r = m.w, m.hidden, m.intermediate, m.rank
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     kv_rep = qd if m.heads != m.kv_heads else kd
-    norm1 = (4 * H if w != 4 else 0) + H * w          # fp32 input copy (bf16), normalised output
-    qkv = 3 * r * c_xa                                 # x·Aᵀ of q, k, v (x is the norm output)
-    sdpa = (qd + 2 * kv_rep + qd) * w + m.heads * 4   # q, K, V, output, log-sum-exp
-    o = qd * w + r * c_xa                              # the output reshape (o_proj's input)
-    norm2 = 4 * H + H * w                              # fp32 residual (or its copy), normalised
-    mlp = 4 * I * w + 3 * r * c_xa                     # gate (silu), act, up, product; x·Aᵀ
-    return tokens * (norm1 + qkv + sdpa + o + norm2 + mlp) + rows * keys * keys
+    N = _prefix_tokens(U, P, B, A)
+    per_row = (4 * H + H * w) + 3 * r * c_xa + (qd * w + r * c_xa) + (4 * H + H * w) + (4 * I * w + 3 * r * c_xa)
+    prompts = U * P * ((2 * qd + 2 * kv_rep) * w + m.heads * 4) + U * P * P * w
+    answers = B * A * (2 * qd * w + m.heads * 4) + 2 * B * (P + A) * kv_rep * w + B * A * (P + A) * w if A else 0
+    return N * per_row + prompts + answers
 
 
 def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
@@ -177,7 +212,7 @@ def _logprob_head(m: ModelShape, dev: Device, n_tok: int, grad: bool) -> int:
     return b + _logprob_scratch(m, dev, n_tok)
 
 
-def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int) -> dict:
+def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int, dense: bool) -> dict:
     w, L, H, V, D = m.w, m.layers, m.hidden, m.vocab, m.head_dim
     c = _compute_bytes(m, dev)
     B, S = n * G, P + T
@@ -188,68 +223,70 @@ def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int) -> dict
     small = L * 2 * n * m.kv_heads * P * D * w
     masks = 2 * P * P + 2 * n * P * P
     prefill = small + masks + n * P * H * w + 2 * n * S * D * w + \
-        _decoder_layer_peak(m, n * P, P, n, c) + n * V * (w + 4)
+        _decoder_layer_peak(m, n * P, P, n, c, dense) + n * V * (w + 4)
     # decode: [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
     sampling = B * V * (16 + (w if w != 4 else 0))
     step = B * (4 * H * w + 3 * m.intermediate * w) + B * m.heads * S * 4
-    if dev.kind == "cpu":
+    qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    if dense:    # the q/k/v and gate/up outputs stay whole; no NF4 decode
+        step += B * (qd + kd + m.intermediate) * w
+    elif dev.kind == "cpu":
         tile = max(min(o, max(8, CPU_DECODE_TILE // (i * c))) * i * c for o, i in m.projections)
         step += dev.threads * tile + 2 * B * max(o for o, _ in m.projections) * c
     decode = rope_b + sampling + step
+    # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64)
+    merge = max(o * i for o, i in m.projections) * (8 if w == 8 else 4) if dense else 0
+    prefill = max(prefill, merge)
     if decode >= prefill:
         return {"kv_cache": kv, "activations": rope_b + step + book, "sampling": sampling}
     return {"kv_cache": kv, "activations": prefill + book, "sampling": 0}
 
 
-def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
-    w, L, H, D = m.w, m.layers, m.hidden, m.head_dim
-    c = _compute_bytes(m, dev)
-    P, T, S = s.prompt_tokens, s.new_tokens, s.seq
+def _prefix_shape(s: RunShape) -> tuple[int, int, int, int]:
+    """(U, P, B, A) of one micro-batch through prefix_forward: the most distinct prompts it can
+    hold, their tokens, its rows, and the answer tokens that are inputs (the last one is not)."""
     mb = min(s.micro_batch, s.rows)
-    U = _distinct_prompts_per_micro_batch(s, mb)
-    n_tok = mb * T
-    kvrow = L * 2 * m.kv_heads * D * w
-    if U < mb:   # shared prefix: U prompts once with their cache, gathered to mb rows, + answers
-        x = mb * T * H * w * 2                                          # answer hidden, h = cat(h0, rest)
-        options = [
-            (U * kvrow * P, _layer_forward_peak(m, U * P, P, U, P, c) + U * P * H * w + 2 * U * P * D * w),
-            (mb * kvrow * P + U * kvrow * P // L, U * P * H * w),          # gathered layer by layer
-            (mb * kvrow * (S - 1), _layer_forward_peak(m, mb * (T - 1), S - 1, mb, T - 1, c) + x +
-             U * P * H * w + 2 * mb * (T - 1) * D * w),
-        ]
-        kv, act = max(options, key=sum)
-    else:        # full forward over [mb, P+T], no cache
-        kv = 0
-        act = mb * S * H * w * 2 + _layer_forward_peak(m, mb * S, S, mb, S, c) + 2 * mb * S * D * w
-    act += mb * S * 16 + mb * 2 * P * 8                                 # positions, the prompt key
+    return _distinct_prompts_per_micro_batch(s, mb), s.prompt_tokens, mb, s.new_tokens - 1
+
+
+def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
+    w, L, H = m.w, m.layers, m.hidden
+    c = _compute_bytes(m, dev)
+    T, S = s.new_tokens, s.seq
+    U, P, mb, A = _prefix_shape(s)
+    N = _prefix_tokens(U, P, mb, A)
+    # the layers: the previous layer's output is the input of the one running
+    layers = _prefix_inputs(m, U, P, mb, A) + _prefix_layer_live(m, U, P, mb, A, c)
+    # after them: the last layer's output, the hidden rows that predict the answers and their norm
+    final = _prefix_inputs(m, U, P, mb, A) + N * H * w + 2 * mb * T * H * w
+    act = max(layers, final) + mb * S * 16                              # the micro-batch's ids and positions
     outputs = s.rows * T * 4 * (int(s.need_ref) + 2 * int(s.need_old))   # ref, old log-probs, entropy
-    head = mb * T * H * w + _logprob_head(m, dev, n_tok, grad=False)     # after the forward's cache is gone
-    if head > kv + act:
+    head = mb * T * H * w + _logprob_head(m, dev, mb * T, grad=False)    # after the forward's buffers are gone
+    if head > act:
         return {"kv_cache": 0, "activations": outputs, "logprob_head": head}
-    return {"kv_cache": kv, "activations": act + outputs, "logprob_head": 0}
+    return {"kv_cache": 0, "activations": act + outputs, "logprob_head": 0}
 
 
 def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dict:
-    """One micro-batch's forward + backward (the full forward: under checkpointing the
-    shared-prefix path is off; without it this is the upper bound of the shared path)."""
+    """One micro-batch's forward + backward through prefix_forward."""
     w, L, H, I = m.w, m.layers, m.hidden, m.intermediate
     c = _compute_bytes(m, dev)
     c_xa = 4 if dev.kind == "cuda" else c
-    mb = min(s.micro_batch, s.rows)
-    S, T = s.seq, s.new_tokens
-    Q = mb * S
+    T, S = s.new_tokens, s.seq
+    U, P, mb, A = _prefix_shape(s)
+    N = _prefix_tokens(U, P, mb, A)
     n_tok = mb * T
-    shared = Q * (24 + 1) + 2 * Q * m.head_dim * w + mb * S * S       # ids, masks, cos/sin, 4-D mask
-    layer = _layer_saved(m, Q, S, mb, c_xa)
-    bwd_temps = Q * H * w + 2 * Q * I * w
-    norm_saved = Q * H * (4 + w)
+    shared = mb * S * (24 + 1) + _prefix_inputs(m, U, P, mb, A)          # ids, masks, positions; rotary, masks
+    layer = _prefix_layer_saved(m, U, P, mb, A, c_xa)
+    bwd_temps = N * H * w + 2 * N * I * w
+    head_in = n_tok * H * (w + 4 + w)                                     # hidden rows, the norm's fp32 input and output
     if checkpointing:
-        kept = L * Q * H * w
-        fwd = kept + norm_saved + Q * H * w
+        kept = L * N * H * w
+        fwd = max(kept + _prefix_layer_live(m, U, P, mb, A, c), kept + head_in)
         bwd = kept + layer + bwd_temps
     else:
-        kept = L * (layer + Q * H * w)
-        fwd = kept + norm_saved + Q * H * w
+        kept = L * (layer + N * H * w)
+        fwd = kept + head_in
         bwd = kept + bwd_temps
     head = _logprob_head(m, dev, n_tok, grad=True)
     if fwd + head >= bwd:
@@ -270,16 +307,19 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
         workspace = max(o * i for o, i in m.projections) * c
         if m.adapter_kind == "dora":
             workspace += max(o * i for o, i in m.projections) * 8   # the fp64 ‖W‖² pass at attach time
+    resident = res["nf4_base"] + res["dense_parts"] + res["adapter_masters"] + res.get("dora_norms", 0)
+    from fasttrain.nn.rollout_weights import use_dense
+    dense = use_dense(s.rollout_weights, m.linear_params * m.w, dev.free - resident)
     base = {"nf4_base": res["nf4_base"], "dense_parts": res["dense_parts"],
             "adapter_masters": res["adapter_masters"], "dora_norms": res.get("dora_norms", 0),
-            "adam_moments": 2 * res["adapter_masters"], "adapter_grads": 0, "workspace": workspace,
+            "rollout_weights": m.linear_params * m.w if dense else 0, "adam_moments": 2 * res["adapter_masters"], "adapter_grads": 0, "workspace": workspace,
             "batch": 0, "kv_cache": 0, "activations": 0, "logprob_head": 0, "sampling": 0}
     B, S, T = s.rows, s.seq, s.new_tokens
     batch = B * S * 24 + B * T * (8 + 1 + 4) + B * (8 * 2 + 1 + 4)
     plan = MemoryPlan()
-    plan.phases["rollout"] = {**base, **_rollout(m, dev, s.prompts, s.group, s.prompt_tokens, T)}
+    plan.phases["rollout"] = {**base, **_rollout(m, dev, s.prompts, s.group, s.prompt_tokens, T, dense)}
     plan.phases["probe"] = {**base, **_rollout(m, dev, s.probe_prompts, s.probe_samples, s.prompt_tokens,
-                                                s.probe_new_tokens)}
+                                                s.probe_new_tokens, dense)}
     if s.need_ref or s.need_old:
         plan.phases["scores"] = {**base, "batch": batch, **_scores(m, dev, s)}
     upd = _update(m, dev, s, s.gradient_checkpointing)

@@ -16,11 +16,11 @@ __all__ = ["Plan", "make_plan", "render", "summary_line", "as_json", "device_for
 
 def device_for(gpu: GPU) -> Device:
     if gpu.name != "cpu":
-        return Device("cuda")
+        return Device("cuda", free=max(0, gpu.memory_bytes - gpu.context_bytes))
     import torch
 
     from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-    return Device("cpu", cpu_bf16=_cpu_bf16_compute(), threads=torch.get_num_threads())
+    return Device("cpu", cpu_bf16=_cpu_bf16_compute(), threads=torch.get_num_threads(), free=gpu.memory_bytes)
 
 
 @dataclass

@@ -31,6 +31,7 @@ class RunShape:
     probe_samples: int = 1
     probe_new_tokens: int = 128
     probe_every: int = 100
+    rollout_weights: str = "auto"   # rollout.base_weights: "auto" | "nf4" | "dequantized"
 
     @property
     def rows(self) -> int:
@@ -56,4 +57,4 @@ def run_shape(cfg, prompt_tokens: int) -> RunShape:
         need_old=lo.token_mask == "top_entropy", dtype=p.dtype, adapter=p.adapter, rank=p.rank,
         alpha=p.alpha, targets=tuple(p.targets), steps=cfg.run.steps, probe_prompts=cfg.probe.prompts,
         probe_samples=cfg.probe.samples, probe_new_tokens=cfg.probe.max_new_tokens or r.max_new_tokens,
-        probe_every=cfg.probe.every)
+        probe_every=cfg.probe.every, rollout_weights=getattr(r, "base_weights", "auto"))

@@ -7,11 +7,12 @@
             bandwidth, or 2·(weights)·B FLOPs at `mfu` of the peak
   verify    B answers at the environment's measured answers per second
   scores    no-grad forwards over the batch (reference with adapters off; the pre-update policy
-            when the token mask needs entropies first), each distinct prompt once (shared prefix)
+            when the token mask needs entropies first), each micro-batch running each of its
+            distinct prompts once (fasttrain.train.prefix_forward) and then every row's answer
   update    per pass: forward + backward for activations (2 + 2 FLOPs per weight per token), a
             re-forward under gradient checkpointing (+2), the LoRA products, and the fused
-            log-prob head (forward 2·N·H·V, its gradient vector formed in the same pass 2·N·H·V);
-            under checkpointing every row runs its whole prompt (the shared prefix is off)
+            log-prob head (forward 2·N·H·V, its gradient vector formed in the same pass 2·N·H·V),
+            over the same tokens as the scores (the shared prefix runs with or without checkpointing)
 The FLOP share `mfu` is an assumption printed with the result (no GPU run has measured it yet).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fasttrain.plan.gpus import GPU
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
 
-__all__ = ["StepTime", "plan_time", "VERIFIER_ANSWERS_PER_S"]
+__all__ = ["StepTime", "plan_time", "prompt_runs", "VERIFIER_ANSWERS_PER_S"]
 
 # The built-in verifiers' measured throughput (bench/bench_env.py, warm cache, one core of a quiet
 # 2-core AMD EPYC; bench/results/cpu-2c-AMD-EPYC-2026-11-30.md).
@@ -46,6 +47,14 @@ class StepTime:
 def _lora_flops(m: ModelShape, tokens: int) -> float:
     """Forward x·Aᵀ and (xAᵀ)·Bᵀ per projection: 2·r·(in + out) per token."""
     return 2.0 * m.rank * sum(o + i for o, i in m.projections) * tokens
+
+
+def prompt_runs(s: RunShape) -> int:
+    """Prompt forwards per pass over the batch: each micro-batch runs each distinct prompt among its
+    rows once (rows of a group are contiguous)."""
+    B, G = s.rows, s.group
+    mb = max(1, min(s.micro_batch, B))
+    return sum((min(k + mb, B) - 1) // G - k // G + 1 for k in range(0, B, mb))
 
 
 def _forward_flops(m: ModelShape, tokens: int, keys_per_token: float) -> float:
@@ -91,11 +100,11 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
                              "(pass --verifier-answers-per-s)")
     # no-grad scores over the whole batch, shared prefix
     head_fwd = 2.0 * B * T * H * V
-    shared_tokens = n * P + B * T
+    shared_tokens = prompt_runs(s) * P + B * T
     fwd = _forward_flops(m, shared_tokens, S / 2) + head_fwd
     t.seconds["scores"] = (int(s.need_ref) + int(s.need_old)) * fwd / flops
     # update: k passes of forward + backward (+ recompute)
-    tokens = B * S if s.gradient_checkpointing else shared_tokens
+    tokens = shared_tokens
     one = _forward_flops(m, tokens, S / 2)
     lin = 2.0 * m.linear_params * tokens
     per_pass = one + lin + 2.0 * _lora_flops(m, tokens) + (one if s.gradient_checkpointing else 0.0)
