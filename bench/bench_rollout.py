@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -35,23 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import row, write_csv  # noqa: E402
+from harness import host_precision, machine_name, row, write_csv  # noqa: E402
 
 from fasttrain.envs import load_env  # noqa: E402
 from fasttrain.models import chat_prompt_ids, load_policy  # noqa: E402
 from fasttrain.rollout import sample  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                flags = open("/proc/cpuinfo").read()
-                return f"{os.cpu_count()}-core {name}" + (" (avx512_bf16)" if "avx512_bf16" in flags else "")
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -82,7 +69,7 @@ def main() -> None:
     pad = tok.pad_token_id
     P = max(map(len, prompts))
     print(f"SmolLM2-135M-Instruct {args.dtype}, {n} prompts x {G} = batch {B}, prompt len ~{P}, "
-          f"{T} new tokens, {torch.get_num_threads()} threads, {cpu_name()}; machine shared")
+          f"{T} new tokens, {torch.get_num_threads()} threads, {machine_name()} ({host_precision()[1]})")
 
     with torch.inference_mode():
         # warm-up both paths on a short run (allocator, SDPA kernel selection)
