@@ -15,3 +15,16 @@ class PaddedLetterEnv(LetterEnv):
 
 def make_env():
     return PaddedLetterEnv()
+
+
+def tiny_policy_as_loaded(dtype: str = "float32"):
+    """tiny_world's model built in `dtype` the way from_pretrained builds a checkpoint: parameters
+    in `dtype` from construction, so the rotary inverse frequencies (computed in fp32) stay fp32;
+    `tiny_policy` casts a built fp32 model, which casts those buffers too."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model, tok = tiny_policy("float32")
+    loaded = LlamaForCausalLM._from_config(model.config, dtype=getattr(torch, dtype))
+    loaded.load_state_dict(model.state_dict())
+    return loaded, tok

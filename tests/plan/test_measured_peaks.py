@@ -45,12 +45,18 @@ def _compare(trainer, monkeypatch):
     return out
 
 
-@pytest.mark.parametrize("n,G,T,mb", [(3, 2, 4, 3), (2, 4, 8, 6), (3, 4, 16, 12)])
-def test_tiny_model_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n, G, T, mb):
+@pytest.mark.parametrize("n,G,T,mb,dtype,checkpointing", [
+    (3, 2, 4, 3, "float32", True), (2, 4, 8, 6, "float32", True), (3, 4, 16, 12, "float32", True),
+    (3, 4, 16, 12, "float32", False), (3, 2, 4, 3, "bfloat16", True), (3, 4, 16, 12, "bfloat16", False)])
+def test_tiny_model_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n, G, T, mb, dtype, checkpointing):
+    """bf16 follows the host: NF4 products in bf16 where the CPU has avx512_bf16, else fp32 (the plan
+    reads the same switch); without checkpointing every layer keeps its activations."""
     from conftest_recipe import tiny_recipe
     from fasttrain.train import Trainer, load_config
 
-    cfg = load_config(tiny_recipe(tmp_path, n, G, T, mb))
+    r = tiny_recipe(tmp_path, n, G, T, mb)
+    r["policy"].update(dtype=dtype, gradient_checkpointing=checkpointing, model="padded_world:tiny_policy_as_loaded")
+    cfg = load_config(r)
     got = _compare(Trainer(cfg, progress=False), monkeypatch)
     for phase, (planned, measured) in got.items():
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)

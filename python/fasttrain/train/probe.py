@@ -28,7 +28,10 @@ def _summary(scores, prefix: str) -> dict[str, float]:
             f"{prefix}_valid": sum(s.valid for s in scores) / n}
 
 
-def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, step: int) -> dict[str, Any]:
+def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, step: int,
+              weights=None) -> dict[str, Any]:
+    """Sample the probe prompts (rollout.base_weights applies: `weights` are the trainer's dense
+    rollout weights, or None to decode from the model's own layers) and score them."""
     t0 = time.perf_counter()
     G = cfg.probe.samples
     lo, hi = distributed.shard_bounds(len(prompts))
@@ -38,7 +41,8 @@ def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, ste
         roll, texts = sample_answers(model, tokenizer, env, prompts[lo:hi], group_size=G,
                                      max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
                                      temperature=cfg.probe.temperature, seed=group_seeds([cfg.probe.seed], lo, hi),
-                                     answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings)
+                                     answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings,
+                                     weights=weights)
         rep = [p for p in prompts[lo:hi] for _ in range(G)]
         ids = answer_token_ids(roll)
         train = score_answers(env, rep, texts, cfg.env.train_slice, record=False, completion_ids=ids)

@@ -310,7 +310,8 @@ class Trainer:
     def _probe(self, step: int) -> dict[str, Any]:
         from fasttrain.nn import save_adapter
         t = time.perf_counter()
-        res = run_probe(self.model, self.tokenizer, self.env, self.probe_prompts, self.cfg, step)
+        res = run_probe(self.model, self.tokenizer, self.env, self.probe_prompts, self.cfg, step,
+                        weights=self.rollout_weights)
         if self.main:
             save_adapter(self.model, self.dir / "probes" / f"step_{step:06d}" / "adapter", base_model=self.cfg.policy.model)
         res["seconds_with_save"] = time.perf_counter() - t
