@@ -1,8 +1,8 @@
 // nf4_linear on the CPU: y = g ⊙ (x·Wᵀ + s·(x·Aᵀ)·Bᵀ), W an NF4 matrix [N, K] in the bitsandbytes
 // layout, A [r, K] and B [N, r] the LoRA factors, g = m / ‖W + s·B·A‖_row for DoRA (else 1).
 //
-// What it is: a fast NF4 → fp32 dequantisation into a reusable per-thread scratch (AVX2 table
-// lookup, 16 values per step), then the vendor GEMM (at::mm → oneDNN/MKL), with the LoRA term added
+// What it is: a fast NF4 → fp32 (or bf16) dequantisation into a reusable per-thread scratch (AVX2
+// table lookup, 16 values per step; bf16 rounded to nearest even in the same registers), then the vendor GEMM (at::mm → oneDNN/MKL), with the LoRA term added
 // into the same output buffer (addmm, beta = 1) and DoRA's scale applied to the output. The DoRA
 // row norm comes from the factorised form ‖W‖² + 2s·rowdot(B, A·Wᵀ) + s²·rowdot(B·(A·Aᵀ), B)
 // (never W + s·B·A). Backward re-dequantises W (the dequantised weight is never saved).
@@ -42,6 +42,23 @@ namespace {
 // The CPU op also accepts float64 (the tests' exact path); the CUDA one does not.
 constexpr bool kXMayBeFloat64 = true;
 
+#ifdef FT_NF4_AVX2
+// 16 fp32 values (a then b) -> 16 bf16, rounded to nearest even as c10::BFloat16(float) rounds
+// (bits + 0x7FFF + bit 16, then the high half). The decoded values are finite (a level times an
+// absmax), so the NaN case of that conversion never arises; the result equals the scalar path's.
+inline __m256i bf16_round_pack(__m256 a, __m256 b) {
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  auto round = [&](__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
+  };
+  // packus works within 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7]; restore the order a0-7 b0-7
+  const __m256i p = _mm256_packus_epi32(round(a), round(b));
+  return _mm256_permute4x64_epi64(p, 0xD8);
+}
+#endif
+
 // Decode the flat NF4 range [i0, i1) (row-major index over the [N, K] matrix) into out[0 .. i1-i0).
 template <typename T>
 void decode_range(const uint8_t* q, const float* absmax, int64_t bs, int64_t i0, int64_t i1, T* out) {
@@ -54,7 +71,7 @@ void decode_range(const uint8_t* q, const float* absmax, int64_t bs, int64_t i0,
       ++i;
     }
 #ifdef FT_NF4_AVX2
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
       // 16 levels in two 8-lane registers; permutevar8x32 looks up the low 3 bits, bit 3 selects.
       alignas(32) static const float lv[16] = {
           fm::nf4_level(0), fm::nf4_level(1), fm::nf4_level(2),  fm::nf4_level(3),
@@ -75,8 +92,14 @@ void decode_range(const uint8_t* q, const float* absmax, int64_t bs, int64_t i0,
         const __m256 l = lookup(_mm256_and_si256(v, fifteen));     // elements 2j+1
         const __m256 u0 = _mm256_unpacklo_ps(h, l), u1 = _mm256_unpackhi_ps(h, l);
         T* o = out + (i - i0);
-        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_permute2f128_ps(u0, u1, 0x20), sv));
-        _mm256_storeu_ps(o + 8, _mm256_mul_ps(_mm256_permute2f128_ps(u0, u1, 0x31), sv));
+        const __m256 f0 = _mm256_mul_ps(_mm256_permute2f128_ps(u0, u1, 0x20), sv);
+        const __m256 f1 = _mm256_mul_ps(_mm256_permute2f128_ps(u0, u1, 0x31), sv);
+        if constexpr (std::is_same_v<T, float>) {
+          _mm256_storeu_ps(o, f0);
+          _mm256_storeu_ps(o + 8, f1);
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), bf16_round_pack(f0, f1));
+        }
       }
     }
 #endif

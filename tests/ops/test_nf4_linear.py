@@ -213,3 +213,19 @@ def test_cuda_matches_cpu(M, dora):
         base = base * (m.double() / n).cuda().bfloat16()
     torch_err = (base.double().cpu() - ref).abs().max()
     assert (y.double().cpu() - ref).abs().max() <= 2 * torch_err + 1e-6
+
+
+@pytest.mark.parametrize("N,K", [(37, 48), (37, 96), (5, 200), (130, 64)])
+def test_bf16_weights_are_the_fp32_decode_rounded_once(N, K):
+    """In bf16 the kernel decodes W straight to bf16 (a vector path on AVX2 hosts, scalar elsewhere):
+    each value must be level·absmax formed in fp32 and rounded to nearest even once, whatever the
+    path. Read back exactly through an identity input (one nonzero product per output; M = K <= 64
+    takes the tiled decode, M > 64 the whole-matrix one). Rows of K = 48, 200 start blocks mid-row,
+    so the 16-value vector steps meet block ends at every offset."""
+    torch.manual_seed(K)
+    w = torch.randn(N, K) * torch.linspace(0.1, 3.0, N)[:, None]
+    q, st = F.nf4_quantize(w)
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    got = F.nf4_linear(eye, q, st)                                   # [K, N] = Wᵀ
+    want = R.nf4_dequantize(q, st, torch.float32).to(torch.bfloat16)
+    assert torch.equal(got.t(), want)
