@@ -221,3 +221,29 @@ def test_stop_strings_cut_each_row_where_its_text_first_contains_one():
         assert r.completion_ids.shape[1] == int(r.lengths.max())
     with pytest.raises(ValueError, match="token_text"):
         sample(model, PROMPTS, stop_strings=["x"], **kw)
+
+
+def test_groups_draw_their_noise_side_by_side_with_the_same_values():
+    """With several threads each prompt's generator fills its rows in a pool thread; the noise is
+    the one drawn group after group, and a rollout under inference mode (the pool's threads take
+    the caller's mode) samples the tokens of a one-thread run."""
+    from fasttrain.rollout.sampling import _exponential_noise
+
+    old = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            gens = [torch.Generator().manual_seed(s) for s in (3, 9, 27)]
+            got[threads] = _exponential_noise(torch.empty(6, 1000), gens, 2)
+        assert torch.equal(got[1], got[2])
+        model = tiny_llama(vocab_size=128, seed=1, dtype=torch.float64)
+        runs = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                runs[threads] = sample(model, [[5, 6, 7], [8, 9], [3, 4, 5, 6]], group_size=3, max_new_tokens=8,
+                                       eos_token_ids=[], seed=[11, 12, 13], pad_token_id=0)
+        assert torch.equal(runs[1].completion_ids, runs[2].completion_ids)
+    finally:
+        torch.set_num_threads(old)

@@ -72,6 +72,32 @@ def _default_pad(model, eos: list[int]) -> int:
     return eos[0] if eos else 0
 
 
+_NOISE_POOL: list = []
+
+
+def _exponential_noise(noise: Tensor, gens: list, rows: int) -> Tensor:
+    """Fill rows [i·rows, (i+1)·rows) of `noise` with Exp(1) draws from gens[i]. On a CPU with
+    several threads the groups draw side by side (threads of a pool: exponential_ with a generator
+    runs on one core, and the ATen call releases the GIL); each generator fills its own rows in its
+    own order, so the values are the same as drawn one group after the other."""
+    threads = torch.get_num_threads()
+    if len(gens) == 1 or threads == 1 or noise.device.type != "cpu":
+        for i, gen in enumerate(gens):
+            noise[i * rows:(i + 1) * rows].exponential_(generator=gen)
+        return noise
+    if not _NOISE_POOL or _NOISE_POOL[0]._max_workers != threads:
+        from concurrent.futures import ThreadPoolExecutor
+        _NOISE_POOL[:] = [ThreadPoolExecutor(threads, thread_name_prefix="fasttrain-noise")]
+    inference = torch.is_inference_mode_enabled()   # thread-local: the pool's threads take the caller's
+
+    def draw(i: int, gen) -> None:
+        with torch.inference_mode(inference), torch.no_grad():
+            noise[i * rows:(i + 1) * rows].exponential_(generator=gen)
+
+    list(_NOISE_POOL[0].map(draw, range(len(gens)), gens))
+    return noise
+
+
 @torch.no_grad()
 def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int,
            temperature: float = 1.0, eos_token_ids: Sequence[int] | int | None, seed: int | Sequence[int],
@@ -173,9 +199,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
         if temperature > 0:
-            noise = torch.empty_like(logp)
-            for i, gen in enumerate(gens):
-                noise[i * rows:(i + 1) * rows].exponential_(generator=gen)
+            noise = _exponential_noise(torch.empty_like(logp), gens, rows)
             tok = (logp - noise.log_()).argmax(-1)
         else:
             tok = logp.argmax(-1)
