@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -106,7 +108,15 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
     except TrainingStopped as e:
         _fail(str(e))
     except distributed.RankLost as e:
-        _fail(str(e).replace("RUN_DIR", str(trainer.dir) if trainer else "RUN_DIR"))
+        # The process group is broken (a peer is gone): its backend threads can abort the interpreter's
+        # normal exit (gloo: "terminate called without an active exception", SIGABRT), which would
+        # also make torchrun report this rank rather than the lost one. Say why, then leave at once.
+        try:
+            _fail(str(e).replace("RUN_DIR", str(trainer.dir) if trainer else "RUN_DIR"))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
     distributed.finish()
     if not trainer.main:
         return
