@@ -139,25 +139,26 @@ def _prefix_tokens(U: int, P: int, B: int, A: int) -> int:
 def _prefix_inputs(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
     """What prefix_forward builds before its layers and keeps through them: the prompts' mask
     [U, P, P] (and the causal/identity [P, P] it is made from), the answers' mask [B, A, P+A] (and
-    its causal part [B, A, A]), bool; the rotary tables of prompts and answers."""
-    masks = U * P * P + 2 * P * P + (B * A * (P + A) + B * A * A if A else 0)
+    its causal part [B, A, A]), bool, each repeated for the query heads that share a KV head
+    (grouped-query attention runs them as rows of that head); the rotary tables."""
+    g = m.heads // m.kv_heads           # the masks are repeated per query head of a KV head
+    masks = g * U * P * P + 2 * P * P + (g * B * A * (P + A) + B * A * A if A else 0)
     return masks + 2 * _prefix_tokens(U, P, B, A) * m.head_dim * m.w
 
 
 def _prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int) -> int:
     """No-grad peak of one prefix_forward layer, at its MLP product: every local of the layer stays
     referenced until it returns. Live then: the layer input and its normalised copy, q/k/v, the
-    rotated prompt and answer queries and keys, the prompts' K/V repeated to every query head, the
-    answers' gathered keys and values (repeated likewise), both attention outputs and their
-    reshaped copies, the new residual, the MLP's norm output, act(gate), up and their product
-    (plus the NF4 kernel's output in its compute dtype when that is not the model's)."""
+    rotated prompt and answer queries and keys, the answers' gathered keys and values (one copy per
+    KV head: the query heads of a head attend as its rows), both attention outputs (reshaped), the
+    new residual, the MLP's norm output, act(gate), up and their product (plus the NF4 kernel's
+    output in its compute dtype when that is not the model's)."""
     w, H, I = m.w, m.hidden, m.intermediate
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    grouped = m.heads != m.kv_heads
     N = _prefix_tokens(U, P, B, A)
     lin = N * (4 * H + qd + 2 * kd) * w
-    prompts = U * P * (qd + kd + (2 * qd if grouped else 0) + 2 * qd) * w
-    answers = B * A * (qd + kd + 2 * qd) * w + 2 * B * (P + A) * (qd if grouped else kd) * w if A else 0
+    prompts = U * P * (2 * qd + kd) * w
+    answers = B * A * (2 * qd + kd) * w + 2 * B * (P + A) * kd * w if A else 0
     mlp = N * (3 * I * w + (I * c if c != w else 0))
     return lin + prompts + answers + mlp
 
@@ -166,15 +167,15 @@ def _prefix_layer_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int
     """Bytes one prefix_forward layer saves for its backward (recomputed under checkpointing): per
     token row the concatenated input (or its fp32 copy) and its normalised copy, each projection's
     x·Aᵀ, o_proj's input, the residual and the MLP's norm output, gate/act/up/product; per
-    attention the queries, the keys and values it read (repeated to every query head when grouped),
-    its output and log-sum-exp, and the float mask SDPA makes of the bool one."""
+    attention the queries (as rows of their KV head), the keys and values it read, its output and
+    log-sum-exp, and the float mask SDPA makes of the (repeated) bool one."""
     w, H, I, r = m.w, m.hidden, m.intermediate, m.rank
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    kv_rep = qd if m.heads != m.kv_heads else kd
+    g = m.heads // m.kv_heads
     N = _prefix_tokens(U, P, B, A)
     per_row = (4 * H + H * w) + 3 * r * c_xa + (qd * w + r * c_xa) + (4 * H + H * w) + (4 * I * w + 3 * r * c_xa)
-    prompts = U * P * ((2 * qd + 2 * kv_rep) * w + m.heads * 4) + U * P * P * w
-    answers = B * A * (2 * qd * w + m.heads * 4) + 2 * B * (P + A) * kv_rep * w + B * A * (P + A) * w if A else 0
+    prompts = U * P * ((2 * qd + 2 * kd) * w + m.heads * 4) + g * U * P * P * w
+    answers = B * A * (2 * qd * w + m.heads * 4) + 2 * B * (P + A) * kd * w + g * B * A * (P + A) * w if A else 0
     return N * per_row + prompts + answers
 
 

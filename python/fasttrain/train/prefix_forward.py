@@ -92,6 +92,14 @@ def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, posit
         answer_mask = cos_a = sin_a = None
         x_a = x_p.new_empty(B, 0, x_p.shape[-1])
 
+    G = dec.group
+    if G > 1:
+        # grouped-query attention without repeating K/V: the G query heads that share a KV head
+        # attend as G·(query rows) of that head (head h reads KV head h // G, as repeat_kv maps it),
+        # so each mask row is repeated G times, once here for all layers
+        prompt_mask = prompt_mask.unsqueeze(2).expand(U, 1, G, P, P).reshape(U, 1, G * P, P)
+        if answer_mask is not None:
+            answer_mask = answer_mask.unsqueeze(2).expand(B, 1, G, A, P + A).reshape(B, 1, G * A, P + A)
     checkpointing = dec.model.training and torch.is_grad_enabled()
     for layer in dec.layers:
         run = functools.partial(_layer, dec, layer, inverse, cos_p[:, None], sin_p[:, None], prompt_mask,
@@ -126,12 +134,18 @@ def _layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor, sin_p
     def heads(t: Tensor, n: int, rows: int, cols: int, lo: int, hi: int) -> Tensor:
         return t[lo:hi].view(rows, cols, n, D).transpose(1, 2)        # [rows, n, cols, D]
 
+    def attend(q_: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """q_ [n, nh, s, D] over keys/values [n, nkv, L, D] -> [n·s, nh·D]; the G query heads of a KV
+        head run as G·s query rows of it (the masks come repeated G times)."""
+        n, _, s_, _ = q_.shape
+        o = F.scaled_dot_product_attention(q_.reshape(n, nkv, G * s_, D), keys, values, attn_mask=mask,
+                                           scale=dec.scaling)
+        return o.view(n, nh, s_, D).transpose(1, 2).reshape(n * s_, nh * D)
+
     q_p, k_p, v_p = heads(q, nh, U, P, 0, n_p), heads(k, nkv, U, P, 0, n_p), heads(v, nkv, U, P, 0, n_p)
     q_p = q_p * cos_p + _rotate_half(q_p) * sin_p
     k_p = k_p * cos_p + _rotate_half(k_p) * sin_p
-    kk, vv = (k_p.repeat_interleave(G, 1), v_p.repeat_interleave(G, 1)) if G > 1 else (k_p, v_p)
-    o_p = F.scaled_dot_product_attention(q_p, kk, vv, attn_mask=prompt_mask, scale=dec.scaling)
-    outs = [o_p.transpose(1, 2).reshape(n_p, nh * D)]
+    outs = [attend(q_p, k_p, v_p, prompt_mask)]
     if A > 0:
         q_a, k_a, v_a = (heads(q, nh, B, A, n_p, None), heads(k, nkv, B, A, n_p, None),
                          heads(v, nkv, B, A, n_p, None))
@@ -139,10 +153,7 @@ def _layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor, sin_p
         k_a = k_a * cos_a + _rotate_half(k_a) * sin_a
         keys = torch.cat([k_p[inverse], k_a], dim=2)                   # [B, kv, P+A, D]
         values = torch.cat([v_p[inverse], v_a], dim=2)
-        if G > 1:
-            keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
-        o_a = F.scaled_dot_product_attention(q_a, keys, values, attn_mask=answer_mask, scale=dec.scaling)
-        outs.append(o_a.transpose(1, 2).reshape(B * A, nh * D))
+        outs.append(attend(q_a, keys, values, answer_mask))
     x = x + attn.o_proj(torch.cat(outs))
     x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x[:n_p].view(U, P, H), x[n_p:].view(B, A, H)
