@@ -230,8 +230,9 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
 
     def run(n):
         t0 = time.perf_counter()
-        sample(tr.model, ids, group_size=a.group, max_new_tokens=n, temperature=1.0, eos_token_ids=[], seed=0,
-               weights=w, compile=R.compile)
+        # one generator per prompt, as the trainer seeds its groups
+        sample(tr.model, ids, group_size=a.group, max_new_tokens=n, temperature=1.0, eos_token_ids=[],
+               seed=list(range(len(ids))), weights=w, compile=R.compile)
         return time.perf_counter() - t0
     with torch.inference_mode():
         run(2)
