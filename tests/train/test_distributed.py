@@ -3,7 +3,8 @@
 The tiny recipe runs 3 steps in this process and as 2 torchrun ranks (tests/train/dist_driver.py
 records each rank's advantages, answer-token entropies, top-entropy mask, gradients and adapters
 per step). Then a 2-rank run through the command line loses rank 1 to SIGKILL in step 2 and is
-resumed. Three torchrun launches in all: the file costs about 30-40 s on a 2-core machine.
+resumed. A 2-rank run whose tracker cannot start on rank 0 stops on both ranks. Four torchrun
+launches in all: the file costs about 40-50 s on a 2-core machine.
 """
 from __future__ import annotations
 
@@ -254,3 +255,23 @@ def test_a_group_samples_the_same_answers_whatever_shares_its_batch(tiny):
     # a different seed for that prompt draws different answers
     other = sample(model, prompts[2:], seed=[seeds[2] + 1, seeds[3]], **kw)
     assert not torch.equal(other.completion_ids[:3], tail.completion_ids[:3])
+
+
+def test_a_tracker_that_cannot_start_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
+    """Rank 0 alone starts the trackers; when one cannot start, rank 1 stops with the reason too,
+    not killed by torchrun's agent without one (or, under a launcher that does not stop the group,
+    left waiting in its first collective until run.dist_timeout)."""
+    from fasttrain.train.config import config_to_toml, load_config
+
+    monkeypatch.syspath_prepend(str(HERE))
+    cfg = load_config(_recipe(tmp_path / "runs", **{"run.report_to": ["mlflow"]}))
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(config_to_toml(cfg))
+    env = {**_env(), "MLFLOW_TRACKING_URI": "nosuchscheme://nowhere"}
+    p = subprocess.run([sys.executable, "-m", "fasttrain", "run", str(recipe), "--nproc", "2", "--no-progress"],
+                       env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "run.report_to: 'mlflow' failed to start" in out, out[-3000:]
+    assert "rank 0 could not start its trackers" in out, out[-3000:]      # rank 1's own error
+    assert "RankLost" not in out and "failed while waiting" not in out, out[-3000:]

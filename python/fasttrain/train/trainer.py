@@ -403,10 +403,22 @@ class Trainer:
         if self.main:                                  # rank 0 alone writes the run folder
             self.dir.mkdir(parents=True, exist_ok=True)
         resume_from = getattr(self, "_resume_from", None)
+        failure = None
         if self.main:                                  # rank 0 alone reports to trackers
             from fasttrain.train.trackers import start_trackers   # before the model: a bad tracker fails fast
-            self.trackers = start_trackers(cfg, self.dir, self.run_id, resume_step=_checkpoint_step(resume_from),
-                                           warn=lambda m: self._warn(self.step, m))
+            try:
+                self.trackers = start_trackers(cfg, self.dir, self.run_id, resume_step=_checkpoint_step(resume_from),
+                                               warn=lambda m: self._warn(self.step, m))
+            except Exception as e:  # noqa: BLE001  (raised below, once every rank knows)
+                failure = e
+        # every rank learns whether rank 0's trackers started and stops with the reason (torchrun's
+        # agent would kill them without one; another launcher might leave them in the first
+        # collective until run.dist_timeout)
+        why = distributed.broadcast_object(None if failure is None else str(failure))
+        if failure is not None:
+            raise failure
+        if why is not None:
+            raise ConfigError(f"rank 0 could not start its trackers: {why}")
         try:
             return self._run_steps(resume_from)
         finally:
