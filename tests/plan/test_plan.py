@@ -147,3 +147,14 @@ def test_rollout_weights_follow_the_trainers_rule():
         assert set(got.values()) == {dense if kept else 0}, (choice, free, got)
     with pytest.raises(ValueError, match="base_weights"):
         plan_memory(m, s.with_(rollout_weights="fp8"), Device("cuda"))
+
+
+def test_host_memory_is_read_from_meminfo():
+    """The cpu entry's memory is MemTotal (what the plan fits against); the trainer's "auto" rollout
+    weights read MemAvailable; an unknown field reads as 0."""
+    from fasttrain.host import meminfo_bytes
+
+    total, avail = meminfo_bytes("MemTotal"), meminfo_bytes("MemAvailable")
+    assert gpu_spec("cpu").memory_bytes == total > 0
+    assert 0 < avail <= total
+    assert meminfo_bytes("NoSuchField") == 0

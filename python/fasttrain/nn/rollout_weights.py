@@ -42,14 +42,8 @@ def dense_bytes(model: nn.Module) -> int:
 def _free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    from fasttrain.host import meminfo_bytes
+    return meminfo_bytes("MemAvailable")
 
 
 def use_dense(choice: str, dense: int, free: int) -> bool:

@@ -38,14 +38,8 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
 
 
 def _host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    from fasttrain.host import meminfo_bytes
+    return meminfo_bytes("MemTotal")
 
 
 def gpu_spec(name: str) -> GPU:
