@@ -95,3 +95,13 @@ def test_rollout_base_weights_setting_picks_the_weights():
     with pytest.raises(ConfigError, match=r"rollout.base_weights: 'bf16' is not allowed; allowed values: 'auto', "
                                           r"'nf4', 'dequantized'"):
         load_config({"rollout": {"base_weights": "bf16"}})
+
+
+def test_a_model_without_nf4_layers_keeps_no_dense_copy():
+    """policy.quantize = "none": the model is dense already, so even "dequantized" keeps no copy."""
+    from fasttrain.nn.rollout_weights import rollout_weights_for
+    plain = tiny_llama(vocab_size=128, seed=1, dtype=torch.float64)
+    assert rollout_weights_for("dequantized", plain) is None
+    model, _ = adapted("lora")
+    assert isinstance(rollout_weights_for("dequantized", model), RolloutWeights)
+    assert rollout_weights_for("nf4", model) is None

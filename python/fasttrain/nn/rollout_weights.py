@@ -9,8 +9,8 @@ steps, so the merge (one pass over the weights) is paid once per step against th
 steps that read them. q/k/v and gate/up are stored side by side (one GEMM each per layer).
 
 What it costs: 2 bytes per base weight in bf16 (the model's dtype), on top of the NF4 copy that
-training uses: `dense_bytes(model)` says how much, `fits(model)` whether that is under a share of
-the memory free now. What it is not: a training path (the update always runs on NF4).
+training uses: `dense_bytes(model)` says how much, `rollout_weights_for` keeps it when the setting
+asks for it (for "auto": when it is under a share of the memory free now). What it is not: a training path (the update always runs on NF4).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from fasttrain.nn.nf4_linear import NF4Linear
 
-__all__ = ["RolloutWeights", "dense_bytes", "fits", "use_dense", "AUTO_SHARE"]
+__all__ = ["RolloutWeights", "dense_bytes", "rollout_weights_for", "use_dense", "AUTO_SHARE"]
 
 # `rollout.base_weights = "auto"` keeps the dense copy when it takes at most this share of the memory
 # free when the trainer starts; the rest is left to the update's activations and the KV cache.
@@ -54,12 +54,14 @@ def use_dense(choice: str, dense: int, free: int) -> bool:
     return choice == "dequantized" or (choice == "auto" and dense <= AUTO_SHARE * free)
 
 
-def fits(model: nn.Module) -> bool:
-    """True when the dense copy takes at most AUTO_SHARE of the memory free now on the model's device."""
+def rollout_weights_for(choice: str, model: nn.Module) -> "RolloutWeights | None":
+    """The dense copy `rollout.base_weights = choice` asks for, or None: "nf4", "auto" when the copy
+    would take more than AUTO_SHARE of the memory free now on the model's device, or a model with
+    no NF4 layers (it is dense already)."""
     layers = _nf4(model)
-    if not layers:
-        return False
-    return use_dense("auto", dense_bytes(model), _free_bytes(layers[0].qweight.device))
+    if not layers or not use_dense(choice, dense_bytes(model), _free_bytes(layers[0].qweight.device)):
+        return None
+    return RolloutWeights(model)
 
 
 def _merged(m: NF4Linear, ct: torch.dtype) -> Tensor:

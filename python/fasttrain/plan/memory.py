@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fasttrain.nn.rollout_weights import use_dense
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
 
@@ -251,15 +252,16 @@ def _prefix_shape(s: RunShape) -> tuple[int, int, int, int]:
 
 
 def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
-    w, L, H = m.w, m.layers, m.hidden
+    w, H = m.w, m.hidden
     c = _compute_bytes(m, dev)
     T, S = s.new_tokens, s.seq
     U, P, mb, A = _prefix_shape(s)
     N = _prefix_tokens(U, P, mb, A)
+    inputs = _prefix_inputs(m, U, P, mb, A)
     # the layers: the previous layer's output is the input of the one running
-    layers = _prefix_inputs(m, U, P, mb, A) + _prefix_layer_live(m, U, P, mb, A, c)
+    layers = inputs + _prefix_layer_live(m, U, P, mb, A, c)
     # after them: the last layer's output, the hidden rows that predict the answers and their norm
-    final = _prefix_inputs(m, U, P, mb, A) + N * H * w + 2 * mb * T * H * w
+    final = inputs + N * H * w + 2 * mb * T * H * w
     act = max(layers, final) + mb * S * 16                              # the micro-batch's ids and positions
     outputs = s.rows * T * 4 * (int(s.need_ref) + 2 * int(s.need_old))   # ref, old log-probs, entropy
     head = mb * T * H * w + _logprob_head(m, dev, mb * T, grad=False)    # after the forward's buffers are gone
@@ -309,7 +311,6 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
         if m.adapter_kind == "dora":
             workspace += max(o * i for o, i in m.projections) * 8   # the fp64 ‖W‖² pass at attach time
     resident = res["nf4_base"] + res["dense_parts"] + res["adapter_masters"] + res.get("dora_norms", 0)
-    from fasttrain.nn.rollout_weights import use_dense
     dense = use_dense(s.rollout_weights, m.linear_params * m.w, dev.free - resident)
     base = {"nf4_base": res["nf4_base"], "dense_parts": res["dense_parts"],
             "adapter_masters": res["adapter_masters"], "dora_norms": res.get("dora_norms", 0),

@@ -11,6 +11,7 @@ depend on which other prompts share the batch); temperature 0 is greedy.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -72,7 +73,10 @@ def _default_pad(model, eos: list[int]) -> int:
     return eos[0] if eos else 0
 
 
-_NOISE_POOL: list = []
+@functools.lru_cache(maxsize=None)
+def _noise_pool(workers: int):
+    from concurrent.futures import ThreadPoolExecutor
+    return ThreadPoolExecutor(workers, thread_name_prefix="fasttrain-noise")
 
 
 def _exponential_noise(noise: Tensor, gens: list, rows: int) -> Tensor:
@@ -85,16 +89,13 @@ def _exponential_noise(noise: Tensor, gens: list, rows: int) -> Tensor:
         for i, gen in enumerate(gens):
             noise[i * rows:(i + 1) * rows].exponential_(generator=gen)
         return noise
-    if not _NOISE_POOL or _NOISE_POOL[0]._max_workers != threads:
-        from concurrent.futures import ThreadPoolExecutor
-        _NOISE_POOL[:] = [ThreadPoolExecutor(threads, thread_name_prefix="fasttrain-noise")]
     inference = torch.is_inference_mode_enabled()   # thread-local: the pool's threads take the caller's
 
     def draw(i: int, gen) -> None:
         with torch.inference_mode(inference), torch.no_grad():
             noise[i * rows:(i + 1) * rows].exponential_(generator=gen)
 
-    list(_NOISE_POOL[0].map(draw, range(len(gens)), gens))
+    list(_noise_pool(threads).map(draw, range(len(gens)), gens))
     return noise
 
 

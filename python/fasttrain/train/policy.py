@@ -90,9 +90,5 @@ def adapter_parameters(model: torch.nn.Module, params) -> dict[str, torch.nn.Par
 def rollout_weights(cfg: Config, model):
     """The rollout's dense weights (fasttrain.nn.RolloutWeights) per `rollout.base_weights`, or None
     when the rollout decodes from the NF4 layers."""
-    from fasttrain.nn import RolloutWeights
-    from fasttrain.nn.rollout_weights import fits
-    choice = cfg.rollout.base_weights
-    if choice == "nf4" or (choice == "auto" and not fits(model)):
-        return None
-    return RolloutWeights(model)
+    from fasttrain.nn.rollout_weights import rollout_weights_for
+    return rollout_weights_for(cfg.rollout.base_weights, model)
