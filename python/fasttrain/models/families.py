@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Family", "FAMILIES", "SUPPORTED_FAMILIES", "family_of", "family_of_type", "text_config"]
+__all__ = ["Family", "FAMILIES", "SUPPORTED_FAMILIES", "family_of", "family_of_type", "nf4_targets", "text_config"]
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,10 @@ LLAMA = Family(
 # Qwen3.5 (transformers' qwen3_5 / qwen3_5_text): Gated DeltaNet layers (linear_attn) and gated
 # full-attention layers (self_attn), each followed by a SwiGLU MLP. in_proj_b and in_proj_a are
 # narrow (one output per value head) and feed sigmoid / softplus·exp: the write strength and the
-# decay of the recurrent state, which every later token reads. Measured with NF4 on random and
-# heavy-tailed (Student-t) weights (docs/hybrid_models.md, bench/nf4_hybrid_error.py): quantizing
-# them adds logit error for 0.01% of the layer's bytes, so they stay 16-bit.
+# decay of the recurrent state, which every later token reads. Measured (bench/nf4_hybrid_error.py,
+# bench/results/nf4_hybrid_error.md; Gaussian and Student-t weights): alone in NF4 they add a mean
+# |Δ logit| of 0.0007-0.0010 for 0.3% of the projection bytes, about 9x the error per byte of
+# in_proj_qkv/z + out_proj, so they stay 16-bit (0.1% of the 27B's projection weights).
 QWEN3_5 = Family(
     name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text"),
     projections=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -61,6 +62,16 @@ def family_of(model, where: str = "model") -> Family:
         model = model.get_base_model()
     cfg = getattr(model, "config", model)
     return family_of_type(getattr(cfg, "model_type", None), where)
+
+
+def nf4_targets(model) -> tuple[str, ...]:
+    """The projections to quantize to NF4 in `model`'s family (its projections but the 16-bit ones);
+    a model outside the families (a user factory's Llama-like model) gets the Llama names."""
+    try:
+        f = family_of(model)
+    except ValueError:
+        f = LLAMA
+    return tuple(p for p in f.projections if p not in f.keep_16bit)
 
 
 def text_config(config):

@@ -144,15 +144,22 @@ class HybridDecoder(LlamaFamilyDecoder):
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
 
+    def attention_inputs(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """h [B, S, H] -> q [B, nh, S, D], k, v [B, kv, S, D] (normed, rotated) and the output gate
+        [B, S, nh·D] (q_proj's output holds query and gate interleaved per head)."""
+        B, S, _ = h.shape
+        D = self.head_dim
+        qg, k, v = self._project(h, (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, gate = qg.view(B, S, self.n_heads, 2 * D).chunk(2, dim=-1)
+        q = attn.q_norm(q).transpose(1, 2)
+        k = attn.k_norm(k.view(B, S, self.n_kv, D)).transpose(1, 2)
+        v = v.view(B, S, self.n_kv, D).transpose(1, 2)
+        return rotate_partial(q, cos, sin), rotate_partial(k, cos, sin), v, gate.reshape(B, S, self.n_heads * D)
+
     def _attention(self, attn, h: Tensor, cos: Tensor, sin: Tensor, kv, start, mask: Tensor) -> Tensor:
         B, S, _ = h.shape
         D, G = self.head_dim, self.group
-        qg, k, v = self._project(h, (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, gate = qg.view(B, S, self.n_heads, 2 * D).chunk(2, dim=-1)
-        q = attn.q_norm(q).transpose(1, 2)                                   # [B, nh, S, D]
-        k = attn.k_norm(k.view(B, S, self.n_kv, D)).transpose(1, 2)
-        v = v.view(B, S, self.n_kv, D).transpose(1, 2)
-        q, k = rotate_partial(q, cos, sin), rotate_partial(k, cos, sin)
+        q, k, v, gate = self.attention_inputs(attn, h, cos, sin)
         static = isinstance(start, Tensor)
         end = kv[0].shape[2] if static else start + S
         if static:
@@ -170,21 +177,17 @@ class HybridDecoder(LlamaFamilyDecoder):
                 keys, values = keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
             o = o.transpose(1, 2).reshape(B, S, self.n_heads * D)
-        o = o * torch.sigmoid(gate.reshape(B, S, self.n_heads * D))
+        o = o * torch.sigmoid(gate)
         return self._project(o, (attn.o_proj,))[0]
 
     def _delta(self, la, h: Tensor, conv: Tensor, rec: Tensor, valid: Tensor | None,
                active: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         B, S, _ = h.shape
-        if valid is not None:
-            h = h * valid[..., None].to(h.dtype)                              # padded positions: exactly 0
-        qkv, z, b, a = self._project(h, (la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a))
+        qkv, z, beta, g = self.delta_inputs(la, h, valid)
         w = la.conv1d.weight[:, 0]                                           # [C, K]
-        beta = b.sigmoid()
-        g = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)     # [B, S, Hv]
         if S == 1 and valid is None:
             y, conv_new = causal_conv1d_step(qkv[:, 0], w, conv)
-            q, k, v = self._split(y[:, None])
+            q, k, v = self.split_qkv(y[:, None])
             o, rec_new = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0].to(rec.dtype), beta[:, 0], rec)
             o = o[:, None]
             if active is not None:
@@ -193,13 +196,27 @@ class HybridDecoder(LlamaFamilyDecoder):
                 rec_new = torch.where(keep.view(B, 1, 1, 1), rec_new, rec)
         else:
             y, conv_new = causal_conv1d(qkv, w, conv)
-            q, k, v = self._split(y)
+            q, k, v = self.split_qkv(y)
             o, rec_new = gated_delta_rule(q, k, v, g.to(rec.dtype), beta, initial_state=rec)
             rec_new = rec_new.to(rec.dtype)
-        o = la.norm(o.reshape(-1, self.Dv), z.reshape(-1, self.Dv)).reshape(B, S, -1)
-        return self._project(o, (la.out_proj,))[0], conv_new, rec_new
+        return self.delta_output(la, o, z), conv_new, rec_new
 
-    def _split(self, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def delta_inputs(self, la, h: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """h [B, S, H] (valid bool [B, S] zeroes padded positions first, as transformers does) ->
+        qkv [B, S, C] before the conv, z [B, S, Hv·Dv], beta and g [B, S, Hv] (g float32)."""
+        if valid is not None:
+            h = h * valid[..., None].to(h.dtype)
+        qkv, z, b, a = self._project(h, (la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a))
+        g = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
+        return qkv, z, b.sigmoid(), g
+
+    def delta_output(self, la, o: Tensor, z: Tensor) -> Tensor:
+        """The gated RMSNorm of the delta rule's output o [B, S, Hv, Dv] with silu(z), then out_proj."""
+        B, S = o.shape[:2]
+        o = la.norm(o.reshape(-1, self.Dv), z.reshape(-1, self.Dv)).reshape(B, S, -1)
+        return self._project(o, (la.out_proj,))[0]
+
+    def split_qkv(self, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Conv output [B, S, C] -> q, k [B, S, Hk, Dk] L2-normalised in float32 (float64 for a
         float64 model), v [B, S, Hv, Dv] in the model's dtype."""
         B, S, _ = y.shape

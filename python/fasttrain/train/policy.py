@@ -43,7 +43,8 @@ def build_policy(cfg: Config, device: torch.device):
     for prm in model.parameters():
         prm.requires_grad_(False)
     if p.quantize == "nf4":
-        quantize_model(model)
+        from fasttrain.models.families import nf4_targets
+        quantize_model(model, targets=nf4_targets(model))
     torch.manual_seed(cfg.run.seed)                       # adapter init is part of the run's seed
     params = attach_adapters(model, kind=p.adapter, r=p.rank, alpha=p.alpha, rslora=p.rslora,
                              targets=list(p.targets) or None)
