@@ -226,6 +226,7 @@ class Trainer:
             self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
         passes = result.passes
+        gap = self._logprob_gap(roll, result, mask)
         # entropy of the pre-update policy (scored before the update, or by its first pass), all ranks
         n_tok, n_loss, ent_sum = distributed.sum_values(
             [float(mask.sum()), float(loss_mask.sum()), float((result.entropy * mask).sum())])
@@ -259,6 +260,7 @@ class Trainer:
             "clip_high_frac": last.get("clip_high_frac", math.nan),
             "cap_frac": last.get("cap_frac", math.nan),
             "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
+            **gap,
             "tokens": n_tok, "loss_tokens": n_loss,
             "mean_length": n_tok / len(scores), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -274,6 +276,18 @@ class Trainer:
                    "reasons": [s.reason for s in scores]}
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
+
+    @staticmethod
+    def _logprob_gap(roll, result, mask) -> dict[str, float]:
+        """rollout_logprob_gap (mean) and rollout_logprob_gap_max: |Δ log p| of the sampled tokens
+        between the rollout's decode and the update's forward on the pre-update policy, every rank's tokens."""
+        from fasttrain.rl.logprob_gap import logprob_gap_parts
+        if result is None or result.old_logp is None:
+            return {"rollout_logprob_gap": math.nan, "rollout_logprob_gap_max": math.nan}
+        total, top, n = logprob_gap_parts(roll.logprobs, result.old_logp, mask)
+        total, n = distributed.sum_values([total, float(n)])
+        return {"rollout_logprob_gap": total / max(n, 1.0),
+                "rollout_logprob_gap_max": max(distributed.gather_list([top]))}
 
     def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]]):
         """(scores, answer texts) of the whole step in the one-process order, on every rank. A
