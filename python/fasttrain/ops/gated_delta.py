@@ -11,8 +11,9 @@ fasttrain.ops.reference.gated_delta_rule (one token at a time); this face comput
 Which implementation runs: the reference when the kernels are set to "reference"; on CUDA,
 flash-linear-attention's chunked kernel when the package is installed (`fasttrain[gpu]`);
 otherwise the chunked form below in plain PyTorch, whose backward (including the gradient of the
-initial state) is autograd's. There is no fused CPU kernel: on the CPU the delta rule and the conv
-are a small share of a hybrid step (bench/results/hybrid_step_profile.md).
+initial state) is autograd's. There is no fused CPU kernel yet: measured on the benchmark hybrid,
+the delta rule and the conv are ~45% of the update's forward+backward and ~23% of a step on a CPU,
+nothing in the decode (bench/results/hybrid_step_profile.md), so a kernel could gain at most ~1.3x.
 
 The chunked form (the WY representation of DeltaNet, Yang et al. 2024, as flash-linear-attention
 computes it). Within a chunk of C tokens let Γ_t = Σ_{s<=t} g_s (so e^{Γ_t − Γ_s} <= 1 for s <= t)

@@ -29,7 +29,8 @@ import torch
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
 from fasttrain.train import distributed
 from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers
-from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from fasttrain.train.checkpoint import (check_family, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint,
+                                        set_rng_state)
 from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device, rollout_weights
@@ -335,8 +336,18 @@ class Trainer:
             self.trackers.log_probe(res)
         return res
 
+    def _family(self) -> dict[str, str]:
+        """The policy's model family and model_type, kept in checkpoints so a resume on another
+        family's model is refused by name (its adapters would not fit)."""
+        from fasttrain.models.families import family_of
+        model_type = str(getattr(getattr(self.model, "config", None), "model_type", "unknown"))
+        try:
+            return {"family": family_of(self.model).name, "model_type": model_type}
+        except ValueError:
+            return {"family": model_type, "model_type": model_type}
+
     def _state(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
+        return {"run_id": self.run_id, **self._family(), "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
                 "warnings": self.warnings, "zeta_log": self.zeta_log}
 
@@ -377,6 +388,7 @@ class Trainer:
         return tr
 
     def _restore(self, ckpt: Path) -> None:
+        check_family(ckpt, self._family(), self.dir)
         meta = load_checkpoint(ckpt, self.named_params, self.optimizer)
         self.step = int(meta["step"])
         self.thermostat.load_state_dict(meta["thermostat"])
