@@ -51,6 +51,11 @@ def _checkpoint_step(ckpt: Path | None) -> int:
     return int(json.loads((ckpt / "trainer_state.json").read_text())["step"]) if ckpt is not None else 0
 
 
+def _env_counters(env) -> dict[str, int]:
+    f = getattr(env, "counters", None)
+    return {k: int(v) for k, v in f().items()} if callable(f) else {}
+
+
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**62)
 
@@ -263,7 +268,8 @@ class Trainer:
             "mean_length": n_tok / len(scores), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
             # a plug-in's batch verifier that raised or returned the wrong length (run total)
-            "verifier_batch_failures": int(getattr(self.env, "batch_failures", 0)),
+            "verifier_batch_failures": 0,
+            **_env_counters(self.env),                        # the environment's run totals
             **{f"seconds_{k}": v for k, v in times.items()},
         }
         row["seconds_step"] = sum(times.values())
@@ -324,7 +330,9 @@ class Trainer:
     def _state(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
-                "warnings": self.warnings, "zeta_log": self.zeta_log}
+                "warnings": self.warnings, "zeta_log": self.zeta_log,
+                # the environment's counters and state (plug-in wrapper, dataset rewards), if any
+                "env": self.env.state_dict() if callable(getattr(self.env, "state_dict", None)) else None}
 
     def _checkpoint(self, sync: bool = True) -> None:
         if self.main:
@@ -384,6 +392,8 @@ class Trainer:
             for r in samples:
                 ps = [by_id[i] for i in r["prompt_ids"] for _ in range(self.cfg.rollout.group_size)]
                 score_answers(self.env, ps, r["answers"], self.cfg.env.train_slice, record=True)
+        if meta.get("env") is not None:     # after the replay, which would count its failures again
+            self.env.load_state_dict(meta["env"])
         self.console.print(f"resumed {self.run_id} at step {self.step} from {ckpt.name}")
 
     # ---- the loop ---------------------------------------------------------------------------
