@@ -29,7 +29,7 @@ import torch
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
 from fasttrain.train import distributed
 from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers
-from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from fasttrain.train.checkpoint import load_checkpoint, pick_checkpoint, rng_state, save_checkpoint, set_rng_state
 from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device, rollout_weights
@@ -357,17 +357,20 @@ class Trainer:
 
     # ---- resume -----------------------------------------------------------------------------
     @classmethod
-    def resume(cls, run_dir: str | Path, overrides: list[str] | None = None, **kw) -> "Trainer":
+    def resume(cls, run_dir: str | Path, overrides: list[str] | None = None, from_step: int | None = None,
+               **kw) -> "Trainer":
+        """The run in `run_dir`, continued from its newest whole checkpoint (each is checked
+        against its manifest; a damaged one is passed over with a warning), or from checkpoint
+        `from_step`. CheckpointError when none can be used."""
         run_dir = Path(run_dir)
         cfg_file = run_dir / "config.toml"
         if not cfg_file.exists():
             raise FileNotFoundError(f"--resume {run_dir}: no config.toml there (not a fasttrain run folder)")
         import tomllib
         cfg = load_config(tomllib.loads(cfg_file.read_text()), overrides)
+        ckpt, notes = pick_checkpoint(run_dir / "checkpoints", from_step)   # before the model loads
         tr = cls(cfg, run_dir, **kw)
-        tr._resume_from = latest_checkpoint(run_dir / "checkpoints")
-        if tr._resume_from is None:
-            raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under checkpoints/")
+        tr._resume_from, tr._resume_notes = ckpt, notes
         return tr
 
     def _restore(self, ckpt: Path) -> None:
@@ -379,6 +382,8 @@ class Trainer:
         self.warnings = list(meta["warnings"])
         self.zeta_log = list(meta["zeta_log"])
         set_rng_state(meta["rng"])
+        for note in getattr(self, "_resume_notes", []):
+            self._warn(self.step, f"{note}; resuming from {ckpt.name}")
         keep = [r for r in read_jsonl(self.dir / "metrics.jsonl") if r["step"] <= self.step]
         samples = [r for r in read_jsonl(self.dir / "samples.jsonl") if r["step"] <= self.step]
         self.probes = [r for r in read_jsonl(self.dir / "probes.jsonl") if r["step"] <= self.step]
