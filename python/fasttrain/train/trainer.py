@@ -30,7 +30,8 @@ from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_c
 from fasttrain.train import distributed
 from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers
 from fasttrain.train.checkpoint import load_checkpoint, pick_checkpoint, rng_state, save_checkpoint, set_rng_state
-from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
+                                    resume_changes)
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device, rollout_weights
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
@@ -40,15 +41,19 @@ from fasttrain.train.trackers import Trackers
 
 __all__ = ["Trainer", "TrainingStopped"]
 
-MAX_NONFINITE = 3
-
 
 class TrainingStopped(RuntimeError):
-    """The run cannot continue (three non-finite losses in a row); the message says why."""
+    """The run cannot continue (optim.max_skipped_steps non-finite losses in a row, non-finite
+    adapters at a checkpoint); the message says why and how to go on."""
 
 
 def _checkpoint_step(ckpt: Path | None) -> int:
     return int(json.loads((ckpt / "trainer_state.json").read_text())["step"]) if ckpt is not None else 0
+
+
+def _last_checkpoint_name(root: Path) -> str:
+    steps = sorted(p.name for p in root.glob("step_*") if not p.name.endswith(".tmp"))
+    return steps[-1] if steps else "none: the run must start again"
 
 
 def _env_counters(env) -> dict[str, int]:
@@ -334,7 +339,24 @@ class Trainer:
                 # the environment's counters and state (plug-in wrapper, dataset rewards), if any
                 "env": self.env.state_dict() if callable(getattr(self.env, "state_dict", None)) else None}
 
+    def _nonfinite_state(self) -> str | None:
+        """The first adapter tensor or optimizer moment that holds a NaN or an infinity, or None."""
+        for n, p in self.named_params.items():
+            if not bool(torch.isfinite(p).all()):
+                return f"adapter {n}"
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    return f"AdamW {k} of {n}"
+        return None
+
     def _checkpoint(self, sync: bool = True) -> None:
+        bad = self._nonfinite_state()        # every rank holds the same adapters: all stop alike
+        if bad is not None:
+            last = _last_checkpoint_name(self.dir / "checkpoints")
+            raise TrainingStopped(
+                f"step {self.step}: {bad} is not finite, so no checkpoint was written (the last one, {last}, "
+                f"is whole). Resume from it with a lower rate: `fasttrain run --resume {self.dir} "
+                f"--set optim.lr={self.cfg.optim.lr / 10:g}` (or try optim.grad_clip, policy.dtype=float32).")
         if self.main:
             save_checkpoint(self.dir / "checkpoints", self.step, self.model, self.named_params, self.optimizer,
                             self._state(), base_model=self.cfg.policy.model)
@@ -367,10 +389,13 @@ class Trainer:
         if not cfg_file.exists():
             raise FileNotFoundError(f"--resume {run_dir}: no config.toml there (not a fasttrain run folder)")
         import tomllib
-        cfg = load_config(tomllib.loads(cfg_file.read_text()), overrides)
+        saved = tomllib.loads(cfg_file.read_text())
+        cfg = load_config(saved, overrides)
+        changes = resume_changes(load_config(saved), cfg)                # refuses what may not change
         ckpt, notes = pick_checkpoint(run_dir / "checkpoints", from_step)   # before the model loads
         tr = cls(cfg, run_dir, **kw)
         tr._resume_from, tr._resume_notes = ckpt, notes
+        tr._resume_changes = changes
         return tr
 
     def _restore(self, ckpt: Path) -> None:
@@ -384,6 +409,10 @@ class Trainer:
         set_rng_state(meta["rng"])
         for note in getattr(self, "_resume_notes", []):
             self._warn(self.step, f"{note}; resuming from {ckpt.name}")
+        for g in self.optimizer.param_groups:      # the config's rate, which --set may have changed
+            g["lr"] = self.cfg.optim.lr
+        for key, (old, new) in getattr(self, "_resume_changes", {}).items():
+            self._warn(self.step, f"resumed at step {self.step} with {key} = {new!r} (was {old!r})")
         keep = [r for r in read_jsonl(self.dir / "metrics.jsonl") if r["step"] <= self.step]
         samples = [r for r in read_jsonl(self.dir / "samples.jsonl") if r["step"] <= self.step]
         self.probes = [r for r in read_jsonl(self.dir / "probes.jsonl") if r["step"] <= self.step]
@@ -476,13 +505,13 @@ class Trainer:
                     if step % ckpt_every == 0 or step == cfg.run.steps:
                         self._checkpoint()
                     self._show(bar, row, probe)
-                    if self.nonfinite_in_row >= MAX_NONFINITE:
+                    if self.nonfinite_in_row >= cfg.optim.max_skipped_steps:
                         self._checkpoint()
                         raise TrainingStopped(
-                            f"stopped at step {step}: {MAX_NONFINITE} non-finite losses in a row. The adapters "
-                            f"were not updated by those steps; try a lower optim.lr (now {cfg.optim.lr}), "
-                            f"optim.grad_clip, or policy.dtype=float32. Resume with "
-                            f"`fasttrain run --resume {self.dir}`.")
+                            f"stopped at step {step}: {self.nonfinite_in_row} non-finite losses in a row "
+                            f"(optim.max_skipped_steps = {cfg.optim.max_skipped_steps}). The adapters were not "
+                            f"updated by those steps; try a lower rate or clipping, or policy.dtype=float32: "
+                            f"`fasttrain run --resume {self.dir} --set optim.lr={cfg.optim.lr / 10:g}`.")
             except KeyboardInterrupt:
                 interrupted = True
                 self._checkpoint(sync=False)    # ranks are interrupted at different points
