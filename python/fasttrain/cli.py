@@ -93,6 +93,7 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
     """Train a policy with RECIPE (default: the CPU demo) and write runs/<run-id>/."""
     from fasttrain.train import ConfigError, Trainer, TrainingStopped, distributed, load_config
     from fasttrain.train.checkpoint import CheckpointError
+    from fasttrain.train.preemption import EXIT_PREEMPTED, Preempted
 
     from_step = _from_step(from_, resume)
     if nproc > 1:
@@ -111,6 +112,14 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
         _fail(str(e))
     except TrainingStopped as e:
         _fail(str(e))
+    except Preempted:
+        # stopped by SIGTERM / SIGUSR1 at a safe point, its checkpoint written (the trainer said so):
+        # status 75 (EX_TEMPFAIL) tells a scheduler to requeue; --resume continues the same run
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if distributed.world_size() > 1:
+            os._exit(EXIT_PREEMPTED)
+        raise typer.Exit(EXIT_PREEMPTED)
     except distributed.RankLost as e:
         # The process group is broken (a peer is gone): its backend threads can abort the interpreter's
         # normal exit (gloo: "terminate called without an active exception", SIGABRT), which would

@@ -1,10 +1,14 @@
-"""Environments whose scoring misbehaves deterministically, for the kill-and-resume tests.
+"""Environments whose scoring misbehaves deterministically, for the kill-and-resume tests, and
+`run_in_child`: a function run in a forked child (torch is imported once), its end as a status.
 
 `flaky_env`: the tiny letter environment whose batch verifier raises whenever the batch's answers
 have an odd total length (the wrapper then scores them one by one and counts the failure).
 `novelty_env`: a stateful plug-in (its score_many takes `record`): an answer seen before in
 training scores 0.5 less, and its batch verifier fails as the flaky one does."""
 from __future__ import annotations
+
+import os
+import traceback
 
 from tiny_world import LetterEnv
 
@@ -51,3 +55,21 @@ def flaky_env() -> FlakyBatchEnv:
 
 def novelty_env() -> NoveltyEnv:
     return NoveltyEnv()
+
+
+def run_in_child(fn) -> int:
+    """Run fn() in a forked child: its exit status (a SystemExit's code; 1 if it raised), or minus
+    the signal that killed it."""
+    pid = os.fork()
+    if pid == 0:                                             # pragma: no cover (the child)
+        code = 0
+        try:
+            fn()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)

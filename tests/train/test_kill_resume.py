@@ -9,7 +9,6 @@ checkpoint write (its folder complete, not yet renamed), and in the middle of an
 import json
 import os
 import signal
-import traceback
 from pathlib import Path
 
 import pytest
@@ -28,22 +27,6 @@ def _rows(path: Path) -> list[dict]:
 
 def _final_params(run: Path) -> dict:
     return load_file(str(run / "checkpoints" / f"step_{STEPS:06d}" / "trainer_state.safetensors"))
-
-
-def run_in_child(fn) -> int:
-    """Run fn in a forked child; the signal that ended it (0 if it returned)."""
-    pid = os.fork()
-    if pid == 0:                                             # pragma: no cover (the child)
-        code = 0
-        try:
-            fn()
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert not os.WIFEXITED(status) or os.WEXITSTATUS(status) == 0, "the child raised (see its output)"
-    return os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
 
 
 def _die() -> None:
@@ -104,6 +87,7 @@ ENVS = {"flaky_plugin": lambda tiny: {"env.name": "fault_world:flaky_env"},
 
 @pytest.mark.parametrize("kind", list(ENVS))
 def test_sigkill_at_several_points_then_resume_equals_the_uninterrupted_run(kind, tiny, tiny_recipe, monkeypatch):
+    from fault_world import run_in_child
     env = ENVS[kind](tiny)
     full = Trainer(load_config(_recipe(tiny_recipe, tiny / "full", env)), progress=False)
     full.train()
@@ -123,9 +107,9 @@ def test_sigkill_at_several_points_then_resume_equals_the_uninterrupted_run(kind
             resume()
         return run_in_child(go)
 
-    assert killed(lambda m: _kill_before_samples_of(3, m)) == signal.SIGKILL      # checkpoint 2 stands
-    assert killed(lambda m: _kill_inside_checkpoint_of(4, m)) == signal.SIGKILL   # 3, 4 again; 2 stands
-    assert killed(lambda m: _kill_in_update_number(3, m)) == signal.SIGKILL       # 3, 4 (checkpoint), in 5
+    assert killed(lambda m: _kill_before_samples_of(3, m)) == -signal.SIGKILL      # checkpoint 2 stands
+    assert killed(lambda m: _kill_inside_checkpoint_of(4, m)) == -signal.SIGKILL   # 3, 4 again; 2 stands
+    assert killed(lambda m: _kill_in_update_number(3, m)) == -signal.SIGKILL       # 3, 4 (checkpoint), in 5
     assert run_in_child(resume) == 0                                             # 5, 6
     for f in ("metrics.jsonl", "samples.jsonl", "probes.jsonl"):
         assert _rows(run_dir / f) == _rows(full.dir / f), f

@@ -45,6 +45,8 @@ class RunSection:
                                             # for the others before it stops (one died or hangs)
     # experiment trackers fed every metrics line: any of "tensorboard", "wandb", "mlflow", "trackio"
     report_to: tuple[str, ...] = ()
+    stop_timeout: float = 60.0              # after SIGTERM/SIGUSR1: seconds to reach a safe point and
+                                            # checkpoint, else leave (the last checkpoint stands)
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "run.checkpoint_every": (lambda v: v >= 0, "an integer >= 0"),
     "run.threads": (lambda v: v >= 0, "an integer >= 0"),
     "run.dist_timeout": (lambda v: v > 0, "a number of seconds > 0"),
+    "run.stop_timeout": (lambda v: v > 0, "a number of seconds > 0"),
     "run.report_to": (lambda v: all(x in ("tensorboard", "wandb", "mlflow", "trackio") for x in v)
                       and len(set(v)) == len(v),
                       'a list of distinct tracker names among "tensorboard", "wandb", "mlflow", "trackio"'),
@@ -442,7 +445,7 @@ def config_hash(cfg: Config) -> str:
 # making its past steps another run's (cadence, length, learning rate, where metrics go). Every
 # other key is the run's identity; changing it mid-run would make a run no recipe describes.
 RESUME_CHANGEABLE = ("run.steps", "run.checkpoint_every", "run.report_to", "run.threads", "run.dist_timeout",
-                     "optim.lr", "optim.max_skipped_steps", "probe.every")
+                     "run.stop_timeout", "optim.lr", "optim.max_skipped_steps", "probe.every")
 
 
 def resume_changes(saved: Config, new: Config) -> dict[str, tuple[Any, Any]]:

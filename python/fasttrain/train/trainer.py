@@ -19,7 +19,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
+import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +38,12 @@ from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device, rollout_weights
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
+from fasttrain.train.preemption import Preempted, StopSignals
 from fasttrain.train.probe import run_probe, select_shipped
 from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
 from fasttrain.train.trackers import Trackers
 
-__all__ = ["Trainer", "TrainingStopped"]
+__all__ = ["Trainer", "TrainingStopped", "Preempted"]
 
 
 class TrainingStopped(RuntimeError):
@@ -94,6 +98,8 @@ class Trainer:
         self.zeta_log: list[float] = []
         self.trackers = Trackers([], print)       # started by train() from run.report_to
         self._setup_done = False
+        self._stop: StopSignals | None = None     # while train() runs: SIGTERM / SIGUSR1
+        self._checkpointed_step = -1
 
     # ---- set-up ---------------------------------------------------------------------------
     def _check_channels(self) -> None:
@@ -196,11 +202,13 @@ class Trainer:
         torch.manual_seed(step_seed(cfg.run.seed, step, 1))
         prompts = self._prompts_for_step(step)
         lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
-        roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts[lo:hi], group_size=R.group_size,
-                                     max_new_tokens=R.max_new_tokens, temperature=R.temperature,
-                                     seed=group_seeds([cfg.run.seed, step], lo, hi), answer_prefix=R.answer_prefix,
-                                     stop_strings=R.stop_strings, weights=self.rollout_weights,
-                                     compile_decode=R.compile)
+        # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
+        with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
+            roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts[lo:hi],
+                                         group_size=R.group_size, max_new_tokens=R.max_new_tokens,
+                                         temperature=R.temperature, seed=group_seeds([cfg.run.seed, step], lo, hi),
+                                         answer_prefix=R.answer_prefix, stop_strings=R.stop_strings,
+                                         weights=self.rollout_weights, compile_decode=R.compile)
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
         scores, texts = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll))  # whole step, every rank
@@ -302,6 +310,13 @@ class Trainer:
         both = distributed.gather_list(list(zip(mine, texts)))
         return [sc for sc, _ in both], [tx for _, tx in both]
 
+    def _say(self, msg: str) -> None:
+        """A line on the console (every rank under torchrun: a stop concerns each)."""
+        if distributed.world_size() > 1:
+            print(f"[rank {distributed.rank()}] {msg}", file=sys.stderr, flush=True)
+        else:
+            self.console.print(msg, markup=False, highlight=False)
+
     def _warn(self, step: int, msg: str) -> None:
         self.warnings.append({"step": step, "message": msg})
         self.console.print(f"[yellow]warning:[/yellow] {msg}")
@@ -360,6 +375,7 @@ class Trainer:
         if self.main:
             save_checkpoint(self.dir / "checkpoints", self.step, self.model, self.named_params, self.optimizer,
                             self._state(), base_model=self.cfg.policy.model)
+        self._checkpointed_step = self.step
         if sync:
             distributed.barrier()      # no rank runs ahead of the newest complete checkpoint
 
@@ -400,7 +416,7 @@ class Trainer:
 
     def _restore(self, ckpt: Path) -> None:
         meta = load_checkpoint(ckpt, self.named_params, self.optimizer)
-        self.step = int(meta["step"])
+        self.step = self._checkpointed_step = int(meta["step"])
         self.thermostat.load_state_dict(meta["thermostat"])
         self.nonfinite_in_row = meta["nonfinite_in_row"]
         self.low_share_in_row = meta["low_share_in_row"]
@@ -485,8 +501,9 @@ class Trainer:
                                                "torch": torch.__version__, "started": time.time(),
                                                "world_size": distributed.world_size()})
         ckpt_every = cfg.run.checkpoint_every or cfg.probe.every or cfg.run.steps
-        interrupted = False
-        with self._progress_bar() as bar:
+        interrupted, preempted = False, None
+        self._stop = StopSignals(cfg.run.stop_timeout, self._say)
+        with self._stop, self._progress_bar() as bar:
             try:
                 if self.step == 0 and not self.probes:
                     self._show(bar, None, self._probe(0))
@@ -512,11 +529,22 @@ class Trainer:
                             f"(optim.max_skipped_steps = {cfg.optim.max_skipped_steps}). The adapters were not "
                             f"updated by those steps; try a lower rate or clipping, or policy.dtype=float32: "
                             f"`fasttrain run --resume {self.dir} --set optim.lr={cfg.optim.lr / 10:g}`.")
+                    if self._stop.agreed(distributed.any_rank):        # every rank stops after this step
+                        raise Preempted(self._stop.requested or signal.SIGTERM)
+            except Preempted as e:
+                if self._checkpointed_step != self.step:
+                    self._checkpoint()
+                preempted = Preempted(e.signum, self.step)
             except KeyboardInterrupt:
                 interrupted = True
                 self._checkpoint(sync=False)    # ranks are interrupted at different points
                 self.console.print(f"[yellow]interrupted at step {self.step}[/yellow]: checkpoint saved; "
                                    f"continue with `fasttrain run --resume {self.dir}`")
+        self._stop = None
+        if preempted is not None:
+            self._say(f"stopped by {preempted.name} after step {self.step}: its checkpoint is written; continue "
+                      f"with `fasttrain run --resume {self.dir}`")
+            raise preempted
         if not self.main:
             return {"run_id": self.run_id, "rank": distributed.rank(), "steps_done": self.step}
         shipped = self._ship()
