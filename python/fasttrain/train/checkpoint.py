@@ -17,6 +17,7 @@ it passed over and why (`pick_checkpoint`). No pickle anywhere.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import random
@@ -30,13 +31,21 @@ from safetensors.torch import load_file, save_file
 from fasttrain.train.run_files import write_json
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state",
-           "CheckpointError", "verify_checkpoint", "pick_checkpoint", "write_manifest"]
+           "CheckpointError", "newest_checkpoint_name", "verify_checkpoint", "pick_checkpoint", "write_manifest"]
 
 MANIFEST = "manifest.json"
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint of a run can be resumed from; the message names each one and what is wrong."""
+    """No checkpoint of a run can be resumed from, or one could not be written; the message names
+    the checkpoint, the file and what is wrong."""
+
+
+def newest_checkpoint_name(ckpt_root: Path) -> str:
+    """The newest complete checkpoint's folder name (for messages)."""
+    steps = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir() and _step_of(p) is not None
+                    and not p.name.endswith(".tmp")), key=_step_of)
+    return steps[-1].name if steps else "none (the run must start again)"
 
 
 def _sha256(path: Path) -> str:
@@ -133,6 +142,24 @@ def set_rng_state(st: dict[str, Any]) -> None:
 def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
                     optimizer: torch.optim.Optimizer, state: dict[str, Any], base_model: str,
                     keep: int = 2, keep_steps: set[int] | None = None) -> Path:
+    """Write checkpoint `step` (the module docstring's layout). A write that fails (a full or
+    read-only disk, no permission) removes the half-written folder, leaves the previous
+    checkpoints as they were and raises CheckpointError naming the file and the error."""
+    try:
+        return _save_checkpoint(ckpt_root, step, model, params, optimizer, state, base_model, keep, keep_steps)
+    except OSError as e:
+        shutil.rmtree(ckpt_root / f"step_{step:06d}.tmp", ignore_errors=True)
+        where = e.filename or ckpt_root
+        raise CheckpointError(f"could not write the checkpoint of step {step}: {where}: {e.strerror or e} "
+                              f"(errno {errno.errorcode.get(e.errno, e.errno)}). The previous checkpoint, "
+                              f"{newest_checkpoint_name(ckpt_root)}, is intact, and metrics.jsonl and "
+                              f"samples.jsonl hold every step so far. Free space or fix the folder's "
+                              f"permissions, then resume: `fasttrain run --resume {ckpt_root.parent}`") from None
+
+
+def _save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
+                     optimizer: torch.optim.Optimizer, state: dict[str, Any], base_model: str,
+                     keep: int, keep_steps: set[int] | None) -> Path:
     from fasttrain.nn import save_adapter
 
     ckpt_root.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ writes the run folder.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import shutil
@@ -32,7 +33,8 @@ import torch
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
 from fasttrain.train import distributed
 from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers
-from fasttrain.train.checkpoint import load_checkpoint, pick_checkpoint, rng_state, save_checkpoint, set_rng_state
+from fasttrain.train.checkpoint import (load_checkpoint, newest_checkpoint_name, pick_checkpoint, rng_state,
+                                        save_checkpoint, set_rng_state)
 from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
                                     resume_changes)
 from fasttrain.train.environment import load_run_env
@@ -53,11 +55,6 @@ class TrainingStopped(RuntimeError):
 
 def _checkpoint_step(ckpt: Path | None) -> int:
     return int(json.loads((ckpt / "trainer_state.json").read_text())["step"]) if ckpt is not None else 0
-
-
-def _last_checkpoint_name(root: Path) -> str:
-    steps = sorted(p.name for p in root.glob("step_*") if not p.name.endswith(".tmp"))
-    return steps[-1] if steps else "none: the run must start again"
 
 
 def _env_counters(env) -> dict[str, int]:
@@ -367,7 +364,7 @@ class Trainer:
     def _checkpoint(self, sync: bool = True) -> None:
         bad = self._nonfinite_state()        # every rank holds the same adapters: all stop alike
         if bad is not None:
-            last = _last_checkpoint_name(self.dir / "checkpoints")
+            last = newest_checkpoint_name(self.dir / "checkpoints")
             raise TrainingStopped(
                 f"step {self.step}: {bad} is not finite, so no checkpoint was written (the last one, {last}, "
                 f"is whole). Resume from it with a lower rate: `fasttrain run --resume {self.dir} "
@@ -531,6 +528,15 @@ class Trainer:
                             f"`fasttrain run --resume {self.dir} --set optim.lr={cfg.optim.lr / 10:g}`.")
                     if self._stop.agreed(distributed.any_rank):        # every rank stops after this step
                         raise Preempted(self._stop.requested or signal.SIGTERM)
+            except OSError as e:        # the run folder's disk is full, read-only or not ours
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
+                raise TrainingStopped(
+                    f"step {self.step}: cannot write {e.filename or self.dir}: {e.strerror} "
+                    f"(errno {errno.errorcode.get(e.errno, e.errno)}). The last checkpoint, "
+                    f"{newest_checkpoint_name(self.dir / 'checkpoints')}, is intact and the run files stay "
+                    f"readable (a line cut short is dropped on reading). Free space or fix the permissions, "
+                    f"then `fasttrain run --resume {self.dir}`.") from None
             except Preempted as e:
                 if self._checkpointed_step != self.step:
                     self._checkpoint()
