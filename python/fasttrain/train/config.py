@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = ["ConfigError", "Config", "load_config", "load_recipe", "recipe_path", "list_recipes",
-           "apply_overrides", "config_to_toml", "config_hash", "SEED_PRIORITIES"]
+           "apply_overrides", "config_to_toml", "config_hash", "SEED_PRIORITIES", "RESUME_CHANGEABLE",
+           "resume_changes"]
 
 
 class ConfigError(ValueError):
@@ -49,6 +50,8 @@ class RunSection:
                                             # for the others before it stops (one died or hangs)
     # experiment trackers fed every metrics line: any of "tensorboard", "wandb", "mlflow", "trackio"
     report_to: tuple[str, ...] = ()
+    stop_timeout: float = 60.0              # after SIGTERM/SIGUSR1: seconds to reach a safe point and
+                                            # checkpoint, else leave (the last checkpoint stands)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ class OptimSection:
     eps: float = 1e-8
     grad_clip: float = 1.0                  # max global gradient norm; 0 turns clipping off
     micro_batch: int = 8                    # answers per forward/backward
+    max_skipped_steps: int = 3              # non-finite losses in a row (updates skipped) before the run stops
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "run.checkpoint_every": (lambda v: v >= 0, "an integer >= 0"),
     "run.threads": (lambda v: v >= 0, "an integer >= 0"),
     "run.dist_timeout": (lambda v: v > 0, "a number of seconds > 0"),
+    "run.stop_timeout": (lambda v: v > 0, "a number of seconds > 0"),
     "run.report_to": (lambda v: all(x in ("tensorboard", "wandb", "mlflow", "trackio") for x in v)
                       and len(set(v)) == len(v),
                       'a list of distinct tracker names among "tensorboard", "wandb", "mlflow", "trackio"'),
@@ -226,6 +231,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "optim.eps": (lambda v: v > 0, "a number > 0"),
     "optim.grad_clip": (lambda v: v >= 0, "a number >= 0"),
     "optim.micro_batch": (lambda v: v >= 1, "an integer >= 1"),
+    "optim.max_skipped_steps": (lambda v: v >= 1, "an integer >= 1"),
     "probe.every": (lambda v: v >= 0, "an integer >= 0"),
     "probe.prompts": (lambda v: v >= 1, "an integer >= 1"),
     "probe.samples": (lambda v: v >= 1, "an integer >= 1"),
@@ -456,3 +462,25 @@ def config_to_toml(cfg: Config) -> str:
 
 def config_hash(cfg: Config) -> str:
     return hashlib.sha256(config_to_toml(cfg).encode()).hexdigest()[:8]
+
+
+# Settings `--resume RUN --set key=value` may change: they steer the rest of the run without
+# making its past steps another run's (cadence, length, learning rate, where metrics go). Every
+# other key is the run's identity; changing it mid-run would make a run no recipe describes.
+RESUME_CHANGEABLE = ("run.steps", "run.checkpoint_every", "run.report_to", "run.threads", "run.dist_timeout",
+                     "run.stop_timeout", "optim.lr", "optim.max_skipped_steps", "probe.every")
+
+
+def resume_changes(saved: Config, new: Config) -> dict[str, tuple[Any, Any]]:
+    """{key: (saved value, new value)} of what the overrides change; ConfigError naming every
+    key that a resumed run may not change."""
+    old_d, new_d = saved.to_dict(), new.to_dict()
+    changed = {f"{sec}.{k}": (v, new_d[sec][k]) for sec, vals in old_d.items() for k, v in vals.items()
+               if new_d[sec][k] != v}
+    refused = [k for k in changed if k not in RESUME_CHANGEABLE]
+    if refused:
+        raise ConfigError(f"--resume: {', '.join(f'{k} ({changed[k][0]!r} -> {changed[k][1]!r})' for k in refused)} "
+                          f"cannot change in the middle of a run (the steps so far were trained with the saved "
+                          f"value); a resumed run may change {', '.join(RESUME_CHANGEABLE)}. Start a new run "
+                          f"to change the others.")
+    return changed
