@@ -44,7 +44,7 @@ def make_plan(config, shape: RunShape, gpu: GPU, name: str = "model", env: str =
               decode_share: float = 1.0) -> Plan:
     """Plan `shape` for the model of `config` (dict or transformers config) on `gpu`."""
     m = meta_policy(config, name=name, dtype=shape.dtype, adapter=shape.adapter, rank=shape.rank,
-                    alpha=shape.alpha, targets=shape.targets)
+                    alpha=shape.alpha, targets=shape.targets, quantize=shape.quantize)
     dev = device_for(gpu)
     mem = plan_memory(m, shape, dev)
     ok, headroom = fits(mem.peak, gpu.memory_bytes, gpu.context_bytes)
