@@ -24,14 +24,14 @@ fasttrain.nn.rollout_weights.AUTO_SHARE of the memory left after the model), the
 the step's batch tensors (ids, masks, log-probs) after the rollout, and workspace: on the CPU the
 NF4 kernels' reusable dequantisation scratch (the largest projection, in the compute dtype); on
 CUDA the dequantised weight of one projection, a temporary of every call with more than 64 rows;
-a 16-bit base has no dequantisation, only DoRA's row-norm blocks (fasttrain.nn.dense_linear).
+a 16-bit base has none (DoRA's row-norm blocks are a transient at the first forward after a step).
 
 Activation sizes follow the code paths: Hugging Face's Llama-family layer (RMSNorm upcasts to fp32,
 SDPA with grouped K/V repeated when a padding mask is present), fasttrain.ops.nf4_linear (saves its
 input and x·Aᵀ, never the dequantised weight) and fasttrain.ops.fused_logprob (an [N, H] fp32
 gradient vector instead of [N, V] logits). A 16-bit base (DenseLinear) runs its adapter in fp32: per
-projection it saves an fp32 copy of its input (bf16 models) and x·Aᵀ, and DoRA two fp32 outputs;
-those terms follow the code but, unlike the NF4 path, have not been measured against real steps.
+projection it saves an fp32 copy of its input (bf16 models) and x·Aᵀ, and DoRA two fp32 outputs
+(tests/plan measures these steps on the tiny model too).
 What is not modelled: allocator fragmentation and the
 CUDA context (added by the fit check), Python objects, and the tokenizer; the compiled decode
 (rollout.compile: its cache rounded up to 64 columns, inductor's buffers); a model whose forward
@@ -43,7 +43,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fasttrain.nn.dense_linear import NORM_BLOCK_ELEMENTS as DENSE_NORM_BLOCK
 from fasttrain.nn.rollout_weights import use_dense
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
@@ -52,14 +51,14 @@ __all__ = ["Device", "MemoryPlan", "PARTS", "plan_memory", "update_tokens"]
 
 # Table rows, in order, with the words the table prints.
 PARTS = {
-    "nf4_base": "frozen base (NF4 packed 4-bit + absmax, or 16-bit)",
+    "nf4_base": "frozen base (NF4: 4-bit + absmax; none: 16-bit)",
     "dense_parts": "unquantised parts (embeddings, lm_head, norms)",
     "adapter_masters": "adapters: fp32 masters",
     "dora_norms": "adapters: DoRA row norms",
     "adam_moments": "adapters: AdamW moments",
     "rollout_weights": "dense rollout weights (merged, model dtype)",
     "adapter_grads": "adapters: gradients",
-    "workspace": "workspace (dequantised NF4 projection, DoRA norm blocks)",
+    "workspace": "workspace (dequantised NF4 projection)",
     "batch": "step batch (ids, masks, log-probs)",
     "kv_cache": "KV cache",
     "activations": "activations",
@@ -109,6 +108,14 @@ def _compute_bytes(m: ModelShape, dev: Device) -> int:
     if w == 8:
         return 8
     return 2 if (w == 2 and dev.cpu_bf16) else 4
+
+
+def _live_output_bytes(m: ModelShape, dev: Device) -> int:
+    """Bytes per element of a projection's output while a layer's other locals are live: the NF4
+    kernel's compute dtype. A 16-bit base's fp32 adapter temporaries live only inside one projection
+    call; measured on the tiny model's scoring steps (tests/plan) they never raised the no-grad peak,
+    which attention's locals set, so for it the model's dtype."""
+    return m.w if m.quantize == "none" else _compute_bytes(m, dev)
 
 
 def _distinct_prompts_per_micro_batch(s: RunShape, rows: int) -> int:
@@ -248,7 +255,7 @@ def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int, dense: 
     small = L * 2 * n * m.kv_heads * P * D * w
     masks = 2 * P * P + 2 * n * P * P
     prefill = small + masks + n * P * H * w + 2 * n * S * D * w + \
-        _decoder_layer_peak(m, n * P, P, n, c, dense) + n * V * (w + 4)
+        _decoder_layer_peak(m, n * P, P, n, _live_output_bytes(m, dev), dense) + n * V * (w + 4)
     # decode: [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
     sampling = B * V * (16 + (w if w != 4 else 0))
     step = B * (4 * H * w + 3 * m.intermediate * w) + B * m.heads * S * 4
@@ -284,7 +291,7 @@ def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
     N = _prefix_tokens(U, P, mb, A)
     inputs = _prefix_inputs(m, U, P, mb, A)
     # the layers: the previous layer's output is the input of the one running
-    layers = inputs + _prefix_layer_live(m, U, P, mb, A, c)
+    layers = inputs + _prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev))
     # after them: the last layer's output, the hidden rows that predict the answers and their norm
     final = inputs + N * H * w + 2 * mb * T * H * w
     act = max(layers, final) + mb * S * 16                              # the micro-batch's ids and positions
@@ -310,7 +317,7 @@ def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dic
     head_in = n_tok * H * (w + 4 + w)                                     # hidden rows, the norm's fp32 input and output
     if checkpointing:
         kept = L * N * H * w
-        fwd = max(kept + _prefix_layer_live(m, U, P, mb, A, c), kept + head_in)
+        fwd = max(kept + _prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev)), kept + head_in)
         bwd = kept + layer + bwd_temps
     else:
         kept = L * (layer + N * H * w)
@@ -335,9 +342,10 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
         workspace = max(o * i for o, i in m.projections) * c
         if m.adapter_kind == "dora":
             workspace += max(o * i for o, i in m.projections) * 8   # the fp64 ‖W‖² pass at attach time
-    if m.quantize == "none":   # no dequantisation; DoRA's norm forms W + s·B·A in blocks (copy + result)
-        workspace = 2 * min(max(o * i for o, i in m.projections), DENSE_NORM_BLOCK) * c \
-            if m.adapter_kind == "dora" else 0
+    if m.quantize == "none":
+        # no dequantisation. DoRA's norm forms W + s·B·A in blocks of at most 2 x 16 MiB, once after
+        # each optimizer step, at the first forward (no activations live yet), then cached: not a peak
+        workspace = 0
     resident = res["nf4_base"] + res["dense_parts"] + res["adapter_masters"] + res.get("dora_norms", 0)
     dense = use_dense(s.rollout_weights, m.linear_params * m.w, dev.free - resident)
     base = {"nf4_base": res["nf4_base"], "dense_parts": res["dense_parts"],
