@@ -58,7 +58,9 @@ class RunSection:
 class PolicySection:
     model: str = "smollm2-135m"             # fasttrain.models.load_policy spec, or "module:factory"
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    quantize: Literal["nf4"] = "nf4"          # fasttrain.nn adapters sit on NF4 layers
+    # The frozen base under the adapters: "nf4" (4-bit NormalFloat, QLoRA) or "none" (the model's
+    # own 16-bit weights, `dtype`; LoRA/DoRA as PEFT trains them on a 16-bit model).
+    quantize: Literal["nf4", "none"] = "nf4"
     adapter: Literal["lora", "dora"] = "lora"
     rank: int = 32
     alpha: float = 64.0
