@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ __all__ = ["ConfigError", "Config", "load_config", "load_recipe", "recipe_path",
 class ConfigError(ValueError):
     """A recipe or override is wrong; the message names the key and what is allowed."""
 
+
+# What a chat-template variable may be: a TOML scalar.
+TemplateValue = typing.Union[bool, int, float, str]
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 SEED_PRIORITIES = {"core": 3.0, "stability": 1.0, "pattern_guard": 0.3, "complexity": 0.2}
 
@@ -62,6 +67,9 @@ class PolicySection:
     gradient_checkpointing: bool = True
     attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"  # auto: flash-attn 2 on CUDA if installed
     liger: bool = False                     # Liger-Kernel RMSNorm/SwiGLU/RoPE on the policy (CUDA, fasttrain[gpu])
+    # Variables every prompt's chat template is rendered with, e.g. { enable_thinking = false }
+    # (Qwen3's switch); a variable the model's template does not mention is ignored.
+    chat_template_kwargs: dict[str, TemplateValue] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -273,6 +281,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
             raise ConfigError(f"{key}: {value!r} is not a list of strings")
         return tuple(value)
+    if origin is dict and typing.get_args(tp)[1] == TemplateValue:
+        return _template_kwargs(key, value)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: {value!r} is not a table of name = number")
@@ -281,6 +291,19 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             out[str(k)] = _coerce(f"{key}.{k}", v, float)
         return out
     raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover
+
+
+def _template_kwargs(key: str, value: Any) -> dict[str, TemplateValue]:
+    allowed = "a table of name = true/false, number or string (e.g. { enable_thinking = false })"
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {allowed}")
+    for k, v in value.items():
+        if not _TEMPLATE_VARIABLE.fullmatch(str(k)):
+            raise ConfigError(f"{key}.{k}: not a template variable name; allowed: letters, digits and _, "
+                              "not starting with a digit")
+        if not isinstance(v, (bool, int, float, str)):
+            raise ConfigError(f"{key}.{k}: {v!r} is not allowed; allowed: true, false, a number or a string")
+    return {str(k): v for k, v in value.items()}
 
 
 def _build(data: dict[str, Any]) -> Config:
