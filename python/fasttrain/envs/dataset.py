@@ -24,8 +24,8 @@ Each reward function is one GDPO channel named after the function (its priority 
 value, a completion is the answer text (or `[{"role": "assistant", "content": text}]` when the
 prompt is a list of messages) and completion_ids are the sampled token ids up to and including
 EOS. TRL's trainer-only hooks (`trainer_state`, `log_metric`, `log_extra`) are not passed: give
-such functions `**kwargs`. Functions run in worker processes with a deadline (see
-fasttrain.envs.reward_functions).
+such functions `**kwargs`. Functions run in the environment's worker pool with a deadline and a
+memory limit, `worker_memory_mb` (see fasttrain.envs.reward_functions and .worker_pool).
 
 Verdicts: `core` is the value of the `core` reward, `success` is core > 0. An answer is invalid
 when any reward gives it None, a non-number or a non-finite value, raises on it, or times out;
@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 from .protocol import INVALID_CORE, Channel, Prompt, Score
 from .reward_functions import RewardFunction, parse_reward_spec
+from .worker_pool import WorkerPool
 
 __all__ = ["DatasetEnvironment", "DatasetError", "load_rows"]
 
@@ -152,7 +153,8 @@ class DatasetEnvironment:
     answer_format = ""
 
     def __init__(self, dataset: str = "", rewards: Sequence[str] = (), probe_dataset: str = "",
-                 probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = ""):
+                 probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = "",
+                 worker_memory_mb: float = 0.0):
         if not rewards:
             raise DatasetError('env.rewards is empty: list reward functions, e.g. '
                                'rewards = ["rewards.py:correct"] or ["my_pkg.rewards:correct"]')
@@ -198,9 +200,11 @@ class DatasetEnvironment:
                          "probe": [self._prompt(probe_tag, i, r) for i, r in probe_set]}
 
         self.rewards: list[RewardFunction] = []
+        # one pool for every reward (and, later, tool) of this environment; a worker per reward
+        self.pool = WorkerPool(memory_mb=worker_memory_mb or None, max_workers=max(2, len(rewards)))
         try:
-            for spec in rewards:                      # one worker each; import errors surface here
-                self.rewards.append(RewardFunction(spec, reward_timeout))
+            for spec in rewards:                      # import errors surface here
+                self.rewards.append(RewardFunction(spec, reward_timeout, self.pool))
         except BaseException:
             self.close()
             raise
@@ -266,11 +270,8 @@ class DatasetEnvironment:
         if n == 0:
             return []
         kw = self.reward_inputs(prompts, answers, completion_ids)
-        for f in self.rewards:                                          # restarts first: they take time
-            f.ensure_started()
-        deadlines = [f.send("batch", kw) for f in self.rewards]          # then every worker at once
-        replies = [f.receive(d) for f, d in zip(self.rewards, deadlines)]
-        results = {f.name: f.finish(kw, n, r) for f, r in zip(self.rewards, replies)}
+        jobs = [f.submit(kw) for f in self.rewards]                      # every reward at once
+        results = {f.name: f.finish(kw, n, job.result()) for f, job in zip(self.rewards, jobs)}
         worst = {k: min((v for v, _ in res if v is not None), default=None) for k, res in results.items()}
         invalid_core = min(INVALID_CORE, worst[self.core]) if worst[self.core] is not None else INVALID_CORE
         scores = []
@@ -303,19 +304,20 @@ class DatasetEnvironment:
     def counters(self) -> dict[str, int]:
         """Run totals for metrics.jsonl."""
         return {"reward_invalid": sum(self.invalid_counts.values()),
-                "reward_worker_restarts": sum(f.restarts for f in self.rewards)}
+                "reward_worker_restarts": sum(f.restarts for f in self.rewards),
+                "reward_workers_over_memory": self.pool.killed_for_memory}
 
     def state_dict(self) -> dict[str, Any]:
         return {"invalid_counts": dict(self.invalid_counts), "warned": sorted(self._warned),
-                "restarts": {f.name: f.restarts for f in self.rewards}}
+                "restarts": {f.name: f.restarts for f in self.rewards}, "pool": self.pool.state_dict()}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.invalid_counts = {n: int(st["invalid_counts"].get(n, 0)) for n in self.invalid_counts}
         self._warned = set(st["warned"])
         for f in self.rewards:
             f.restarts = int(st["restarts"].get(f.name, 0))
+        self.pool.load_state_dict(st.get("pool", {}))
 
     def close(self) -> None:
         """Stop the reward workers (they also stop when this object is collected or the run ends)."""
-        for f in self.rewards:
-            f.close()
+        self.pool.close()

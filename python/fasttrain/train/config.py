@@ -87,6 +87,8 @@ class EnvSection:
     system_prompt: str = ""                 # prepended to prompts that have no system message
     reward_timeout: float = 30.0            # seconds per reward call; past it the answers are invalid
     core: str = ""                          # reward for the floor guard, probe, selection; "" = first
+    worker_memory_mb: float = 0.0           # a reward worker (and its processes) past this resident
+                                            # memory is killed, its answers invalid; 0 = a quarter of RAM
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for fasttrain.envs.load_env(name, ...)."""
@@ -94,7 +96,7 @@ class EnvSection:
             return {}
         return {"dataset": self.dataset, "rewards": list(self.rewards), "probe_dataset": self.probe_dataset,
                 "probe_rows": self.probe_rows, "system_prompt": self.system_prompt,
-                "reward_timeout": self.reward_timeout, "core": self.core}
+                "reward_timeout": self.reward_timeout, "core": self.core, "worker_memory_mb": self.worker_memory_mb}
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "rollout.stop_strings": (lambda v: all(len(x) > 0 for x in v), "a list of non-empty strings"),
     "env.probe_rows": (lambda v: v >= 0, "an integer >= 0"),
     "env.reward_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
+    "env.worker_memory_mb": (lambda v: v == 0 or 64 <= v < math.inf, "0 (a quarter of the host's memory) or a number of MB >= 64"),
     "advantages.floor": (lambda v: not math.isnan(v) and v != math.inf, "a number or -inf"),
     "advantages.warn_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "advantages.warn_steps": (lambda v: v >= 1, "an integer >= 1"),
@@ -342,7 +345,8 @@ def _build(data: dict[str, Any]) -> Config:
     return cfg
 
 
-_DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core")
+_DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core",
+                 "worker_memory_mb")
 
 
 def _near_recipe(data: dict[str, Any], folder: Path) -> dict[str, Any]:
