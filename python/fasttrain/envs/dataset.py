@@ -57,9 +57,11 @@ class DatasetError(ValueError):
     """The dataset or the probe set cannot be used; the message names the key and the fix."""
 
 
-def load_rows(path: str, key: str = "env.dataset") -> list[dict[str, Any]]:
+def load_rows(path: str, key: str = "env.dataset", skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """Rows of a JSONL / JSON / Parquet / CSV file or a `save_to_disk` folder (its "train"
-    split if it holds several), checked for a `prompt` column and at least one row."""
+    split if it holds several), checked for a `prompt` column, at least one row and UTF-8 text
+    (fasttrain.envs.row_checks; with `skipped` a list, rows that are not UTF-8 are left out and
+    described there)."""
     if not path:
         raise DatasetError(f"{key} is not set: name a JSONL, Parquet or CSV file or a folder "
                            "written by datasets' save_to_disk")
@@ -88,7 +90,8 @@ def load_rows(path: str, key: str = "env.dataset") -> list[dict[str, Any]]:
                                    ".parquet, .csv or a save_to_disk folder")
             if _has_no_rows(p, fmt):
                 raise DatasetError(f"{key}: {path!r} has no rows")
-            ds = datasets.load_dataset(fmt, data_files=str(p), split="train")
+            from .row_checks import utf8_rows
+            ds = datasets.load_dataset(fmt, data_files=str(utf8_rows(p, fmt, key, skipped)), split="train")
     except DatasetError:
         raise
     except Exception as e:   # the datasets library's parse errors, with its own explanation
@@ -154,7 +157,7 @@ class DatasetEnvironment:
 
     def __init__(self, dataset: str = "", rewards: Sequence[str] = (), probe_dataset: str = "",
                  probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = "",
-                 worker_memory_mb: float = 0.0):
+                 worker_memory_mb: float = 0.0, skip_bad_rows: bool = False):
         if not rewards:
             raise DatasetError('env.rewards is empty: list reward functions, e.g. '
                                'rewards = ["rewards.py:correct"] or ["my_pkg.rewards:correct"]')
@@ -171,10 +174,13 @@ class DatasetEnvironment:
                                "channel, so names must differ")
         if core and core not in names:
             raise DatasetError(f"env.core: {core!r} is not one of the rewards: {', '.join(names)}")
-        rows = load_rows(dataset, "env.dataset")
+        # rows left out by env.skip_bad_rows, with the reason (the run's report lists them)
+        self.skipped_rows: list[str] = []
+        skipped = self.skipped_rows if skip_bad_rows else None
+        rows = load_rows(dataset, "env.dataset", skipped)
         if probe_dataset:
             train_rows = list(enumerate(rows))
-            probe_set = list(enumerate(load_rows(probe_dataset, "env.probe_dataset")))
+            probe_set = list(enumerate(load_rows(probe_dataset, "env.probe_dataset", skipped)))
             probe_tag = "probe_dataset"
         else:
             if probe_rows >= len(rows):
@@ -194,6 +200,7 @@ class DatasetEnvironment:
         self.columns = columns
         self.system_prompt = system_prompt
         self.name = f"dataset:{Path(dataset).name}"
+        self._sources = {"dataset": dataset, "probe_dataset": probe_dataset}
         self._raw: dict[str, Any] = {}
         self._messages: dict[str, list[dict[str, str]]] = {}
         self._prompts = {"train": [self._prompt("dataset", i, r) for i, r in train_rows],
@@ -208,6 +215,7 @@ class DatasetEnvironment:
         except BaseException:
             self.close()
             raise
+        self._check_reward_columns(dataset, probe_dataset, skipped)
         self.core = core or names[0]
         self.channels = [Channel(f.name, 1.0, f"reward function {f.spec.spec}") for f in self.rewards]
         self.invalid_counts = {n: 0 for n in names}
@@ -224,6 +232,21 @@ class DatasetEnvironment:
         self._raw[pid], self._messages[pid] = raw, msgs
         return Prompt(pid, _show(raw), {c: row.get(c) for c in self.columns})
 
+    def _check_reward_columns(self, dataset: str, probe_dataset: str, skipped: list[str] | None) -> None:
+        """Every argument a reward function has no default for is a column with a value in every
+        row (fasttrain.envs.row_checks.missing_columns); rows without one are an error or skipped."""
+        from .row_checks import TRL_ARGS, missing_columns
+        needs = {f.name: [n for n, has_default in f.signature["params"].items()
+                          if not has_default and n not in TRL_ARGS] for f in self.rewards}
+        for split, where in (("train", f"env.dataset {dataset!r}"),
+                             ("probe", f"env.probe_dataset {probe_dataset!r}" if probe_dataset
+                              else f"env.dataset {dataset!r}")):
+            bad = missing_columns([(p.id, p.fields) for p in self._prompts[split]], needs, self.columns, where, skipped)
+            self._prompts[split] = [p for p in self._prompts[split] if p.id not in bad]
+            if not self._prompts[split]:
+                raise DatasetError(f"{where}: every {split} row was left out (env.skip_bad_rows); the first "
+                                   f"reason: {self.skipped_rows[0]}")
+
     @staticmethod
     def _check_overlap(train, probe, probe_tag: str) -> None:
         seen = {}
@@ -236,6 +259,11 @@ class DatasetEnvironment:
             raise DatasetError(f"{where}: {n} probe prompt(s) also appear in the training rows of env.dataset "
                                f"(first: probe row {pi} = training row {ti}); a probe must be unseen. "
                                "Remove the duplicates from one of the sets")
+
+    def row_of(self, prompt_id: str) -> str:
+        """Where a prompt comes from, for messages: "env.dataset 'data.jsonl' row 12"."""
+        tag, _, i = prompt_id.rpartition("/")
+        return f"env.{tag} {self._sources.get(tag, '')!r} row {i}"
 
     def prompts(self, split: str) -> list[Prompt]:
         if split not in self._prompts:

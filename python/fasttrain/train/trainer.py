@@ -88,6 +88,8 @@ class Trainer:
         self._check_channels()
         self.train_prompts = self._train_prompts()
         self.probe_prompts = self.env.prompts("probe")[: cfg.probe.prompts]
+        # rows left out by env.skip_bad_rows, with the reason (export.json and report.md count them)
+        self.skipped_rows: list[str] = list(getattr(self.env, "skipped_rows", []))
         self.step = 0
         self.probes: list[dict[str, Any]] = []
         self.warnings: list[dict[str, Any]] = []
@@ -142,6 +144,13 @@ class Trainer:
             return
         cfg = self.cfg
         self.model, self.tokenizer, self.named_params = build_policy(cfg, self.device)
+        from fasttrain.train.prompt_length import check_prompt_lengths
+        kept = check_prompt_lengths(cfg, self.tokenizer, self.env, self.model,
+                                    {"train": self.train_prompts, "probe": self.probe_prompts}, self.skipped_rows)
+        self.train_prompts, self.probe_prompts = kept["train"], kept["probe"]
+        if self.skipped_rows:
+            self._warn(0, f"env.skip_bad_rows: {len(self.skipped_rows)} row(s) left out; the first: "
+                          f"{self.skipped_rows[0]}")
         self.params = list(self.named_params.values())
         distributed.broadcast_parameters(self.params)          # every rank starts from rank 0's adapters
         self.rollout_weights = rollout_weights(cfg, self.model)
