@@ -29,7 +29,34 @@ def _load_base(spec: str, dtype: str):
             raise ConfigError(f"policy.model: cannot load factory {spec!r}: {e}") from None
         return factory(dtype=dtype)
     from fasttrain.models import load_policy
-    return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype))
+    _check_model_folder(spec)
+    try:
+        return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype))
+    except (FileNotFoundError, ValueError, OSError, KeyError) as e:   # one paragraph, not a traceback
+        raise ConfigError(_cannot_load(spec, str(e).strip())) from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _cannot_load(spec: str, why: str) -> str:
+    from fasttrain.models.loading import SUPPORTED_FAMILIES
+    return (f"policy.model = {spec!r}: fasttrain cannot load it: {why} fasttrain trains "
+            f"{', '.join(SUPPORTED_FAMILIES)} models from a Hugging Face folder (config.json, *.safetensors "
+            f"weights, tokenizer files) or a .gguf file, or the bundled 'smollm2-135m'; set policy.model to one "
+            f"of those, or to 'module:factory' returning (model, tokenizer).")
+
+
+def _check_model_folder(spec: str) -> None:
+    """A folder without weights or without a tokenizer fails before anything loads."""
+    path = Path(spec).expanduser() if spec else None
+    if path is None or not path.is_dir() or not (path / "config.json").is_file():
+        return
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError(_cannot_load(spec, "the folder has no *.safetensors weights (pickled .bin files are "
+                                             "never loaded)."))
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ConfigError(_cannot_load(spec, f"the folder has no tokenizer ({', '.join(_TOKENIZER_FILES)})."))
 
 
 def build_policy(cfg: Config, device: torch.device):
