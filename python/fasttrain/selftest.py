@@ -83,7 +83,9 @@ def _kernel_faces() -> dict[str, Callable]:
     from fasttrain.nn.dense_linear import dense_linear
     return {"fused_logprob": F.fused_logprob, "policy_loss": F.policy_loss, "nf4_quantize": F.nf4_quantize,
             "nf4_dequantize": F.nf4_dequantize, "nf4_linear": F.nf4_linear, "nf4_dora_norm": F.nf4_dora_norm,
-            "nf4_weight_sq_norm": F.nf4_weight_sq_norm, "dense_linear": dense_linear}
+            "nf4_weight_sq_norm": F.nf4_weight_sq_norm, "dense_linear": dense_linear,
+            "gated_delta_rule": F.gated_delta_rule, "gated_delta_step": F.gated_delta_step,
+            "causal_conv1d": F.causal_conv1d, "causal_conv1d_step": F.causal_conv1d_step}
 
 
 KERNELS: dict[str, Callable] = {}
@@ -612,9 +614,19 @@ def _package_cases(dev, quick: bool):
     return [_package_case(dev, p) for p in ("flash_attn", "liger_kernel") if installed(p)]
 
 
+def _gated_delta_cases(dev, quick: bool):
+    from fasttrain.selftest_gated_delta import gated_delta_cases
+    return gated_delta_cases(dev, quick)
+
+
+def _conv_cases(dev, quick: bool):
+    from fasttrain.selftest_gated_delta import conv_cases
+    return conv_cases(dev, quick)
+
+
 CASES = {"fused_logprob": _logprob_cases, "policy_loss": _policy_cases, "nf4_quantize": _nf4_cases,
          "nf4_linear": _linear_cases, "nf4_dora_norm": _norm_cases, "dense_linear": _dense_cases,
-         "gpu_packages": _package_cases}
+         "gated_delta_rule": _gated_delta_cases, "causal_conv1d": _conv_cases, "gpu_packages": _package_cases}
 
 
 # ---- the run ----------------------------------------------------------------------------------

@@ -71,10 +71,12 @@ def build_policy(cfg: Config, device: torch.device):
     _use_gpu_packages(model, p, device)
     for prm in model.parameters():
         prm.requires_grad_(False)
+    from fasttrain.models.families import adapter_targets, nf4_targets
     if p.quantize == "nf4":
-        quantize_model(model)
-    else:                                                 # "none": the 16-bit weights, made adaptable
-        adaptable_model(model)
+        quantize_model(model, targets=nf4_targets(model))
+    kept_16bit = tuple(t for t in adapter_targets(model) if p.quantize == "none" or t not in nf4_targets(model))
+    if kept_16bit:                                        # "none", or a family's 16-bit projections under NF4
+        adaptable_model(model, targets=kept_16bit)
     torch.manual_seed(cfg.run.seed)                       # adapter init is part of the run's seed
     params = attach_adapters(model, kind=p.adapter, r=p.rank, alpha=p.alpha, rslora=p.rslora,
                              targets=list(p.targets) or None)
