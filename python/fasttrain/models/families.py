@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Family", "FAMILIES", "SUPPORTED_FAMILIES", "family_of", "family_of_type", "nf4_targets", "text_config"]
+__all__ = ["Family", "FAMILIES", "SUPPORTED_FAMILIES", "family_of", "family_of_type", "adapter_targets", "nf4_targets", "text_config"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,15 @@ def family_of(model, where: str = "model") -> Family:
         model = model.get_base_model()
     cfg = getattr(model, "config", model)
     return family_of_type(getattr(cfg, "model_type", None), where)
+
+
+def adapter_targets(model) -> tuple[str, ...]:
+    """Every projection of `model`'s family that takes an adapter (16-bit or NF4 base); a model
+    outside the families gets the Llama names."""
+    try:
+        return family_of(model).projections
+    except ValueError:
+        return LLAMA.projections
 
 
 def nf4_targets(model) -> tuple[str, ...]:
