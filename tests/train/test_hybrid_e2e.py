@@ -62,4 +62,12 @@ def test_hybrid_resume_equals_uninterrupted_and_another_family_is_refused(tiny, 
                                    "--set", "policy.model=tiny_world:tiny_policy", "--no-progress"])
     assert res.exit_code != 0
     text = " ".join(res.output.split())
-    assert "'qwen3_5' model" in text and "'llama' model" in text and "do not carry across families" in text
+    assert "policy.model" in text and "tiny_world:tiny_policy" in text and "Traceback" not in text
+    # the checkpoint records its family: a folder whose model changed family under the same name
+    # is refused by name too
+    from fasttrain.train.checkpoint import check_family, newest_checkpoint_name
+    from fasttrain.train.config import ConfigError
+    ckpt = part.dir / "checkpoints" / newest_checkpoint_name(part.dir / "checkpoints")
+    assert json.loads((ckpt / "trainer_state.json").read_text())["family"] == "qwen3_5"
+    with pytest.raises(ConfigError, match=r"'qwen3_5' model .*'llama' model .*do not carry across families"):
+        check_family(ckpt, {"family": "llama", "model_type": "llama"}, part.dir)
