@@ -18,7 +18,7 @@ import torch
 
 from fasttrain.models import SUPPORTED_FAMILIES
 
-__all__ = ["ModelShape", "bundled_configs", "model_config", "meta_policy"]
+__all__ = ["ModelShape", "bundled_configs", "model_config", "meta_policy", "hybrid_state"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
            "float64": torch.float64}
@@ -174,7 +174,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
             continue
         other[id(t)] = _bytes(t)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelShape(**_hybrid_state(cfg, td), 
+    return ModelShape(**hybrid_state(cfg, td), 
         name=name, model_type=cfg.model_type, architecture=type(model).__name__,
         layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
         heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
@@ -186,7 +186,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
                   "dora_norms": wsq})
 
 
-def _hybrid_state(cfg, dtype: torch.dtype) -> dict:
+def hybrid_state(cfg, dtype: torch.dtype) -> dict:
     """full_layers, state_bytes, state_flops of a hybrid's config (nothing for a plain transformer).
     Per Gated DeltaNet layer and sequence: the conv window (K-1 inputs of the 2·Hk·Dk + Hv·Dv conv
     channels, model dtype) and the recurrent state [Hv, Dk, Dv] in float32 (float64 for a float64
