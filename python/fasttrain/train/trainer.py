@@ -493,6 +493,9 @@ class Trainer:
         tr = cls(cfg, run_dir, **kw)
         tr._resume_from, tr._resume_notes = ckpt, notes
         tr._resume_changes = changes
+        if ckpt is None:                       # no checkpoint yet: the run starts again, said once
+            for note in notes:
+                tr._warn(0, note)
         return tr
 
     def _restore(self, ckpt: Path) -> None:
