@@ -53,23 +53,24 @@ class RewardSpec:
     attr: str          # dotted attribute path inside the module
 
 
-def parse_reward_spec(spec: str) -> RewardSpec:
-    """"pkg.module:function" or "path/to/file.py:function" (attributes may be dotted)."""
+def parse_reward_spec(spec: str, key: str = "env.rewards") -> RewardSpec:
+    """"pkg.module:function" or "path/to/file.py:function" (attributes may be dotted); errors
+    name the recipe `key` the spec came from."""
     if not isinstance(spec, str) or ":" not in spec:
-        raise RewardSpecError(f"env.rewards: {spec!r} must look like 'package.module:function' or "
+        raise RewardSpecError(f"{key}: {spec!r} must look like 'package.module:function' or "
                               "'path/to/file.py:function'")
     where, _, attr = spec.rpartition(":")
     if not where or not attr or not all(p.isidentifier() for p in attr.split(".")):
-        raise RewardSpecError(f"env.rewards: {spec!r} must look like 'package.module:function' or "
+        raise RewardSpecError(f"{key}: {spec!r} must look like 'package.module:function' or "
                               "'path/to/file.py:function'")
     name = attr.split(".")[-1]
     if where.endswith(".py"):
         path = Path(where).expanduser().resolve()
         if not path.is_file():
-            raise RewardSpecError(f"env.rewards: {spec!r}: no such file {str(path)!r}")
+            raise RewardSpecError(f"{key}: {spec!r}: no such file {str(path)!r}")
         return RewardSpec(spec, name, "", str(path), attr)
     if not all(p.isidentifier() for p in where.split(".")):
-        raise RewardSpecError(f"env.rewards: {spec!r}: {where!r} is neither a module name nor a .py file")
+        raise RewardSpecError(f"{key}: {spec!r}: {where!r} is neither a module name nor a .py file")
     return RewardSpec(spec, name, where, "", attr)
 
 
@@ -107,6 +108,17 @@ def _read_frame(fd: int, deadline: float | None = None) -> Any:
 
 
 # ---- parent side ---------------------------------------------------------------------------------
+def spawn_worker(module: str) -> tuple[subprocess.Popen, list[str]]:
+    """A worker process `python -m module` with the trainer's sys.path (returned too, for its
+    "load" message); its stdin and stdout are the frame pipes."""
+    env = dict(os.environ)
+    path = [p or os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    proc = subprocess.Popen([sys.executable, "-m", module],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+    return proc, path
+
+
 def _kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -138,11 +150,7 @@ class RewardFunction:
 
     # the worker's life
     def _start(self) -> None:
-        env = dict(os.environ)
-        path = [p or os.getcwd() for p in sys.path]
-        env["PYTHONPATH"] = os.pathsep.join(path)
-        proc = subprocess.Popen([sys.executable, "-m", "fasttrain.envs.reward_functions"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+        proc, path = spawn_worker("fasttrain.envs.reward_functions")
         self._proc = proc
         self._finalizer = weakref.finalize(self, _kill, proc)
         try:

@@ -1,0 +1,101 @@
+"""Tools and an environment class for the agent tests, written for TRL's GRPOTrainer (the parity
+test hands this very file to TRL). Some misbehave on purpose: fail, hang, noisy, huge, die."""
+import asyncio
+import os
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+async def shout(text: str) -> str:
+    """Upper-case a text.
+
+    Args:
+        text: The text to shout.
+    """
+    await asyncio.sleep(0)
+    return text.upper()
+
+
+def fail(x: int) -> str:
+    """Always raises.
+
+    Args:
+        x: Anything.
+    """
+    raise ValueError(f"bad x {x}")
+
+
+def hang(x: int) -> str:
+    """Never returns.
+
+    Args:
+        x: Anything.
+    """
+    time.sleep(3600)
+    return "late"
+
+
+def noisy(x: int) -> str:
+    """Prints to stdout, then answers.
+
+    Args:
+        x: Anything.
+    """
+    print("noise on stdout " * 1000)
+    return "quiet"
+
+
+def huge(x: int) -> str:
+    """Returns 10 MB.
+
+    Args:
+        x: Anything.
+    """
+    return "x" * 10_000_000
+
+
+def die(x: int) -> str:
+    """Kills its own process.
+
+    Args:
+        x: Anything.
+    """
+    os._exit(3)
+
+
+class Counter:
+    """An environment in TRL's protocol: count up to the row's target."""
+
+    def reset(self, **row):
+        self.n = 0
+        self.target = row.get("target", 3)
+        return f"Count to {self.target}."
+
+    def increment(self, step: int) -> str:
+        """Add `step` to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.n += step
+        return str(self.n)
+
+    def get_reward(self) -> float:
+        return float(self.n == self.target)
+
+    def _private(self) -> None:
+        raise AssertionError("never a tool")
+
+
+def rewards_see_environments(completions, environments=None, **kwargs):
+    """1.0 when the reward function got the environment instances (TRL passes `environments=`)."""
+    return [float(environments is not None) for _ in completions]
