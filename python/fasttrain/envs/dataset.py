@@ -9,6 +9,9 @@
     # system_prompt = "Think, then answer."
     # reward_timeout = 30.0              # seconds per reward call
     # core = "correct"                   # default: the first reward
+    # tools = ["tools.py:calculate"]     # multi-turn answers with tool calls (fasttrain.envs.tools)
+    # environment = "envs.py:Game"       # TRL's environment class protocol; get_reward is a channel
+    # tool_timeout = 10.0                # seconds per tool call
 
 Rows load with the `datasets` library. `prompt` holds text (one user turn) or a list of chat
 messages ({"role", "content"}); the policy's chat template applies to both, with `system_prompt`
@@ -26,6 +29,11 @@ prompt is a list of messages) and completion_ids are the sampled token ids up to
 EOS. TRL's trainer-only hooks (`trainer_state`, `log_metric`, `log_extra`) are not passed: give
 such functions `**kwargs`. Functions run in worker processes with a deadline (see
 fasttrain.envs.reward_functions).
+
+With tools or an environment class, answers are conversations: `completions` is each answer's
+message list (assistant, tool, ..., assistant) as TRL passes it, and an environment's
+`get_reward()` is one more channel named after its class, scored in the worker that holds the
+row's instance (fasttrain.envs.tools).
 
 Verdicts: `core` is the value of the `core` reward, `success` is core > 0. An answer is invalid
 when any reward gives it None, a non-number or a non-finite value, raises on it, or times out;
@@ -152,8 +160,9 @@ class DatasetEnvironment:
     answer_format = ""
 
     def __init__(self, dataset: str = "", rewards: Sequence[str] = (), probe_dataset: str = "",
-                 probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = ""):
-        if not rewards:
+                 probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = "",
+                 tools: Sequence[str] = (), environment: str = "", tool_timeout: float = 10.0):
+        if not rewards and not environment:
             raise DatasetError('env.rewards is empty: list reward functions, e.g. '
                                'rewards = ["rewards.py:correct"] or ["my_pkg.rewards:correct"]')
         if probe_dataset and probe_rows:
@@ -162,7 +171,17 @@ class DatasetEnvironment:
         if not probe_dataset and not probe_rows:
             raise DatasetError("the probe needs prompts it never trains on: set env.probe_rows = N (the "
                                "last N rows of env.dataset are held out) or env.probe_dataset = PATH")
-        names = [parse_reward_spec(spec).name for spec in rewards]
+        self.tool_workers = None
+        if tools or environment:
+            from .tools import ToolWorkers
+            self.tool_workers = ToolWorkers(tools, environment, tool_timeout)
+        self.env_reward = (self.tool_workers.environment_name
+                           if self.tool_workers is not None and self.tool_workers.has_reward else None)
+        names = [parse_reward_spec(spec).name for spec in rewards] + ([self.env_reward] if self.env_reward else [])
+        if not names:
+            self.close()
+            raise DatasetError("env.rewards is empty and the environment class has no get_reward(): nothing "
+                               "scores the answers")
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise DatasetError(f"env.rewards: two reward functions are named {dup[0]!r}; each is one "
@@ -206,6 +225,8 @@ class DatasetEnvironment:
             raise
         self.core = core or names[0]
         self.channels = [Channel(f.name, 1.0, f"reward function {f.spec.spec}") for f in self.rewards]
+        if self.env_reward:
+            self.channels.append(Channel(self.env_reward, 1.0, f"get_reward() of {environment}"))
         self.invalid_counts = {n: 0 for n in names}
         self._warned: set[str] = set()
 
@@ -244,13 +265,16 @@ class DatasetEnvironment:
 
     # ---- scoring --------------------------------------------------------------------------
     def reward_inputs(self, prompts: Sequence[Prompt], answers: Sequence[str],
-                      completion_ids: Sequence[Sequence[int]] | None = None) -> dict[str, list]:
-        """The keyword arguments every reward function gets for these answers."""
+                      completion_ids: Sequence[Sequence[int]] | None = None,
+                      conversations: Sequence[list] | None = None) -> dict[str, list]:
+        """The keyword arguments every reward function gets for these answers; a multi-turn
+        answer's completion is its conversation."""
         raws = [self._raw[p.id] for p in prompts]
         kw: dict[str, list] = {
             "prompts": raws,
-            "completions": [[{"role": "assistant", "content": a}] if isinstance(r, list) else a
-                            for r, a in zip(raws, answers)],
+            "completions": ([[dict(m) for m in c] for c in conversations] if conversations is not None else
+                            [[{"role": "assistant", "content": a}] if isinstance(r, list) else a
+                             for r, a in zip(raws, answers)]),
             "completion_ids": ([list(map(int, c)) for c in completion_ids] if completion_ids is not None
                                else [None] * len(answers)),
         }
@@ -259,31 +283,38 @@ class DatasetEnvironment:
         return kw
 
     def score_many(self, prompts: Sequence[Prompt], answers: Sequence[str], data_slice: str = "train",
-                   completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
+                   completion_ids: Sequence[Sequence[int]] | None = None,
+                   conversations: Sequence[list] | None = None) -> list[Score]:
+        """Scores of the answers; with an environment class, answer i is the one whose instance
+        is slot i of the rollout just sampled (its get_reward reads that instance)."""
         n = len(answers)
-        if len(prompts) != n or (completion_ids is not None and len(completion_ids) != n):
-            raise ValueError("prompts, answers and completion_ids differ in length")
+        if len(prompts) != n or any(x is not None and len(x) != n for x in (completion_ids, conversations)):
+            raise ValueError("prompts, answers, completion_ids and conversations differ in length")
         if n == 0:
             return []
-        kw = self.reward_inputs(prompts, answers, completion_ids)
+        kw = self.reward_inputs(prompts, answers, completion_ids, conversations)
         for f in self.rewards:                                          # restarts first: they take time
             f.ensure_started()
         deadlines = [f.send("batch", kw) for f in self.rewards]          # then every worker at once
+        env_values = self.tool_workers.rewards(range(n)) if self.env_reward else None
         replies = [f.receive(d) for f, d in zip(self.rewards, deadlines)]
         results = {f.name: f.finish(kw, n, r) for f, r in zip(self.rewards, replies)}
+        if self.env_reward:
+            results[self.env_reward] = [(v, None if why is None else f"reward {self.env_reward!r} {why}")
+                                        for v, why in env_values]
         worst = {k: min((v for v, _ in res if v is not None), default=None) for k, res in results.items()}
         invalid_core = min(INVALID_CORE, worst[self.core]) if worst[self.core] is not None else INVALID_CORE
         scores = []
         for i in range(n):
             channels, reasons = {}, []
-            for f in self.rewards:
-                v, why = results[f.name][i]
+            for name in results:
+                v, why = results[name][i]
                 if v is None:
                     reasons.append(why)
-                    self.invalid_counts[f.name] += 1
-                    self._warn_once(f.name, why)
-                    v = worst[f.name] if worst[f.name] is not None else 0.0
-                channels[f.name] = v
+                    self.invalid_counts[name] += 1
+                    self._warn_once(name, why)
+                    v = worst[name] if worst[name] is not None else 0.0
+                channels[name] = v
             if reasons:
                 scores.append(Score(channels, False, invalid_core, False, "; ".join(reasons)))
             else:
@@ -300,6 +331,8 @@ class DatasetEnvironment:
             log.warning("%s (answers it cannot score are invalid; every reason is in samples.jsonl)", why)
 
     def close(self) -> None:
-        """Stop the reward workers (they also stop when this object is collected or the run ends)."""
-        for f in self.rewards:
+        """Stop the reward and tool workers (they also stop when this object is collected or the run ends)."""
+        for f in getattr(self, "rewards", []):
             f.close()
+        if getattr(self, "tool_workers", None) is not None:
+            self.tool_workers.close()

@@ -5,7 +5,8 @@ fasttrain.envs.reward_functions on its stdin and a copy of its stdout (prints of
 stderr). The parent side is fasttrain.envs.tools.ToolWorkers; this file is only the loop that
 answers it. Messages:
 
-    ("load", tool_specs, environment_spec | None, sys_path) -> ("ready", schemas) | ("error", why)
+    ("load", tool_specs, environment_spec | None, sys_path)
+        -> ("ready", {"schemas", "environment": class name | None, "get_reward": bool}) | ("error", why)
     ("reset", slot, row_kwargs)       -> ("ok", observation str | None) | ("raised", why)
     ("call", slot, name, arguments)   -> ("ok", text) | ("raised", why)
     ("reward", slot)                  -> ("ok", value) | ("raised", why)
@@ -124,7 +125,10 @@ def _serve() -> None:
             sys.path[:0] = [p for p in path if p not in sys.path]
             try:
                 served = _Served(tool_specs, env_spec)
-                _write_frame(fd_out, ("ready", served.schemas))
+                cls = served.env_cls
+                _write_frame(fd_out, ("ready", {"schemas": served.schemas,
+                                                "environment": cls.__name__ if cls is not None else None,
+                                                "get_reward": callable(getattr(cls, "get_reward", None))}))
             except BaseException as e:               # noqa: BLE001 (report any import failure)
                 _write_frame(fd_out, ("error", _describe(e)))
             continue

@@ -78,7 +78,7 @@ class _Worker:
         _write_frame(self.proc.stdin.fileno(), ("load", tool_specs, env_spec, path))
         self.load_deadline = time.monotonic() + load_timeout
 
-    def ready(self, what: str) -> list[dict]:
+    def ready(self, what: str) -> dict[str, Any]:
         try:
             reply = _read_frame(self.proc.stdout.fileno(), self.load_deadline)
         except TimeoutError:
@@ -118,7 +118,9 @@ class ToolWorkers:
         self._lost: set[int] = set()              # slots whose environment instance died with a worker
         self._slots_seen: set[int] = set()        # slots with an environment instance
         self._start(range(len(self._workers)))
-        self.schemas: list[dict] = self._schemas
+        self.schemas: list[dict] = self._loaded["schemas"]
+        self.environment_name: str | None = self._loaded["environment"]      # the class's name
+        self.has_reward: bool = self._loaded["get_reward"]
         names = [s["function"]["name"] for s in self.schemas]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -131,7 +133,7 @@ class ToolWorkers:
         started = {i: _Worker(self.tool_specs, self.env_spec, load) for i in which}   # all load side by side
         try:
             for i, w in started.items():
-                self._schemas = w.ready(self.what)
+                self._loaded = w.ready(self.what)
                 self._workers[i] = w
         except BaseException:
             for w in started.values():

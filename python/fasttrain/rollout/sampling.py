@@ -44,6 +44,10 @@ class Rollout:
                              # softmax(logits / temperature) (temperature 1 when greedy); 0 off-mask
     finished: Tensor         # [B] bool: the row ended with an EOS token or a stop string
     group_size: int
+    # Multi-turn answers (fasttrain.train.tool_rollout): each row's completion as chat messages
+    # (assistant, tool, ..., assistant) and the rollout's tool counts; None for single-turn answers.
+    conversations: list | None = None
+    tool_stats: dict | None = None
 
     def completion_texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
         """Decoded completions (masked tokens only)."""

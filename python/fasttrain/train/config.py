@@ -76,6 +76,11 @@ class EnvSection:
     system_prompt: str = ""                 # prepended to prompts that have no system message
     reward_timeout: float = 30.0            # seconds per reward call; past it the answers are invalid
     core: str = ""                          # reward for the floor guard, probe, selection; "" = first
+    # Tools and environment classes as TRL's GRPOTrainer takes them (fasttrain.envs.tools): answers
+    # become multi-turn (model turn, tool results, model turn, ...).
+    tools: tuple[str, ...] = ()             # "module:function" or "path/file.py:function"
+    environment: str = ""                   # "module:Class" with reset(**row), tools as methods
+    tool_timeout: float = 10.0              # seconds per tool call; past it the call is an error
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for fasttrain.envs.load_env(name, ...)."""
@@ -83,7 +88,8 @@ class EnvSection:
             return {}
         return {"dataset": self.dataset, "rewards": list(self.rewards), "probe_dataset": self.probe_dataset,
                 "probe_rows": self.probe_rows, "system_prompt": self.system_prompt,
-                "reward_timeout": self.reward_timeout, "core": self.core}
+                "reward_timeout": self.reward_timeout, "core": self.core, "tools": list(self.tools),
+                "environment": self.environment, "tool_timeout": self.tool_timeout}
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,9 @@ class RolloutSection:
     # Off by default: on a CPU it measured equal to eager (bench/results, step-speed), and the
     # compile costs seconds to minutes; unmeasured on a GPU so far.
     compile: bool = False
+    # Tool-calling rounds per answer (TRL's max_tool_calling_iterations); 0: no limit but the
+    # budget, max_new_tokens, which the model's and the tools' tokens fill together.
+    max_tool_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,8 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "rollout.stop_strings": (lambda v: all(len(x) > 0 for x in v), "a list of non-empty strings"),
     "env.probe_rows": (lambda v: v >= 0, "an integer >= 0"),
     "env.reward_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
+    "env.tool_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
+    "rollout.max_tool_calls": (lambda v: v >= 0, "an integer >= 0 (0: no limit but max_new_tokens)"),
     "advantages.floor": (lambda v: not math.isnan(v) and v != math.inf, "a number or -inf"),
     "advantages.warn_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "advantages.warn_steps": (lambda v: v >= 1, "an integer >= 1"),
@@ -313,7 +324,8 @@ def _build(data: dict[str, Any]) -> Config:
     return cfg
 
 
-_DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core")
+_DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core",
+                 "tools", "environment", "tool_timeout")
 
 
 def _near_recipe(data: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -332,12 +344,15 @@ def _near_recipe(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     for key in ("dataset", "probe_dataset"):
         if key in env:
             env[key] = near(env[key])
-    if isinstance(env.get("rewards"), list):
-        out = []
-        for spec in env["rewards"]:
-            file, sep, fn = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
-            out.append(f"{near(file)}:{fn}" if sep and file.endswith(".py") else spec)
-        env["rewards"] = out
+    def near_spec(spec: Any) -> Any:
+        file, sep, fn = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+        return f"{near(file)}:{fn}" if sep and file.endswith(".py") else spec
+
+    for key in ("rewards", "tools"):
+        if isinstance(env.get(key), list):
+            env[key] = [near_spec(spec) for spec in env[key]]
+    if "environment" in env:
+        env["environment"] = near_spec(env["environment"])
     return {**data, "env": env}
 
 

@@ -28,7 +28,8 @@ import torch
 
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
 from fasttrain.train import distributed
-from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers
+from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers,
+                                    tool_settings)
 from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
 from fasttrain.train.environment import load_run_env
@@ -190,10 +191,11 @@ class Trainer:
                                      max_new_tokens=R.max_new_tokens, temperature=R.temperature,
                                      seed=group_seeds([cfg.run.seed, step], lo, hi), answer_prefix=R.answer_prefix,
                                      stop_strings=R.stop_strings, weights=self.rollout_weights,
-                                     compile_decode=R.compile)
+                                     compile_decode=R.compile, tool_settings=tool_settings(cfg))
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
-        scores, texts = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll))  # whole step, every rank
+        scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
+                                                roll.conversations)       # whole step, every rank
         times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         adv, adv_info = self._advantages(scores)
@@ -207,7 +209,7 @@ class Trainer:
         # gives the old log-probs and entropy from its own forward (one forward less per step)
         batch = score_batch(self.model, roll, cfg.optim.micro_batch, R.temperature, need_ref=L.beta > 0,
                             need_old=top_entropy)
-        mask = roll.completion_mask.bool()
+        mask = roll.action_mask.bool()          # the model's own tokens: every consumer below reads it
         loss_mask = mask
         if top_entropy:                                        # over every rank's answer tokens
             loss_mask = distributed.top_entropy_mask(batch.entropy, mask, L.rho)
@@ -264,6 +266,7 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             # a plug-in's batch verifier that raised or returned the wrong length (run total)
             "verifier_batch_failures": int(getattr(self.env, "batch_failures", 0)),
+            **self._tool_metrics(roll, len(scores)),
             **{f"seconds_{k}": v for k, v in times.items()},
         }
         row["seconds_step"] = sum(times.values())
@@ -272,24 +275,44 @@ class Trainer:
                    "core": [s.core for s in scores], "valid": [s.valid for s in scores],
                    "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names},
                    "reasons": [s.reason for s in scores]}
+        if turns is not None:
+            samples["conversations"] = turns               # each answer's turns (assistant, tool, ...)
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
 
-    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]]):
-        """(scores, answer texts) of the whole step in the one-process order, on every rank. A
-        stateful environment scores every answer on every rank, in that order, so its state stays
-        the one-process state; a stateless one scores each rank's answers where they are."""
+    def _tool_metrics(self, roll, answers: int) -> dict[str, float]:
+        """Per step, over every rank: tool calls, the calls that ended in an error message (or
+        could not be read), and model turns per answer; nothing for single-turn answers."""
+        if roll.tool_stats is None:
+            return {}
+        st = roll.tool_stats
+        calls, errors, turns, dropped = distributed.sum_values(
+            [float(st["tool_calls"]), float(st["tool_errors"]), float(st["turns"]), float(st["tool_results_dropped"])])
+        return {"tool_calls": int(calls), "tool_errors": int(errors), "turns": turns / max(1, answers),
+                "tool_results_dropped": int(dropped)}
+
+    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]],
+                    turns: list | None = None):
+        """(scores, answer texts, conversations or None) of the whole step in the one-process
+        order, on every rank. A stateful environment scores every answer on every rank, in that
+        order, so its state stays the one-process state; a stateless one scores each rank's
+        answers where they are."""
         G = self.cfg.rollout.group_size
+        turns = turns if turns is not None else [None] * len(texts)
         if is_stateful(self.env) or distributed.world_size() == 1:
-            both = distributed.gather_list(list(zip(texts, ids)))
-            texts, ids = [tx for tx, _ in both], [i for _, i in both]
+            both = distributed.gather_list(list(zip(texts, ids, turns)))
+            texts, ids, turns = [x[0] for x in both], [x[1] for x in both], [x[2] for x in both]
             rep = [p for p in prompts for _ in range(G)]
+            conv = turns if turns and turns[0] is not None else None
             return score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True,
-                                 completion_ids=ids), texts
+                                 completion_ids=ids, conversations=conv), texts, conv
         rep = [p for p in prompts[lo:hi] for _ in range(G)]
-        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids)
-        both = distributed.gather_list(list(zip(mine, texts)))
-        return [sc for sc, _ in both], [tx for _, tx in both]
+        conv = turns if turns and turns[0] is not None else None
+        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids,
+                             conversations=conv)
+        both = distributed.gather_list(list(zip(mine, texts, turns)))
+        conv = [x[2] for x in both]
+        return [x[0] for x in both], [x[1] for x in both], conv if conv and conv[0] is not None else None
 
     def _warn(self, step: int, msg: str) -> None:
         self.warnings.append({"step": step, "message": msg})
