@@ -99,3 +99,21 @@ class Counter:
 def rewards_see_environments(completions, environments=None, **kwargs):
     """1.0 when the reward function got the environment instances (TRL passes `environments=`)."""
     return [float(environments is not None) for _ in completions]
+
+
+def sees_conversation(completions, completion_ids, answer, **kwargs):
+    """1.0 when the completion is a message list whose last assistant message holds the answer;
+    -1.0 when it is not a message list (the reward function sees what TRL passes)."""
+    out = []
+    for c, a in zip(completions, answer):
+        if not isinstance(c, list) or not all(isinstance(m, dict) and "role" in m for m in c):
+            out.append(-1.0)
+            continue
+        last = [m for m in c if m["role"] == "assistant"][-1]
+        out.append(1.0 if str(a) in last["content"] else 0.0)
+    return out
+
+
+def tool_turns(completions, **kwargs):
+    """The number of tool messages in the conversation."""
+    return [float(sum(m["role"] == "tool" for m in c)) for c in completions]

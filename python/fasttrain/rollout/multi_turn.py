@@ -30,6 +30,15 @@ from .sampling import Rollout, _check, _default_pad, _exponential_noise
 EndOfTurn = Callable[[list[int], list[list[int]], list[int]], list["list[int] | None"]]
 
 
+def _replayed(tok: Tensor, replay: Sequence[Sequence[int]], emitted: list[int]) -> Tensor:
+    """tok [B] with row b's next replayed id (its emitted[b]-th model token) where it has one."""
+    tok = tok.clone()
+    for b, (script, k) in enumerate(zip(replay, emitted)):
+        if k < len(script):
+            tok[b] = int(script[k])
+    return tok
+
+
 def _fits(row: int, context: list[int], room: int) -> bool:
     if len(context) > room:
         raise ValueError(f"sample_turns: row {row}'s context turn has {len(context)} tokens, its room {room}")
@@ -39,11 +48,16 @@ def _fits(row: int, context: list[int], room: int) -> bool:
 @torch.no_grad()
 def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int,
                  temperature: float, eos_token_ids: Sequence[int] | int, seed: int | Sequence[int],
-                 end_of_turn: EndOfTurn, pad_token_id: int | None = None, weights=None) -> Rollout:
+                 end_of_turn: EndOfTurn, pad_token_id: int | None = None, weights=None,
+                 replay: Sequence[Sequence[int]] | None = None) -> Rollout:
     """Multi-turn answers (module docstring). A model turn ends at one of `eos_token_ids` (needed:
     a turn must end). `end_of_turn` is called once per step with the rows whose turn ended there
     and that have room left; a context turn longer than its row's room is an error (the caller
-    drops it instead)."""
+    drops it instead).
+
+    replay: per row, the token ids its model turns emit, in order, instead of sampled ones (a row
+    whose list runs out samples again); their log-probs are still the model's. It drives the same
+    model turns through this rollout and another trainer's loop, for comparisons and tests."""
     dec = LlamaFamilyDecoder(model, weights)
     vocab = model.config.vocab_size
     _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
@@ -107,6 +121,8 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
             tok = (logp - _exponential_noise(torch.empty_like(logp), gens, per_gen).log_()).argmax(-1)
         else:
             tok = logp.argmax(-1)
+        if replay is not None:
+            tok = _replayed(tok, replay, action.sum(1).tolist())
         b = rows_all[live]
         tokens[b, n[b]] = tok[b]
         logps[b, n[b]] = logp[b, tok[b]]

@@ -94,10 +94,11 @@ def prompt_messages_with_observations(messages: list[dict[str, Any]], observatio
 
 def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_new_tokens: int,
                         temperature: float, seed, eos_token_ids: Sequence[int], max_tool_calls: int = 0,
-                        template_kwargs: dict | None = None, weights=None):
+                        template_kwargs: dict | None = None, weights=None, replay=None):
     """(rollout with .conversations and .tool_stats, answer texts [B]) for an environment with
     `tool_workers` and `chat_messages` (fasttrain.envs.dataset). The answer text is the last
-    assistant message's content, cut at its end of turn."""
+    assistant message's content, cut at its end of turn. `replay`: fasttrain.rollout.multi_turn's
+    scripted model turns (tests, and the comparison with TRL's loop)."""
     from fasttrain.models import extract_answer
     from fasttrain.rollout.multi_turn import sample_turns
 
@@ -123,7 +124,7 @@ def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_
     turns = ToolTurns(tokenizer, workers, template, [p for p in prompt_ids for _ in range(G)], max_tool_calls,
                       template_kwargs)
     roll = sample_turns(model, prompt_ids, group_size=G, max_new_tokens=max_new_tokens, temperature=temperature,
-                        eos_token_ids=eos_token_ids, seed=seed, end_of_turn=turns, weights=weights)
+                        eos_token_ids=eos_token_ids, seed=seed, end_of_turn=turns, weights=weights, replay=replay)
     turns.finish(roll)
     roll = dataclasses.replace(roll, conversations=turns.conversations, tool_stats=turns.stats())
     texts = [extract_answer(next((m["content"] for m in reversed(c) if m["role"] == "assistant"), ""))
