@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
+from fasttrain.rl.masks import token_stats
 from fasttrain.train import distributed
 from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers,
                                     tool_settings)
@@ -229,8 +230,7 @@ class Trainer:
                              f"({self.nonfinite_in_row} in a row)")
         passes = result.passes
         # entropy of the pre-update policy (scored before the update, or by its first pass), all ranks
-        n_tok, n_loss, ent_sum = distributed.sum_values(
-            [float(mask.sum()), float(loss_mask.sum()), float((result.entropy * mask).sum())])
+        n_tok, n_loss, ent_sum = distributed.sum_values(token_stats(result.entropy, mask, loss_mask))
         n_tok, n_loss = int(n_tok), int(n_loss)
         mean_entropy = ent_sum / max(1, n_tok)
         # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy, over every
