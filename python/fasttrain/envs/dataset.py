@@ -142,6 +142,12 @@ def _check_prompt(v: Any, i: int, key: str, path: str) -> None:
                        f"{{'role': str, 'content': str}}; got {v!r:.160}")
 
 
+def _no_row_retry(reply: tuple[str, Any]) -> tuple[str, Any]:
+    """A raise of a reward function run with environments fails its answers (the one-at-a-time
+    retry runs in the reward worker, which holds no instances)."""
+    return ("failed", f"raised {reply[1]}") if reply[0] == "raised" else reply
+
+
 def _prompt_key(v: Any) -> str:
     return json.dumps(v, sort_keys=True, ensure_ascii=False, default=str)
 
@@ -200,7 +206,7 @@ class DatasetEnvironment:
             cut = len(rows) - probe_rows
             train_rows, probe_set = list(enumerate(rows))[:cut], list(enumerate(rows))[cut:]
             probe_tag = "dataset"
-        self._check_overlap(train_rows, probe_set, probe_tag)
+        self._check_overlap(train_rows, probe_set, probe_tag, whole_row=bool(environment))
         columns = [c for c in rows[0] if c not in NOT_REWARD_COLUMNS]
         if probe_dataset:
             probe_cols = set(probe_set[0][1])
@@ -242,11 +248,15 @@ class DatasetEnvironment:
         return Prompt(pid, _show(raw), {c: row.get(c) for c in self.columns})
 
     @staticmethod
-    def _check_overlap(train, probe, probe_tag: str) -> None:
+    def _check_overlap(train, probe, probe_tag: str, whole_row: bool = False) -> None:
+        """No probe prompt among the training prompts; with an environment class the whole row
+        is the task (reset gets its columns), so rows, not prompts, must differ."""
+        def key(r):
+            return _prompt_key(r if whole_row else r["prompt"])
         seen = {}
         for i, r in train:
-            seen.setdefault(_prompt_key(r["prompt"]), i)
-        clash = [(i, seen[_prompt_key(r["prompt"])]) for i, r in probe if _prompt_key(r["prompt"]) in seen]
+            seen.setdefault(key(r), i)
+        clash = [(i, seen[key(r)]) for i, r in probe if key(r) in seen]
         if clash:
             (pi, ti), n = clash[0], len(clash)
             where = "env.probe_dataset" if probe_tag == "probe_dataset" else "the held-out rows (env.probe_rows)"
@@ -295,9 +305,11 @@ class DatasetEnvironment:
         kw = self.reward_inputs(prompts, answers, completion_ids, conversations)
         for f in self.rewards:                                          # restarts first: they take time
             f.ensure_started()
-        deadlines = [f.send("batch", kw) for f in self.rewards]          # then every worker at once
+        here = [self._with_environments(f) for f in self.rewards]        # those run where the instances are
+        deadlines = [None if h else f.send("batch", kw) for f, h in zip(self.rewards, here)]  # every worker at once
         env_values = self.tool_workers.rewards(range(n)) if self.env_reward else None
-        replies = [f.receive(d) for f, d in zip(self.rewards, deadlines)]
+        replies = [_no_row_retry(self.tool_workers.score(f.spec.spec, kw, n)) if h else f.receive(d)
+                   for f, h, d in zip(self.rewards, here, deadlines)]
         results = {f.name: f.finish(kw, n, r) for f, r in zip(self.rewards, replies)}
         if self.env_reward:
             results[self.env_reward] = [(v, None if why is None else f"reward {self.env_reward!r} {why}")
@@ -321,6 +333,12 @@ class DatasetEnvironment:
                 core = channels[self.core]
                 scores.append(Score(channels, True, core, core > 0, None))
         return scores
+
+    def _with_environments(self, f: RewardFunction) -> bool:
+        """A reward function that names `environments` runs in the tool workers, with the rows'
+        environment instances (TRL passes them to every reward function; here only to those that
+        ask, since the instances live in other processes)."""
+        return f.takes_environments and self.tool_workers is not None and self.tool_workers.has_environment
 
     def score(self, prompt: Prompt, answer_text: str, data_slice: str = "train") -> Score:
         return self.score_many([prompt], [answer_text], data_slice)[0]

@@ -142,6 +142,7 @@ class RewardFunction:
         self.name = self.spec.name
         self.timeout = float(timeout)
         self.is_async = False
+        self.takes_environments = False      # names an `environments` parameter (TRL passes the instances)
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
         self._failure: str | None = None
@@ -169,6 +170,7 @@ class RewardFunction:
             self.close()
             raise RewardSpecError(f"env.rewards: cannot load {self.spec.spec!r}: {reply[1]}")
         self.is_async = bool(reply[1])
+        self.takes_environments = bool(reply[2])
 
     def close(self) -> None:
         if self._finalizer is not None:
@@ -274,6 +276,14 @@ def _load(spec: RewardSpec, path: list[str]):
     return fn, is_async
 
 
+def _names_parameter(fn, name: str) -> bool:
+    import inspect
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _as_number(v: Any) -> Any:
     if v is None:
         return None
@@ -318,7 +328,7 @@ def _serve() -> None:
         if msg[0] == "load":
             try:
                 fn, is_async = _load(msg[1], msg[2])
-                _write_frame(fd_out, ("ready", is_async))
+                _write_frame(fd_out, ("ready", is_async, _names_parameter(fn, "environments")))
             except BaseException as e:               # noqa: BLE001 (report any import failure)
                 _write_frame(fd_out, ("error", _describe(e)))
             continue

@@ -10,6 +10,8 @@ answers it. Messages:
     ("reset", slot, row_kwargs)       -> ("ok", observation str | None) | ("raised", why)
     ("call", slot, name, arguments)   -> ("ok", text) | ("raised", why)
     ("reward", slot)                  -> ("ok", value) | ("raised", why)
+    ("score", spec, slots, kwargs)    -> ("ok", [value, ...]) | ("raised", why): the reward function
+                                         `spec` on these slots' answers, with environments= their instances
 
 Only the tools named at load time (and the public methods of the environment class) can be
 called: a name the model writes is looked up in that table, never with getattr on a module. A
@@ -25,7 +27,7 @@ import os
 import sys
 from typing import Any
 
-from fasttrain.envs.reward_functions import _describe, _load, _read_frame, _write_frame, parse_reward_spec
+from fasttrain.envs.reward_functions import _as_number, _describe, _load, _read_frame, _write_frame, parse_reward_spec
 
 MAX_RESULT_CHARS = 1 << 20          # 1 Mi characters; longer results are over any rollout budget here
 RESERVED_METHODS = ("reset", "get_reward")
@@ -61,6 +63,7 @@ class _Served:
         self.env_cls = None
         self.methods: dict[str, Any] = {}
         self.instances: dict[int, Any] = {}
+        self.scorers: dict[str, Any] = {}                  # reward functions that take environments=
         if env_spec:
             cls, _ = _load(parse_reward_spec(env_spec), [])
             if not callable(getattr(cls, "reset", None)):
@@ -95,13 +98,22 @@ class _Served:
                     raise ValueError(f"Tool {name} not found.")
                 text = str(self.run(fn(**args)))
                 return "ok", text[:MAX_RESULT_CHARS + 1]
+            if kind == "score":
+                _, spec, slots, kwargs = msg
+                if spec not in self.scorers:
+                    self.scorers[spec] = _load(parse_reward_spec(spec), [])[0]
+                envs = [self.instances.get(s) for s in slots]
+                out = self.run(self.scorers[spec](**kwargs, environments=envs))
+                if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
+                    return "ok", f"a {type(out).__name__}"
+                return "ok", [_as_number(v) for v in out]
             if kind == "reward":
                 inst = self.instances.get(msg[1])
                 if inst is None or not callable(getattr(inst, "get_reward", None)):
                     raise ValueError("no environment instance with get_reward for this row")
                 return "ok", self.run(inst.get_reward())
         except Exception as e:                               # noqa: BLE001 (the tool's error is the reply)
-            return "raised", str(e)[:MAX_RESULT_CHARS]
+            return "raised", (_describe(e) if kind == "score" else str(e)[:MAX_RESULT_CHARS])
         return "raised", f"unknown request {kind!r}"
 
 

@@ -249,6 +249,29 @@ class ToolWorkers:
             out[slot][i] = ({**msg, "content": value if kind == "ok" else error_text(value)}, kind != "ok")
         return out
 
+    def score(self, spec: str, kwargs: dict[str, list], n: int) -> tuple[str, Any]:
+        """A reward function that takes `environments=`, run where the instances live: each
+        worker scores its own slots' answers (the kwargs' lists cut to those rows) with its
+        instances; the values come back in row order as one reply ("ok", values) or the first
+        failure. So the function sees a sub-batch per worker: per-answer rewards are unchanged,
+        a reward that compares answers across the batch is not supported here."""
+        groups: dict[int, list[int]] = {}
+        for s in range(n):
+            groups.setdefault(self.worker_of(s), []).append(s)
+        reqs = []
+        for slots in groups.values():
+            part = {k: [v[s] for s in slots] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+            reqs.append((slots[0], ("score", spec, slots, part)))
+        values: list[Any] = [None] * n
+        for slots, (kind, got) in zip(groups.values(), self.run(reqs)):
+            if kind != "ok":
+                return kind, got
+            if not isinstance(got, list) or len(got) != len(slots):
+                return "ok", got                                      # the caller reports the shape
+            for s, v in zip(slots, got):
+                values[s] = v
+        return "ok", values
+
     def rewards(self, slots: Sequence[int]) -> list[tuple[float | None, str | None]]:
         """get_reward() of each slot's environment instance: (value, None) or (None, why)."""
         out = []
