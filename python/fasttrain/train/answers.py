@@ -15,8 +15,7 @@ __all__ = ["answer_token_ids", "eos_ids", "prompt_token_ids", "sample_answers", 
 
 def tool_settings(cfg) -> dict:
     """The settings a multi-turn rollout with tools reads from a run's config."""
-    return {"max_tool_calls": cfg.rollout.max_tool_calls,
-            "template_kwargs": dict(getattr(cfg.policy, "chat_template_kwargs", None) or {})}
+    return {"max_tool_calls": cfg.rollout.max_tool_calls}
 
 
 def group_seeds(key: Sequence[int], start: int, stop: int) -> list[int]:
@@ -70,7 +69,7 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
     weights (fasttrain.nn.RolloutWeights), re-merged here if the adapters changed since the last
     call; `compile_decode`: the decode step through torch.compile. An environment with tools
     (`env.tool_workers`) gets multi-turn answers (fasttrain.train.tool_rollout) with
-    `tool_settings` (max_tool_calls, template_kwargs); the rollout then carries the conversations."""
+    `tool_settings` (max_tool_calls); the rollout then carries the conversations."""
     from fasttrain.models import extract_answer
     from fasttrain.rollout import sample
 

@@ -99,9 +99,10 @@ def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_
     `tool_workers` and `chat_messages` (fasttrain.envs.dataset). The answer text is the last
     assistant message's content, cut at its end of turn. `replay`: fasttrain.rollout.multi_turn's
     scripted model turns (tests, and the comparison with TRL's loop)."""
-    from fasttrain.models import extract_answer
+    from fasttrain.models import extract_answer, template_kwargs as set_kwargs
     from fasttrain.rollout.multi_turn import sample_turns
 
+    template_kwargs = {**set_kwargs(tokenizer), **(template_kwargs or {})}   # policy.chat_template_kwargs
     workers: ToolWorkers = env.tool_workers
     template = tool_chat_template(tokenizer, template_kwargs)
     G = group_size
