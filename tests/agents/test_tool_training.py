@@ -64,3 +64,13 @@ def test_a_run_with_tools_logs_calls_errors_turns_and_model_tokens(tmp_path, mon
     assert [m["role"] for m in conv[0]] == ["assistant", "tool", "assistant"]
     assert conv[1][1]["content"] == "{'error': 'bad x 1'}"
     assert samples[0]["answers"] == ["The answer is 5."] * 3
+
+
+def test_the_completions_table_shows_every_turn():
+    from fasttrain.train.trackers import completions_table
+    samples = {"step": 1, "prompt_ids": ["p"], "answers": ["5"], "valid": [True], "core": [1.0], "rewards": {},
+               "conversations": [[{"role": "assistant", "content": "", "tool_calls": [
+                   {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+                   {"role": "tool", "name": "add", "content": "5"}, {"role": "assistant", "content": "5"}]]}
+    _, rows = completions_table(samples, {"p": "2+3?"})
+    assert rows[0][3] == "assistant:  -> add({'a': 2, 'b': 3})\n[tool add] 5\nassistant: 5"

@@ -122,6 +122,10 @@ def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_
             firsts.append(got[0][1])
         messages = [prompt_messages_with_observations(m, o) for m, o in zip(messages, firsts)]
     prompt_ids = [tool_prompt_ids(tokenizer, m, workers.schemas, template, template_kwargs) for m in messages]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and max(map(len, prompt_ids)) + max_new_tokens > limit:
+        raise ValueError(f"a prompt of {max(map(len, prompt_ids))} tokens plus rollout.max_new_tokens = "
+                         f"{max_new_tokens} passes the model's {limit} positions; lower max_new_tokens")
     turns = ToolTurns(tokenizer, workers, template, [p for p in prompt_ids for _ in range(G)], max_tool_calls,
                       template_kwargs)
     roll = sample_turns(model, prompt_ids, group_size=G, max_new_tokens=max_new_tokens, temperature=temperature,
