@@ -117,3 +117,12 @@ def sees_conversation(completions, completion_ids, answer, **kwargs):
 def tool_turns(completions, **kwargs):
     """The number of tool messages in the conversation."""
     return [float(sum(m["role"] == "tool" for m in c)) for c in completions]
+
+
+RECORDED = []
+
+
+def record_completions(completions, **kwargs):
+    """Keeps what it was given (in TRL's process: the test reads RECORDED); 0.0 each."""
+    RECORDED.append([[dict(m) for m in c] if isinstance(c, list) else c for c in completions])
+    return [0.0 for _ in completions]
