@@ -52,6 +52,8 @@ def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, ste
     texts, train, hold = [x[0] for x in every], [x[1] for x in every], [x[2] for x in every]
     out: dict[str, Any] = {"step": step, "prompts": len(prompts), "samples": G}
     out.update(_summary(train, "train"))
+    for c in (train[0].channels if train else {}):         # each reward channel's mean on the probe
+        out[f"train_reward_{c}"] = sum(s.channels[c] for s in train) / len(train)
     if holdout:
         out.update(_summary(hold, "holdout"))
     else:
