@@ -126,3 +126,12 @@ def record_completions(completions, **kwargs):
     """Keeps what it was given (in TRL's process: the test reads RECORDED); 0.0 each."""
     RECORDED.append([[dict(m) for m in c] if isinstance(c, list) else c for c in completions])
     return [0.0 for _ in completions]
+
+
+class Flaky(Counter):
+    """Counter whose reset raises for the target "boom"."""
+
+    def reset(self, **row):
+        if row.get("target") == "boom":
+            raise RuntimeError("reset exploded")
+        return super().reset(**row)

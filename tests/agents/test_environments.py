@@ -65,3 +65,31 @@ def test_a_lost_instance_is_an_error_not_a_crash():
         assert w.rewards([0]) == [(1.0, None)]
     finally:
         w.close()
+
+
+def test_a_reset_that_raises_spoils_only_its_answer():
+    w = ToolWorkers([], environment=f"{TOOLS}:Flaky", timeout=5.0, workers=1)
+    try:
+        got = w.reset([{"target": 1}, {"target": "boom"}])
+        assert got[0] == ("ok", "Count to 1.") and got[1] == ("raised", "reset exploded")
+        assert w.call({0: [ToolCall("increment", {"step": 1})]})[0][0][0]["content"] == "1"
+        assert w.rewards([0])[0] == (1.0, None)
+        value, why = w.rewards([1])[0]
+        assert value is None and "get_reward raised" in why
+    finally:
+        w.close()
+
+
+def test_a_worker_that_cannot_start_again_fails_its_calls_not_the_run(tmp_path):
+    f = tmp_path / "gone.py"
+    f.write_text('import time\n\n\ndef wait(x: int) -> str:\n    """Waits.\n\n    Args:\n        x: Seconds.\n'
+                 '    """\n    time.sleep(x)\n    return "done"\n')
+    w = ToolWorkers([f"{f}:wait"], timeout=1.0, workers=1)
+    try:
+        f.unlink()                                         # the next start cannot import it
+        first = w.call({0: [ToolCall("wait", {"x": 30})]})
+        assert first[0][0][0]["content"] == "{'error': 'timed out after 1 s'}"
+        again = w.call({0: [ToolCall("wait", {"x": 0})]})
+        assert "could not be restarted" in again[0][0][0]["content"] and again[0][0][1]
+    finally:
+        w.close()

@@ -174,7 +174,11 @@ class ToolWorkers:
                 if slot in self._lost:
                     self._lost.discard(slot)
                 if self._workers[w] is None:
-                    self._restart(w)
+                    try:
+                        self._restart(w)
+                    except RewardSpecError as e:           # cannot start again: this call fails, the run goes on
+                        replies[k] = ("failed", f"its worker could not be restarted: {e}")
+                        continue
                 try:
                     _write_frame(self._workers[w].proc.stdin.fileno(), msg)
                 except OSError:
