@@ -52,7 +52,7 @@ def test_a_counter_episode_scores_by_its_instance(policy, env):
 
 
 def test_a_lost_instance_is_an_error_not_a_crash():
-    w = ToolWorkers(tool_specs("hang"), environment=f"{TOOLS}:Counter", timeout=1.0, workers=1)
+    w = ToolWorkers(tool_specs("hang"), environment=f"{TOOLS}:Counter", timeout=1.0, shards=1)
     try:
         assert w.reset([{"target": 2}]) == [("ok", "Count to 2.")]
         out = w.call({0: [ToolCall("hang", {"x": 1})]})
@@ -68,7 +68,7 @@ def test_a_lost_instance_is_an_error_not_a_crash():
 
 
 def test_a_reset_that_raises_spoils_only_its_answer():
-    w = ToolWorkers([], environment=f"{TOOLS}:Flaky", timeout=5.0, workers=1)
+    w = ToolWorkers([], environment=f"{TOOLS}:Flaky", timeout=5.0, shards=1)
     try:
         got = w.reset([{"target": 1}, {"target": "boom"}])
         assert got[0] == ("ok", "Count to 1.") and got[1] == ("raised", "reset exploded")
@@ -84,7 +84,7 @@ def test_a_worker_that_cannot_start_again_fails_its_calls_not_the_run(tmp_path):
     f = tmp_path / "gone.py"
     f.write_text('import time\n\n\ndef wait(x: int) -> str:\n    """Waits.\n\n    Args:\n        x: Seconds.\n'
                  '    """\n    time.sleep(x)\n    return "done"\n')
-    w = ToolWorkers([f"{f}:wait"], timeout=1.0, workers=1)
+    w = ToolWorkers([f"{f}:wait"], timeout=1.0, shards=1)
     try:
         f.unlink()                                         # the next start cannot import it
         first = w.call({0: [ToolCall("wait", {"x": 30})]})

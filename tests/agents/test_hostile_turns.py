@@ -16,7 +16,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def workers():
-    w = ToolWorkers(tool_specs("add"), timeout=5.0, workers=1)
+    w = ToolWorkers(tool_specs("add"), timeout=5.0, shards=1)
     yield w
     w.close()
 

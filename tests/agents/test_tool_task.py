@@ -39,7 +39,7 @@ def test_the_tools_recipe_loads_and_its_tool_has_the_schema():
     from fasttrain.train import load_config
     cfg = load_config("tools")
     assert cfg.env.tools == ("fasttrain.tasks.calculator:calculate",) and cfg.rollout.max_tool_calls == 2
-    w = ToolWorkers(cfg.env.tools, timeout=cfg.env.tool_timeout, workers=1)
+    w = ToolWorkers(cfg.env.tools, timeout=cfg.env.tool_timeout, shards=1)
     try:
         fn = w.schemas[0]["function"]
         assert fn["name"] == "calculate" and fn["parameters"]["required"] == ["expression"]

@@ -10,7 +10,7 @@ from fasttrain.envs.tools import MAX_RESULT_CHARS, ToolCall, ToolWorkers, check_
 
 @pytest.fixture(scope="module")
 def box():
-    w = ToolWorkers(tool_specs("add", "shout", "fail", "hang", "noisy", "huge", "die"), timeout=1.0, workers=2)
+    w = ToolWorkers(tool_specs("add", "shout", "fail", "hang", "noisy", "huge", "die"), timeout=1.0, shards=2)
     yield w
     w.close()
 
@@ -85,4 +85,4 @@ def test_bad_specs_are_errors_that_name_the_key(tmp_path):
     bad = tmp_path / "t.py"
     bad.write_text("def f(x):\n    return x\n")
     with pytest.raises(RewardSpecError, match="cannot load: DocstringParsingException"):
-        ToolWorkers([f"{bad}:f"], workers=1)
+        ToolWorkers([f"{bad}:f"], shards=1)

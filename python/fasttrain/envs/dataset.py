@@ -27,8 +27,8 @@ Each reward function is one GDPO channel named after the function (its priority 
 value, a completion is the answer text (or `[{"role": "assistant", "content": text}]` when the
 prompt is a list of messages) and completion_ids are the sampled token ids up to and including
 EOS. TRL's trainer-only hooks (`trainer_state`, `log_metric`, `log_extra`) are not passed: give
-such functions `**kwargs`. Functions run in worker processes with a deadline (see
-fasttrain.envs.reward_functions).
+such functions `**kwargs`. Functions run in the environment's worker pool with a deadline and a
+memory limit, `worker_memory_mb` (see fasttrain.envs.reward_functions and .worker_pool).
 
 With tools or an environment class, answers are conversations: `completions` is each answer's
 message list (assistant, tool, ..., assistant) as TRL passes it, and an environment's
@@ -52,6 +52,7 @@ from typing import Any, Sequence
 
 from .protocol import INVALID_CORE, Channel, Prompt, Score
 from .reward_functions import RewardFunction, parse_reward_spec
+from .worker_pool import WorkerPool
 
 __all__ = ["DatasetEnvironment", "DatasetError", "load_rows"]
 
@@ -64,9 +65,11 @@ class DatasetError(ValueError):
     """The dataset or the probe set cannot be used; the message names the key and the fix."""
 
 
-def load_rows(path: str, key: str = "env.dataset") -> list[dict[str, Any]]:
+def load_rows(path: str, key: str = "env.dataset", skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """Rows of a JSONL / JSON / Parquet / CSV file or a `save_to_disk` folder (its "train"
-    split if it holds several), checked for a `prompt` column and at least one row."""
+    split if it holds several), checked for a `prompt` column, at least one row and UTF-8 text
+    (fasttrain.envs.row_checks; with `skipped` a list, rows that are not UTF-8 are left out and
+    described there)."""
     if not path:
         raise DatasetError(f"{key} is not set: name a JSONL, Parquet or CSV file or a folder "
                            "written by datasets' save_to_disk")
@@ -95,7 +98,8 @@ def load_rows(path: str, key: str = "env.dataset") -> list[dict[str, Any]]:
                                    ".parquet, .csv or a save_to_disk folder")
             if _has_no_rows(p, fmt):
                 raise DatasetError(f"{key}: {path!r} has no rows")
-            ds = datasets.load_dataset(fmt, data_files=str(p), split="train")
+            from .row_checks import utf8_rows
+            ds = datasets.load_dataset(fmt, data_files=str(utf8_rows(p, fmt, key, skipped)), split="train")
     except DatasetError:
         raise
     except Exception as e:   # the datasets library's parse errors, with its own explanation
@@ -142,10 +146,11 @@ def _check_prompt(v: Any, i: int, key: str, path: str) -> None:
                        f"{{'role': str, 'content': str}}; got {v!r:.160}")
 
 
-def _no_row_retry(reply: tuple[str, Any]) -> tuple[str, Any]:
+def _no_row_retry(out):
     """A raise of a reward function run with environments fails its answers (the one-at-a-time
-    retry runs in the reward worker, which holds no instances)."""
-    return ("failed", f"raised {reply[1]}") if reply[0] == "raised" else reply
+    retry would run in the reward pool, which holds no instances)."""
+    from .worker_pool import Outcome
+    return Outcome(False, failure=out.failure, kind="crashed") if out.kind == "raised" else out
 
 
 def _prompt_key(v: Any) -> str:
@@ -167,7 +172,8 @@ class DatasetEnvironment:
 
     def __init__(self, dataset: str = "", rewards: Sequence[str] = (), probe_dataset: str = "",
                  probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = "",
-                 tools: Sequence[str] = (), environment: str = "", tool_timeout: float = 10.0):
+                 worker_memory_mb: float = 0.0, skip_bad_rows: bool = False, tools: Sequence[str] = (),
+                 environment: str = "", tool_timeout: float = 10.0):
         if not rewards and not environment:
             raise DatasetError('env.rewards is empty: list reward functions, e.g. '
                                'rewards = ["rewards.py:correct"] or ["my_pkg.rewards:correct"]')
@@ -180,7 +186,7 @@ class DatasetEnvironment:
         self.tool_workers = None
         if tools or environment:
             from .tools import ToolWorkers
-            self.tool_workers = ToolWorkers(tools, environment, tool_timeout)
+            self.tool_workers = ToolWorkers(tools, environment, tool_timeout, memory_mb=worker_memory_mb or None)
         self.env_reward = (self.tool_workers.environment_name
                            if self.tool_workers is not None and self.tool_workers.has_reward else None)
         names = [parse_reward_spec(spec).name for spec in rewards] + ([self.env_reward] if self.env_reward else [])
@@ -194,10 +200,13 @@ class DatasetEnvironment:
                                "channel, so names must differ")
         if core and core not in names:
             raise DatasetError(f"env.core: {core!r} is not one of the rewards: {', '.join(names)}")
-        rows = load_rows(dataset, "env.dataset")
+        # rows left out by env.skip_bad_rows, with the reason (the run's report lists them)
+        self.skipped_rows: list[str] = []
+        skipped = self.skipped_rows if skip_bad_rows else None
+        rows = load_rows(dataset, "env.dataset", skipped)
         if probe_dataset:
             train_rows = list(enumerate(rows))
-            probe_set = list(enumerate(load_rows(probe_dataset, "env.probe_dataset")))
+            probe_set = list(enumerate(load_rows(probe_dataset, "env.probe_dataset", skipped)))
             probe_tag = "probe_dataset"
         else:
             if probe_rows >= len(rows):
@@ -217,18 +226,22 @@ class DatasetEnvironment:
         self.columns = columns
         self.system_prompt = system_prompt
         self.name = f"dataset:{Path(dataset).name}"
+        self._sources = {"dataset": dataset, "probe_dataset": probe_dataset}
         self._raw: dict[str, Any] = {}
         self._messages: dict[str, list[dict[str, str]]] = {}
         self._prompts = {"train": [self._prompt("dataset", i, r) for i, r in train_rows],
                          "probe": [self._prompt(probe_tag, i, r) for i, r in probe_set]}
 
         self.rewards: list[RewardFunction] = []
+        # one pool for every reward (and, later, tool) of this environment; a worker per reward
+        self.pool = WorkerPool(memory_mb=worker_memory_mb or None, max_workers=max(2, len(rewards)))
         try:
-            for spec in rewards:                      # one worker each; import errors surface here
-                self.rewards.append(RewardFunction(spec, reward_timeout))
+            for spec in rewards:                      # import errors surface here
+                self.rewards.append(RewardFunction(spec, reward_timeout, self.pool))
         except BaseException:
             self.close()
             raise
+        self._check_reward_columns(dataset, probe_dataset, skipped)
         self.core = core or names[0]
         self.channels = [Channel(f.name, 1.0, f"reward function {f.spec.spec}") for f in self.rewards]
         if self.env_reward:
@@ -247,6 +260,21 @@ class DatasetEnvironment:
         self._raw[pid], self._messages[pid] = raw, msgs
         return Prompt(pid, _show(raw), {c: row.get(c) for c in self.columns})
 
+    def _check_reward_columns(self, dataset: str, probe_dataset: str, skipped: list[str] | None) -> None:
+        """Every argument a reward function has no default for is a column with a value in every
+        row (fasttrain.envs.row_checks.missing_columns); rows without one are an error or skipped."""
+        from .row_checks import TRL_ARGS, missing_columns
+        needs = {f.name: [n for n, has_default in f.signature["params"].items()
+                          if not has_default and n not in TRL_ARGS and n != "environments"] for f in self.rewards}
+        for split, where in (("train", f"env.dataset {dataset!r}"),
+                             ("probe", f"env.probe_dataset {probe_dataset!r}" if probe_dataset
+                              else f"env.dataset {dataset!r}")):
+            bad = missing_columns([(p.id, p.fields) for p in self._prompts[split]], needs, self.columns, where, skipped)
+            self._prompts[split] = [p for p in self._prompts[split] if p.id not in bad]
+            if not self._prompts[split]:
+                raise DatasetError(f"{where}: every {split} row was left out (env.skip_bad_rows); the first "
+                                   f"reason: {self.skipped_rows[0]}")
+
     @staticmethod
     def _check_overlap(train, probe, probe_tag: str, whole_row: bool = False) -> None:
         """No probe prompt among the training prompts; with an environment class the whole row
@@ -263,6 +291,11 @@ class DatasetEnvironment:
             raise DatasetError(f"{where}: {n} probe prompt(s) also appear in the training rows of env.dataset "
                                f"(first: probe row {pi} = training row {ti}); a probe must be unseen. "
                                "Remove the duplicates from one of the sets")
+
+    def row_of(self, prompt_id: str) -> str:
+        """Where a prompt comes from, for messages: "env.dataset 'data.jsonl' row 12"."""
+        tag, _, i = prompt_id.rpartition("/")
+        return f"env.{tag} {self._sources.get(tag, '')!r} row {i}"
 
     def prompts(self, split: str) -> list[Prompt]:
         if split not in self._prompts:
@@ -303,14 +336,12 @@ class DatasetEnvironment:
         if n == 0:
             return []
         kw = self.reward_inputs(prompts, answers, completion_ids, conversations)
-        for f in self.rewards:                                          # restarts first: they take time
-            f.ensure_started()
         here = [self._with_environments(f) for f in self.rewards]        # those run where the instances are
-        deadlines = [None if h else f.send("batch", kw) for f, h in zip(self.rewards, here)]  # every worker at once
+        jobs = [None if h else f.submit(kw) for f, h in zip(self.rewards, here)]   # every reward at once
         env_values = self.tool_workers.rewards(range(n)) if self.env_reward else None
-        replies = [_no_row_retry(self.tool_workers.score(f.spec.spec, kw, n)) if h else f.receive(d)
-                   for f, h, d in zip(self.rewards, here, deadlines)]
-        results = {f.name: f.finish(kw, n, r) for f, r in zip(self.rewards, replies)}
+        outs = [_no_row_retry(self.tool_workers.score(f.spec.spec, kw, n)) if h else job.result()
+                for f, h, job in zip(self.rewards, here, jobs)]
+        results = {f.name: f.finish(kw, n, out) for f, out in zip(self.rewards, outs)}
         if self.env_reward:
             results[self.env_reward] = [(v, None if why is None else f"reward {self.env_reward!r} {why}")
                                         for v, why in env_values]
@@ -338,7 +369,8 @@ class DatasetEnvironment:
         """A reward function that names `environments` runs in the tool workers, with the rows'
         environment instances (TRL passes them to every reward function; here only to those that
         ask, since the instances live in other processes)."""
-        return f.takes_environments and self.tool_workers is not None and self.tool_workers.has_environment
+        return ("environments" in f.signature["params"] and self.tool_workers is not None
+                and self.tool_workers.has_environment)
 
     def score(self, prompt: Prompt, answer_text: str, data_slice: str = "train") -> Score:
         return self.score_many([prompt], [answer_text], data_slice)[0]
@@ -352,21 +384,23 @@ class DatasetEnvironment:
     def counters(self) -> dict[str, int]:
         """Run totals for metrics.jsonl."""
         return {"reward_invalid": sum(self.invalid_counts.values()),
-                "reward_worker_restarts": sum(f.restarts for f in self.rewards)}
+                "reward_worker_restarts": sum(f.restarts for f in self.rewards),
+                "reward_workers_over_memory": self.pool.killed_for_memory}
 
     def state_dict(self) -> dict[str, Any]:
         return {"invalid_counts": dict(self.invalid_counts), "warned": sorted(self._warned),
-                "restarts": {f.name: f.restarts for f in self.rewards}}
+                "restarts": {f.name: f.restarts for f in self.rewards}, "pool": self.pool.state_dict()}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.invalid_counts = {n: int(st["invalid_counts"].get(n, 0)) for n in self.invalid_counts}
         self._warned = set(st["warned"])
         for f in self.rewards:
             f.restarts = int(st["restarts"].get(f.name, 0))
+        self.pool.load_state_dict(st.get("pool", {}))
 
     def close(self) -> None:
         """Stop the reward and tool workers (they also stop when this object is collected or the run ends)."""
-        for f in getattr(self, "rewards", []):
-            f.close()
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()
         if getattr(self, "tool_workers", None) is not None:
             self.tool_workers.close()

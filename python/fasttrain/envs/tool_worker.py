@@ -1,151 +1,119 @@
-"""The worker process that holds a run's tools and environment instances and runs their calls.
+"""What runs inside a worker of fasttrain.envs.worker_pool for tools and environment classes.
 
-`python -m fasttrain.envs.tool_worker` speaks the length-prefixed pickle frames of
-fasttrain.envs.reward_functions on its stdin and a copy of its stdout (prints of user code go to
-stderr). The parent side is fasttrain.envs.tools.ToolWorkers; this file is only the loop that
-answers it. Messages:
+The pool calls these functions by spec ("fasttrain.envs.tool_worker:run_tool", ...); each keeps
+what it loaded, and the environment instances by slot, in this module's state, which lives as
+long as the worker process. fasttrain.envs.tools pins a slot to one single-worker pool, so a
+slot's instance and its calls always meet in the same process.
 
-    ("load", tool_specs, environment_spec | None, sys_path)
-        -> ("ready", {"schemas", "environment": class name | None, "get_reward": bool}) | ("error", why)
-    ("reset", slot, row_kwargs)       -> ("ok", observation str | None) | ("raised", why)
-    ("call", slot, name, arguments)   -> ("ok", text) | ("raised", why)
-    ("reward", slot)                  -> ("ok", value) | ("raised", why)
-    ("score", spec, slots, kwargs)    -> ("ok", [value, ...]) | ("raised", why): the reward function
-                                         `spec` on these slots' answers, with environments= their instances
+Only the tools named at load time and the public methods of the environment class can be called:
+a name the model writes is looked up in those tables, never with getattr on a module. A result
+goes back as `str(result)` (as TRL renders it), cut at MAX_RESULT_CHARS + 1 characters, so a tool
+that returns 10 MB costs the pipe no more than that; an exception goes back as `str(e)` (TRL's
+`{"error": str(e)}` is built by the caller).
 
-Only the tools named at load time (and the public methods of the environment class) can be
-called: a name the model writes is looked up in that table, never with getattr on a module. A
-tool's result goes back as `str(result)`, as TRL renders it, cut at MAX_RESULT_CHARS + 1
-characters so a tool that returns 10 MB costs the pipe no more than that.
-
-What it is not: a sandbox. User code runs with the trainer's permissions; the process boundary is
-there so that a hung or crashing tool can be killed without taking the trainer with it.
+What it is not: a sandbox. User code runs with the trainer's permissions; the pool's process
+boundary, deadline and memory watchdog are there so that it cannot take the trainer down.
 """
 from __future__ import annotations
 
-import os
-import sys
+import inspect
 from typing import Any
-
-from fasttrain.envs.reward_functions import _as_number, _describe, _load, _read_frame, _write_frame, parse_reward_spec
 
 MAX_RESULT_CHARS = 1 << 20          # 1 Mi characters; longer results are over any rollout budget here
 RESERVED_METHODS = ("reset", "get_reward")
+
+_loaded: dict[str, Any] = {}        # spec -> the function or class it names
+_instances: dict[int, Any] = {}     # slot -> this worker's environment instance
+_loops: list = []
+
+
+def _get(spec: str):
+    if spec not in _loaded:
+        from fasttrain.envs.worker_pool import _import, parse_spec
+        _loaded[spec] = _import(parse_spec(spec))
+    return _loaded[spec]
+
+
+def _run(out: Any) -> Any:
+    if not inspect.isawaitable(out):
+        return out
+    if not _loops:
+        import asyncio
+        _loops.append(asyncio.new_event_loop())
+    return _loops[0].run_until_complete(out)
 
 
 def environment_methods(cls: type) -> dict[str, Any]:
     """The tools of an environment class as TRL takes them: its public functions other than
     `reset` and `get_reward` (listed on the class, so properties are not evaluated)."""
-    import inspect
     return {n: f for n, f in inspect.getmembers(cls, predicate=inspect.isfunction)
             if not n.startswith("_") and n not in RESERVED_METHODS}
 
 
-def _schema(fn) -> dict:
+def describe(tool_specs: list[str], env_spec: str | None) -> dict[str, Any]:
+    """{"schemas": transformers' get_json_schema of each tool and environment method, "names":
+    the spec of each plain tool by name, "environment": the class's name or None, "get_reward":
+    whether it has one}. Raises (the caller reports it) on a bad tool."""
     from transformers.utils import get_json_schema
-    return get_json_schema(fn)
+    schemas, names = [], {}
+    for spec in tool_specs:
+        fn = _get(spec)
+        if fn.__name__ in names:
+            raise ValueError(f"two tools are named {fn.__name__!r}")
+        names[fn.__name__] = spec
+        schemas.append(get_json_schema(fn))
+    cls = None
+    if env_spec:
+        cls = _get(env_spec)
+        if not callable(getattr(cls, "reset", None)):
+            raise TypeError(f"{env_spec}: the environment class must define reset(**row)")
+        for name, fn in environment_methods(cls).items():
+            if name in names:
+                raise ValueError(f"the environment method {name!r} has the name of a tool")
+            schemas.append(get_json_schema(fn))
+    return {"schemas": schemas, "names": names, "environment": cls.__name__ if cls is not None else None,
+            "get_reward": cls is not None and callable(getattr(cls, "get_reward", None))}
 
 
-class _Served:
-    """The worker's state: the tool table, the environment class and its instances by slot."""
-
-    def __init__(self, tool_specs: list[str], env_spec: str | None):
-        import asyncio
-        self.loop = asyncio.new_event_loop()
-        self.tools: dict[str, Any] = {}
-        self.schemas: list[dict] = []
-        for spec in tool_specs:
-            fn, _ = _load(parse_reward_spec(spec), [])
-            if fn.__name__ in self.tools:
-                raise ValueError(f"two tools are named {fn.__name__!r}")
-            self.tools[fn.__name__] = fn
-            self.schemas.append(_schema(fn))
-        self.env_cls = None
-        self.methods: dict[str, Any] = {}
-        self.instances: dict[int, Any] = {}
-        self.scorers: dict[str, Any] = {}                  # reward functions that take environments=
-        if env_spec:
-            cls, _ = _load(parse_reward_spec(env_spec), [])
-            if not callable(getattr(cls, "reset", None)):
-                raise TypeError(f"{env_spec}: the environment class must define reset(**row)")
-            self.env_cls = cls
-            self.methods = environment_methods(cls)
-            for name, fn in self.methods.items():
-                if name in self.tools:
-                    raise ValueError(f"the environment method {name!r} has the name of a tool")
-                self.schemas.append(_schema(fn))
-
-    def run(self, out: Any) -> Any:
-        import inspect
-        return self.loop.run_until_complete(out) if inspect.isawaitable(out) else out
-
-    def handle(self, msg: tuple) -> tuple:
-        kind = msg[0]
-        try:
-            if kind == "reset":
-                _, slot, row = msg
-                if slot not in self.instances:            # constructed once, reset for every row
-                    self.instances[slot] = self.env_cls()
-                obs = self.run(self.instances[slot].reset(**row))
-                return "ok", None if obs is None else str(obs)
-            if kind == "call":
-                _, slot, name, args = msg
-                if name in self.tools:
-                    fn = self.tools[name]
-                elif name in self.methods and slot in self.instances:
-                    fn = getattr(self.instances[slot], name)
-                else:
-                    raise ValueError(f"Tool {name} not found.")
-                text = str(self.run(fn(**args)))
-                return "ok", text[:MAX_RESULT_CHARS + 1]
-            if kind == "score":
-                _, spec, slots, kwargs = msg
-                if spec not in self.scorers:
-                    self.scorers[spec] = _load(parse_reward_spec(spec), [])[0]
-                envs = [self.instances.get(s) for s in slots]
-                out = self.run(self.scorers[spec](**kwargs, environments=envs))
-                if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
-                    return "ok", f"a {type(out).__name__}"
-                return "ok", [_as_number(v) for v in out]
-            if kind == "reward":
-                inst = self.instances.get(msg[1])
-                if inst is None or not callable(getattr(inst, "get_reward", None)):
-                    raise ValueError("no environment instance with get_reward for this row")
-                return "ok", self.run(inst.get_reward())
-        except Exception as e:                               # noqa: BLE001 (the tool's error is the reply)
-            return "raised", (_describe(e) if kind == "score" else str(e)[:MAX_RESULT_CHARS])
-        return "raised", f"unknown request {kind!r}"
+def reset(env_spec: str, slot: int, row: dict[str, Any]) -> tuple[bool, str | None]:
+    """reset(**row) of slot's instance (constructed on first use, then reused as TRL's pool does):
+    (True, observation or None), or (False, str(e))."""
+    try:
+        if slot not in _instances:
+            _instances[slot] = _get(env_spec)()
+        obs = _run(_instances[slot].reset(**row))
+        return True, None if obs is None else str(obs)
+    except Exception as e:                            # noqa: BLE001 (the environment's error is the reply)
+        _instances.pop(slot, None)
+        return False, str(e)[:MAX_RESULT_CHARS]
 
 
-def _serve() -> None:
-    import ctypes
-    try:                                             # die with the trainer, even if hung
-        ctypes.CDLL(None).prctl(1, 9)                # PR_SET_PDEATHSIG, SIGKILL (Linux)
-    except (OSError, AttributeError):
-        pass
-    fd_in, fd_out = 0, os.dup(1)
-    os.dup2(2, 1)                                    # the tools' prints go to stderr
-    sys.stdout = sys.stderr
-    served = None
-    while True:
-        try:
-            msg = _read_frame(fd_in)
-        except EOFError:
-            return
-        if msg[0] == "load":
-            _, tool_specs, env_spec, path = msg
-            sys.path[:0] = [p for p in path if p not in sys.path]
-            try:
-                served = _Served(tool_specs, env_spec)
-                cls = served.env_cls
-                _write_frame(fd_out, ("ready", {"schemas": served.schemas,
-                                                "environment": cls.__name__ if cls is not None else None,
-                                                "get_reward": callable(getattr(cls, "get_reward", None))}))
-            except BaseException as e:               # noqa: BLE001 (report any import failure)
-                _write_frame(fd_out, ("error", _describe(e)))
-            continue
-        _write_frame(fd_out, served.handle(msg))
+def run_tool(tool_spec: str | None, env_spec: str | None, slot: int, name: str,
+             arguments: dict[str, Any]) -> tuple[bool, str]:
+    """One call: the plain tool `tool_spec`, or (tool_spec None) the method `name` of slot's
+    environment instance. (True, str(result) cut at MAX_RESULT_CHARS + 1) or (False, str(e))."""
+    try:
+        if tool_spec is not None:
+            fn = _get(tool_spec)
+        else:
+            if env_spec is None or name not in environment_methods(_get(env_spec)):
+                raise ValueError(f"Tool {name} not found.")
+            if slot not in _instances:
+                raise LookupError("its environment instance was lost (its worker was restarted or its reset failed)")
+            fn = getattr(_instances[slot], name)
+        return True, str(_run(fn(**arguments)))[:MAX_RESULT_CHARS + 1]
+    except Exception as e:                            # noqa: BLE001
+        return False, str(e)[:MAX_RESULT_CHARS]
 
 
-if __name__ == "__main__":
-    _serve()
+def get_reward(slot: int) -> Any:
+    """get_reward() of slot's instance (raises when there is none: the caller reports it)."""
+    if slot not in _instances:
+        raise LookupError("no environment instance for this answer (its worker was restarted or its reset failed)")
+    return _run(_instances[slot].get_reward())
+
+
+def score(reward_spec: str, slots: list[int], kwargs: dict[str, Any]) -> Any:
+    """The reward function `reward_spec` on these slots' answers, with environments= their
+    instances (None where an instance is missing)."""
+    return _run(_get(reward_spec)(**kwargs, environments=[_instances.get(s) for s in slots]))

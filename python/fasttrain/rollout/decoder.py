@@ -61,6 +61,10 @@ class LlamaFamilyDecoder:
         return torch.empty(len(self.layers), 2, batch, self.n_kv, seq, self.head_dim,
                            dtype=self.dtype, device=self.device)
 
+    def copy_prompts(self, small: Tensor, cache: Tensor, group: int, prompt_len: int) -> None:
+        """Give each of the n prompts' cache columns [0, P) (small) to its `group` consecutive rows."""
+        cache[:, :, :, :, :prompt_len].unflatten(2, (-1, group)).copy_(small.unsqueeze(3))
+
     def rotary_table(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [B, S, head_dim] for integer `positions` [B, S]."""
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -82,9 +86,10 @@ class LlamaFamilyDecoder:
         return self.norm(x[:, -1])
 
     def decode(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
-               column: int) -> Tensor:
+               column: int, active: Tensor | None = None) -> Tensor:
         """One new token per row, `tokens` [B], written at cache `column`; key_valid bool
-        [B, column + 1]; cos/sin [B, D]. Returns the final-norm hidden state [B, H]."""
+        [B, column + 1]; cos/sin [B, D]. Returns the final-norm hidden state [B, H]. `active` [B]:
+        nothing to do here for a held row (its key, masked invalid by the caller, is its only trace)."""
         x = self.embed(tokens[:, None])  # [B, 1, H]
         x = self._layers(x, cos[:, None, None], sin[:, None, None], cache, column,
                          key_valid[:, None, None, :], decode=True)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .compiled_decode import compiled_decode
-from .decoder import LlamaFamilyDecoder
+from .families import decoder_for
 
 
 @dataclass
@@ -132,9 +132,13 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     data-parallel ranks split a step and still sample what one process would).
     """
     step = None
+    dec = decoder_for(model, weights)
     if compile:
+        if not hasattr(dec.layers[0], "self_attn"):
+            raise ValueError("sample: compile=True (rollout.compile) runs Llama-family models only so far; "
+                             "set rollout.compile = false for this hybrid model")
         step = compiled_decode(model, weights, compile if isinstance(compile, str) else "inductor")
-    dec = step.dec if step is not None else LlamaFamilyDecoder(model, weights)
+        dec = step.dec
     vocab = model.config.vocab_size
     _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
@@ -181,7 +185,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
                 t[:, :, :P].unflatten(0, (n, G)).copy_(small[i, j].unsqueeze(1))
                 t[:, :, P:].zero_()
     else:
-        cache[:, :, :, :, :P].unflatten(2, (n, G)).copy_(small.unsqueeze(3))
+        dec.copy_prompts(small, cache, G, P)
     del small
     logits = dec.lm_head(h_last).float().repeat_interleave(G, dim=0)  # [B, V]
     cos, sin = cos.repeat_interleave(G, 0), sin.repeat_interleave(G, 0)
@@ -237,13 +241,14 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         if t + 1 == max_new_tokens or bool(done.all()):
             break
         col = P + t
-        key_valid[:, col] = True  # finished rows keep decoding pads; their outputs are unused
+        # a finished row is held: its token's key is invalid for it and its state does not move
+        key_valid[:, col] = ~done
         if step is not None:
             column = torch.full((1,), col, dtype=torch.long, device=device)
             logits = step.step(tokens[:, t].contiguous(), key_valid, cos[:, col].contiguous(),
                                sin[:, col].contiguous(), cache, column)
         else:
-            h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col)
+            h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col, active=~done)
             logits = dec.lm_head(h).float()
 
     T = steps

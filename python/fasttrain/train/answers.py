@@ -10,7 +10,7 @@ import torch
 from fasttrain.envs import Prompt, Score
 
 __all__ = ["answer_token_ids", "eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice",
-           "group_seeds", "tool_settings"]
+           "group_seeds", "join_rollouts", "tool_settings"]
 
 
 def tool_settings(cfg) -> dict:
@@ -104,6 +104,43 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
     texts = [extract_answer(answer_prefix + tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True))
              for b in range(ids.shape[0])]
     return roll, texts
+
+
+def join_rollouts(parts: Sequence, pad_id: int):
+    """One Rollout of chunks sampled one after the other (rows in order): prompts left-padded to
+    the longest prompt, completions right-padded to the longest; the padding is masked out, so
+    every row's tokens, positions and log-probs are its chunk's."""
+    from fasttrain.rollout import Rollout
+    if len(parts) == 1:
+        return parts[0]
+    P = max(r.prompt_len for r in parts)
+    T = max(r.completion_ids.shape[1] for r in parts)
+    G = parts[0].group_size
+
+    def pad(x: torch.Tensor, left: int, right: int, value) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (left, right), value=value)
+
+    ids, att, comp, cmask, amask, logp, offset, index = [], [], [], [], [], [], 0, []
+    for r in parts:
+        left, right = P - r.prompt_len, T - r.completion_ids.shape[1]
+        ids.append(pad(r.input_ids, left, right, pad_id))
+        att.append(pad(r.attention_mask, left, right, 0))
+        comp.append(pad(r.completion_ids, 0, right, pad_id))
+        cmask.append(pad(r.completion_mask, 0, right, False))
+        amask.append(pad(r.action_mask, 0, right, False))
+        logp.append(pad(r.logprobs, 0, right, 0.0))
+        index.append(r.prompt_index + offset)
+        offset += r.completion_ids.shape[0] // G
+    attention_mask = torch.cat(att)
+    return Rollout(input_ids=torch.cat(ids), attention_mask=attention_mask,
+                   position_ids=(attention_mask.long().cumsum(-1) - 1).clamp_min(0), prompt_len=P,
+                   completion_ids=torch.cat(comp), completion_mask=torch.cat(cmask), action_mask=torch.cat(amask),
+                   lengths=torch.cat([r.lengths for r in parts]), prompt_index=torch.cat(index),
+                   logprobs=torch.cat(logp), finished=torch.cat([r.finished for r in parts]), group_size=G,
+                   conversations=(None if parts[0].conversations is None
+                                  else [c for r in parts for c in r.conversations]),
+                   tool_stats=(None if parts[0].tool_stats is None
+                               else {k: sum(r.tool_stats[k] for r in parts) for k in parts[0].tool_stats}))
 
 
 def has_slice(env, name: str) -> bool:

@@ -25,8 +25,9 @@ class ToolTurns:
     """The end-of-turn handler of one multi-turn rollout (its state is per row)."""
 
     def __init__(self, tokenizer, workers: ToolWorkers, template: str, prompt_ids: Sequence[Sequence[int]],
-                 max_tool_calls: int = 0, template_kwargs: dict | None = None):
+                 max_tool_calls: int = 0, template_kwargs: dict | None = None, first_slot: int = 0):
         self.tok, self.workers, self.template = tokenizer, workers, template
+        self.first_slot = first_slot                          # row r's environment slot: first_slot + r
         self.kwargs = dict(template_kwargs or {})
         self.max_tool_calls = max_tool_calls
         B = len(prompt_ids)
@@ -50,7 +51,8 @@ class ToolTurns:
             parsed = self._take_turn(r, span)
             if parsed.calls and (not self.max_tool_calls or self.rounds[r] < self.max_tool_calls):
                 calls[r] = [ToolCall(n, a) for n, a in parsed.calls]
-        results = self.workers.call(calls) if calls else {}
+        results = self.workers.call({self.first_slot + r: c for r, c in calls.items()}) if calls else {}
+        results = {r - self.first_slot: v for r, v in results.items()}
         out: list[list[int] | None] = []
         for r, left in zip(rows, room):
             if r not in results:
@@ -94,11 +96,13 @@ def prompt_messages_with_observations(messages: list[dict[str, Any]], observatio
 
 def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_new_tokens: int,
                         temperature: float, seed, eos_token_ids: Sequence[int], max_tool_calls: int = 0,
-                        template_kwargs: dict | None = None, weights=None, replay=None):
+                        template_kwargs: dict | None = None, weights=None, replay=None, first_slot: int = 0):
     """(rollout with .conversations and .tool_stats, answer texts [B]) for an environment with
     `tool_workers` and `chat_messages` (fasttrain.envs.dataset). The answer text is the last
     assistant message's content, cut at its end of turn. `replay`: fasttrain.rollout.multi_turn's
-    scripted model turns (tests, and the comparison with TRL's loop)."""
+    scripted model turns (tests, and the comparison with TRL's loop). `first_slot`: the environment
+    slot of row 0 (a step sampled in chunks gives each chunk its own slots, so the step's answer i
+    is slot i when it is scored)."""
     from fasttrain.models import extract_answer, template_kwargs as set_kwargs
     from fasttrain.rollout.multi_turn import sample_turns
 
@@ -109,7 +113,7 @@ def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_
     messages = [env.chat_messages(p) for p in prompts]
     if workers.has_environment:
         rows = [dict(p.fields) for p in prompts for _ in range(G)]
-        obs = workers.reset(rows)
+        obs = workers.reset(rows, first_slot)
         firsts = []
         for i in range(len(prompts)):
             # a reset that raised or timed out leaves that answer's instance broken: its calls and
@@ -126,7 +130,7 @@ def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_
         raise ValueError(f"a prompt of {max(map(len, prompt_ids))} tokens plus rollout.max_new_tokens = "
                          f"{max_new_tokens} passes the model's {limit} positions; lower max_new_tokens")
     turns = ToolTurns(tokenizer, workers, template, [p for p in prompt_ids for _ in range(G)], max_tool_calls,
-                      template_kwargs)
+                      template_kwargs, first_slot)
     roll = sample_turns(model, prompt_ids, group_size=G, max_new_tokens=max_new_tokens, temperature=temperature,
                         eos_token_ids=eos_token_ids, seed=seed, end_of_turn=turns, weights=weights, replay=replay)
     turns.finish(roll)
