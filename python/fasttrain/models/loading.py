@@ -60,7 +60,7 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
     chat template, and a pad token (the EOS token when the model defines none).
     """
     _offline()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = _resolve(spec)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -70,11 +70,23 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
     model = AutoModelForCausalLM.from_pretrained(
         path, config=text_config(config), local_files_only=True, dtype=dtype, use_safetensors=True)
     model.to(device).eval()
+    return model, _tokenizer(path)
+
+
+def load_tokenizer(spec: str | os.PathLike | None = None):
+    """The tokenizer `load_policy(spec)` returns, without loading the model (tests pair the
+    bundled SmolLM2's tokenizer with a tiny random model of the same vocabulary)."""
+    _offline()
+    return _tokenizer(_resolve(spec))
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model, tokenizer
+    return tokenizer
 
 
 def eos_token_ids(model, tokenizer=None) -> list[int]:
