@@ -207,6 +207,20 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return d if d.exists() else None
 
 
+def check_family(ckpt: Path, now: dict[str, str], run_dir: Path) -> None:
+    """Refuse to resume a checkpoint written for another model family (checkpoints before the
+    family was recorded pass)."""
+    meta = json.loads((ckpt / "trainer_state.json").read_text())
+    then = meta.get("family")
+    if then is not None and then != now["family"]:
+        from fasttrain.train.config import ConfigError
+        raise ConfigError(
+            f"--resume {run_dir}: its checkpoint {ckpt.name} holds adapters for a {then!r} model "
+            f"(model_type {meta.get('model_type')!r}), but policy.model now loads a {now['family']!r} model "
+            f"(model_type {now['model_type']!r}); adapters do not carry across families. Resume with the "
+            "run's own policy.model, or start a new run.")
+
+
 def load_checkpoint(ckpt: Path, params: dict[str, torch.nn.Parameter],
                     optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore adapter masters and AdamW state in place; return the JSON state."""

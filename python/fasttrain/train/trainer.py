@@ -31,11 +31,12 @@ import numpy as np
 import torch
 
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
+from fasttrain.rl.masks import token_stats
 from fasttrain.train import distributed
 from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, join_rollouts, sample_answers,
-                                     score_answers)
-from fasttrain.train.checkpoint import (load_checkpoint, newest_checkpoint_name, pick_checkpoint, rng_state,
-                                        save_checkpoint, set_rng_state)
+                                     score_answers, tool_settings)
+from fasttrain.train.checkpoint import (check_family, load_checkpoint, newest_checkpoint_name, pick_checkpoint,
+                                        rng_state, save_checkpoint, set_rng_state)
 from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
                                     resume_changes)
 from fasttrain.train.environment import load_run_env
@@ -219,7 +220,8 @@ class Trainer:
             roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
-        scores, texts = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll))  # whole step, every rank
+        scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
+                                                roll.conversations)       # whole step, every rank
         times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         adv, adv_info = self._advantages(scores)
@@ -233,7 +235,7 @@ class Trainer:
         # gives the old log-probs and entropy from its own forward (one forward less per step)
         batch = self._with_oom_retry(step, "scores", lambda mb: score_batch(
             self.model, roll, mb, R.temperature, need_ref=L.beta > 0, need_old=top_entropy))
-        mask = roll.completion_mask.bool()
+        mask = roll.action_mask.bool()          # the model's own tokens: every consumer below reads it
         loss_mask = mask
         if top_entropy:                                        # over every rank's answer tokens
             loss_mask = distributed.top_entropy_mask(batch.entropy, mask, L.rho)
@@ -253,9 +255,9 @@ class Trainer:
             self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
         passes = result.passes
+        gap = self._logprob_gap(roll, result, mask)
         # entropy of the pre-update policy (scored before the update, or by its first pass), all ranks
-        n_tok, n_loss, ent_sum = distributed.sum_values(
-            [float(mask.sum()), float(loss_mask.sum()), float((result.entropy * mask).sum())])
+        n_tok, n_loss, ent_sum = distributed.sum_values(token_stats(result.entropy, mask, loss_mask))
         n_tok, n_loss = int(n_tok), int(n_loss)
         mean_entropy = ent_sum / max(1, n_tok)
         # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy, over every
@@ -286,6 +288,7 @@ class Trainer:
             "clip_high_frac": last.get("clip_high_frac", math.nan),
             "cap_frac": last.get("cap_frac", math.nan),
             "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
+            **gap,
             "tokens": n_tok, "loss_tokens": n_loss,
             "mean_length": n_tok / len(scores), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -295,6 +298,7 @@ class Trainer:
             # a plug-in's batch verifier that raised or returned the wrong length (run total)
             "verifier_batch_failures": 0,
             **_env_counters(self.env),                        # the environment's run totals
+            **self._tool_metrics(roll, len(scores)),
             **{f"seconds_{k}": v for k, v in times.items()},
         }
         row["seconds_step"] = sum(times.values())
@@ -303,8 +307,22 @@ class Trainer:
                    "core": [s.core for s in scores], "valid": [s.valid for s in scores],
                    "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names},
                    "reasons": [s.reason for s in scores]}
+        if turns is not None:
+            samples["conversations"] = turns               # each answer's turns (assistant, tool, ...)
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
+
+    @staticmethod
+    def _logprob_gap(roll, result, mask) -> dict[str, float]:
+        """rollout_logprob_gap (mean) and rollout_logprob_gap_max: |Δ log p| of the sampled tokens
+        between the rollout's decode and the update's forward on the pre-update policy, every rank's tokens."""
+        from fasttrain.rl.logprob_gap import logprob_gap_parts
+        if result is None or result.old_logp is None:
+            return {"rollout_logprob_gap": math.nan, "rollout_logprob_gap_max": math.nan}
+        total, top, n = logprob_gap_parts(roll.logprobs, result.old_logp, mask)
+        total, n = distributed.sum_values([total, float(n)])
+        return {"rollout_logprob_gap": total / max(n, 1.0),
+                "rollout_logprob_gap_max": max(distributed.gather_list([top]))}
 
     # ---- out of memory ------------------------------------------------------------------------
     def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None):
@@ -319,7 +337,8 @@ class Trainer:
                                       max_new_tokens=R.max_new_tokens, temperature=R.temperature,
                                       seed=seeds[a:a + n], answer_prefix=R.answer_prefix,
                                       stop_strings=R.stop_strings, weights=self.rollout_weights,
-                                      compile_decode=R.compile)
+                                      compile_decode=R.compile,
+                                      tool_settings={**tool_settings(self.cfg), "first_slot": a * R.group_size})
             parts.append(roll)
             texts += tx
         pad = getattr(self.model.config, "pad_token_id", None)
@@ -375,21 +394,39 @@ class Trainer:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
 
-    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]]):
-        """(scores, answer texts) of the whole step in the one-process order, on every rank. A
-        stateful environment scores every answer on every rank, in that order, so its state stays
-        the one-process state; a stateless one scores each rank's answers where they are."""
+    def _tool_metrics(self, roll, answers: int) -> dict[str, float]:
+        """Per step, over every rank: tool calls, the calls that ended in an error message (or
+        could not be read), and model turns per answer; nothing for single-turn answers."""
+        if roll.tool_stats is None:
+            return {}
+        st = roll.tool_stats
+        calls, errors, turns, dropped = distributed.sum_values(
+            [float(st["tool_calls"]), float(st["tool_errors"]), float(st["turns"]), float(st["tool_results_dropped"])])
+        return {"tool_calls": int(calls), "tool_errors": int(errors), "turns": turns / max(1, answers),
+                "tool_results_dropped": int(dropped)}
+
+    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]],
+                    turns: list | None = None):
+        """(scores, answer texts, conversations or None) of the whole step in the one-process
+        order, on every rank. A stateful environment scores every answer on every rank, in that
+        order, so its state stays the one-process state; a stateless one scores each rank's
+        answers where they are."""
         G = self.cfg.rollout.group_size
+        turns = turns if turns is not None else [None] * len(texts)
         if is_stateful(self.env) or distributed.world_size() == 1:
-            both = distributed.gather_list(list(zip(texts, ids)))
-            texts, ids = [tx for tx, _ in both], [i for _, i in both]
+            both = distributed.gather_list(list(zip(texts, ids, turns)))
+            texts, ids, turns = [x[0] for x in both], [x[1] for x in both], [x[2] for x in both]
             rep = [p for p in prompts for _ in range(G)]
+            conv = turns if turns and turns[0] is not None else None
             return score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True,
-                                 completion_ids=ids), texts
+                                 completion_ids=ids, conversations=conv), texts, conv
         rep = [p for p in prompts[lo:hi] for _ in range(G)]
-        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids)
-        both = distributed.gather_list(list(zip(mine, texts)))
-        return [sc for sc, _ in both], [tx for _, tx in both]
+        conv = turns if turns and turns[0] is not None else None
+        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids,
+                             conversations=conv)
+        both = distributed.gather_list(list(zip(mine, texts, turns)))
+        conv = [x[2] for x in both]
+        return [x[0] for x in both], [x[1] for x in both], conv if conv and conv[0] is not None else None
 
     def _say(self, msg: str) -> None:
         """A line on the console (every rank under torchrun: a stop concerns each)."""
@@ -428,8 +465,18 @@ class Trainer:
             self.trackers.log_probe(res)
         return res
 
+    def _family(self) -> dict[str, str]:
+        """The policy's model family and model_type, kept in checkpoints so a resume on another
+        family's model is refused by name (its adapters would not fit)."""
+        from fasttrain.models.families import family_of
+        model_type = str(getattr(getattr(self.model, "config", None), "model_type", "unknown"))
+        try:
+            return {"family": family_of(self.model).name, "model_type": model_type}
+        except ValueError:
+            return {"family": model_type, "model_type": model_type}
+
     def _state(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
+        return {"run_id": self.run_id, **self._family(), "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
                 "warnings": self.warnings, "zeta_log": self.zeta_log, "sizes": self.sizes,
                 # the environment's counters and state (plug-in wrapper, dataset rewards), if any
@@ -499,6 +546,7 @@ class Trainer:
         return tr
 
     def _restore(self, ckpt: Path) -> None:
+        check_family(ckpt, self._family(), self.dir)
         meta = load_checkpoint(ckpt, self.named_params, self.optimizer)
         self.step = self._checkpointed_step = int(meta["step"])
         self.thermostat.load_state_dict(meta["thermostat"])
