@@ -28,12 +28,14 @@ def _load_base(spec: str, dtype: str):
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"policy.model: cannot load factory {spec!r}: {e}") from None
         return factory(dtype=dtype)
+    from safetensors import SafetensorError
+
     from fasttrain.models import load_policy
     _check_model_folder(spec)
     try:
         return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype))
-    except (FileNotFoundError, ValueError, OSError, KeyError) as e:   # one paragraph, not a traceback
-        raise ConfigError(_cannot_load(spec, str(e).strip())) from None
+    except (FileNotFoundError, ValueError, OSError, KeyError, SafetensorError) as e:   # one paragraph
+        raise ConfigError(_cannot_load(spec, f"{str(e).strip().rstrip('.')}.")) from None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
