@@ -346,9 +346,10 @@ class Trainer:
 
     def _undo_update(self):
         """A function that puts the adapters and AdamW back as they are now (before an update
-        that may run out of memory part-way, after some passes stepped)."""
-        params = [p.detach().clone() for p in self.params]
-        state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        that may run out of memory part-way, after some passes stepped). The copy is kept in host
+        memory: it must not add to the device memory the update needs."""
+        params = [p.detach().to("cpu", copy=True) for p in self.params]
+        state = {p: {k: (v.to("cpu", copy=True), v.device) if torch.is_tensor(v) else v for k, v in st.items()}
                  for p, st in self.optimizer.state.items()}
         training = self.model.training
 
@@ -359,7 +360,8 @@ class Trainer:
                     p.grad = None
             self.optimizer.state.clear()
             for p, st in state.items():
-                self.optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                self.optimizer.state[p] = {k: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v
+                                           for k, v in st.items()}
             self.model.train(training)
         return undo
 
