@@ -248,7 +248,8 @@ def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int, dense: 
     w, L, H, V, D = m.w, m.layers, m.hidden, m.vocab, m.head_dim
     c = _compute_bytes(m, dev)
     B, S = n * G, P + T
-    kv = L * 2 * B * m.kv_heads * S * D * w
+    L = m.kv_layers                   # a hybrid's KV lives in its full-attention layers only
+    kv = L * 2 * B * m.kv_heads * S * D * w + (B + n) * m.state_bytes   # + the fixed per-row state
     book = B * S + B * T * (8 + 4 + 1) + n * S * 8 + 2 * n * P
     rope_b = 2 * B * S * D * w
     # prefill: the prompts' own cache, masks [n, P, P] and [P, P], the residual, one layer

@@ -58,8 +58,8 @@ def prompt_runs(s: RunShape) -> int:
 
 
 def _forward_flops(m: ModelShape, tokens: int, keys_per_token: float) -> float:
-    attn = 4.0 * m.layers * m.heads * m.head_dim * keys_per_token * tokens
-    return 2.0 * m.linear_params * tokens + attn + _lora_flops(m, tokens)
+    attn = 4.0 * m.kv_layers * m.heads * m.head_dim * keys_per_token * tokens
+    return 2.0 * m.linear_params * tokens + attn + m.state_flops * tokens + _lora_flops(m, tokens)
 
 
 def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 0.4,
@@ -83,10 +83,11 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
     prefill = _forward_flops(m, n * P, P) + 2.0 * H * V * n
     weights = m.resident["nf4_base"] + m.resident["adapter_masters"] + V * H * w
     decode = 0.0
-    kv_row_col = m.layers * 2 * m.kv_heads * m.head_dim * w
+    kv_row_col = m.kv_layers * 2 * m.kv_heads * m.head_dim * w
     for step in range(T):
-        bytes_read = weights + B * kv_row_col * (P + step + 1)
-        step_flops = 2.0 * (m.linear_params + V * H) * B + _lora_flops(m, B)
+        # a hybrid's rows read and write their fixed state every step
+        bytes_read = weights + B * kv_row_col * (P + step + 1) + 2 * B * m.state_bytes
+        step_flops = 2.0 * (m.linear_params + V * H) * B + _lora_flops(m, B) + m.state_flops * B
         decode += max(bytes_read / bw, step_flops / flops)
     t.seconds["rollout"] = prefill / flops + decode
     # verifier
