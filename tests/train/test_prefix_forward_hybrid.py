@@ -127,3 +127,8 @@ def test_checkpointed_layers_keep_only_their_inputs():
         assert h.requires_grad
         kept.append(numel[0])
     assert kept[1] < kept[0] / 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread_for_tiny_models):
+    """Tiny models: one thread (see tests/conftest.py)."""

@@ -11,8 +11,9 @@ fasttrain.ops.reference.gated_delta_rule (one token at a time); this face comput
 Which implementation runs: the reference when the kernels are set to "reference"; on CUDA,
 flash-linear-attention's chunked kernel when the package is installed (`fasttrain[gpu]`);
 otherwise the chunked form below in plain PyTorch, whose backward (including the gradient of the
-initial state) is autograd's. There is no fused CPU kernel: on the CPU the delta rule and the conv
-are a small share of a hybrid step (bench/results/hybrid_step_profile.md).
+initial state) is autograd's. There is no fused CPU kernel yet: measured on the benchmark hybrid,
+the delta rule and the conv are ~45% of the update's forward+backward and ~23% of a step on a CPU,
+nothing in the decode (bench/results/hybrid_step_profile.md), so a kernel could gain at most ~1.3x.
 
 The chunked form (the WY representation of DeltaNet, Yang et al. 2024, as flash-linear-attention
 computes it). Within a chunk of C tokens let Γ_t = Σ_{s<=t} g_s (so e^{Γ_t − Γ_s} <= 1 for s <= t)
@@ -69,9 +70,11 @@ def _check(q, k, v, g, beta, initial_state) -> None:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                      scale: float | None = None, initial_state: torch.Tensor | None = None,
-                     chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32, float64 for float64 inputs).
-    Autograd: q, k, v, g, beta, initial_state. scale defaults to Dk^-1/2."""
+    Autograd: q, k, v, g, beta, initial_state. scale defaults to Dk^-1/2. chunk_size: the torch
+    path's chunk (32 measured fastest forward+backward at head dim 128 on a CPU, against 16 and 64;
+    flash-linear-attention picks its own)."""
     _check(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
         raise ValueError(f"gated_delta_rule: chunk_size must be >= 1, got {chunk_size}")
@@ -183,11 +186,16 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | N
         from causal_conv1d import causal_conv1d_fn
         y = causal_conv1d_fn(x.transpose(1, 2), weight.to(x.dtype), None, activation="silu" if activation else None)
         return y.transpose(1, 2), xt[:, T:]
+    # K shifted multiply-adds over [B, T, C] (channels last, as the projections give them): on the
+    # CPU this is several times faster than F.conv1d's depthwise path on the transposed layout
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = F.conv1d(xt.to(acc).transpose(1, 2), weight.to(acc)[:, None], groups=Cn)   # [B, C, T]
+    xa, w = xt.to(acc), weight.to(acc)
+    y = xa[:, :T] * w[:, 0]
+    for j in range(1, K):
+        y = y + xa[:, j:j + T] * w[:, j]
     if activation:
         y = F.silu(y)
-    return y.transpose(1, 2).to(x.dtype), xt[:, T:]
+    return y.to(x.dtype), xt[:, T:]
 
 
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,

@@ -34,9 +34,9 @@ from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_c
 from fasttrain.rl.masks import token_stats
 from fasttrain.train import distributed
 from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, join_rollouts, sample_answers,
-                                    score_answers, tool_settings)
-from fasttrain.train.checkpoint import (load_checkpoint, newest_checkpoint_name, pick_checkpoint, rng_state,
-                                        save_checkpoint, set_rng_state)
+                                     score_answers, tool_settings)
+from fasttrain.train.checkpoint import (check_family, load_checkpoint, newest_checkpoint_name, pick_checkpoint,
+                                        rng_state, save_checkpoint, set_rng_state)
 from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
                                     resume_changes)
 from fasttrain.train.environment import load_run_env
@@ -255,6 +255,7 @@ class Trainer:
             self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
         passes = result.passes
+        gap = self._logprob_gap(roll, result, mask)
         # entropy of the pre-update policy (scored before the update, or by its first pass), all ranks
         n_tok, n_loss, ent_sum = distributed.sum_values(token_stats(result.entropy, mask, loss_mask))
         n_tok, n_loss = int(n_tok), int(n_loss)
@@ -287,6 +288,7 @@ class Trainer:
             "clip_high_frac": last.get("clip_high_frac", math.nan),
             "cap_frac": last.get("cap_frac", math.nan),
             "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
+            **gap,
             "tokens": n_tok, "loss_tokens": n_loss,
             "mean_length": n_tok / len(scores), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -309,6 +311,18 @@ class Trainer:
             samples["conversations"] = turns               # each answer's turns (assistant, tool, ...)
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
+
+    @staticmethod
+    def _logprob_gap(roll, result, mask) -> dict[str, float]:
+        """rollout_logprob_gap (mean) and rollout_logprob_gap_max: |Δ log p| of the sampled tokens
+        between the rollout's decode and the update's forward on the pre-update policy, every rank's tokens."""
+        from fasttrain.rl.logprob_gap import logprob_gap_parts
+        if result is None or result.old_logp is None:
+            return {"rollout_logprob_gap": math.nan, "rollout_logprob_gap_max": math.nan}
+        total, top, n = logprob_gap_parts(roll.logprobs, result.old_logp, mask)
+        total, n = distributed.sum_values([total, float(n)])
+        return {"rollout_logprob_gap": total / max(n, 1.0),
+                "rollout_logprob_gap_max": max(distributed.gather_list([top]))}
 
     # ---- out of memory ------------------------------------------------------------------------
     def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None):
@@ -451,8 +465,18 @@ class Trainer:
             self.trackers.log_probe(res)
         return res
 
+    def _family(self) -> dict[str, str]:
+        """The policy's model family and model_type, kept in checkpoints so a resume on another
+        family's model is refused by name (its adapters would not fit)."""
+        from fasttrain.models.families import family_of
+        model_type = str(getattr(getattr(self.model, "config", None), "model_type", "unknown"))
+        try:
+            return {"family": family_of(self.model).name, "model_type": model_type}
+        except ValueError:
+            return {"family": model_type, "model_type": model_type}
+
     def _state(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
+        return {"run_id": self.run_id, **self._family(), "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
                 "warnings": self.warnings, "zeta_log": self.zeta_log, "sizes": self.sizes,
                 # the environment's counters and state (plug-in wrapper, dataset rewards), if any
@@ -516,9 +540,13 @@ class Trainer:
         tr = cls(cfg, run_dir, **kw)
         tr._resume_from, tr._resume_notes = ckpt, notes
         tr._resume_changes = changes
+        if ckpt is None:                       # no checkpoint yet: the run starts again, said once
+            for note in notes:
+                tr._warn(0, note)
         return tr
 
     def _restore(self, ckpt: Path) -> None:
+        check_family(ckpt, self._family(), self.dir)
         meta = load_checkpoint(ckpt, self.named_params, self.optimizer)
         self.step = self._checkpointed_step = int(meta["step"])
         self.thermostat.load_state_dict(meta["thermostat"])
