@@ -167,12 +167,12 @@ def test_plan_on_the_cpu_times_from_this_hosts_rates_and_says_so(tmp_path, monke
     monkeypatch.setattr(hr, "measure", lambda device: _fake_rates())
     out = CliRunner().invoke(app, ["plan", "demo", "--gpu", "cpu"]).output
     assert "rates measured on a test CPU (2 cores), 1 thread(s), 2026-01-02 03:04 UTC" in out, out
-    def update_seconds(*extra):
+    def planned_update(*extra):
         text = CliRunner().invoke(app, ["plan", "demo", "--gpu", "cpu", "--json", *extra]).output
         return json.loads(text[text.index("{"):])["seconds"]["update"]
-    before = update_seconds()
+    before = planned_update()
     monkeypatch.setattr(hr, "measure", lambda device: _fake_rates(matmul_bf16=8e11, matmul_fp32=2e11))
-    assert update_seconds() == before                       # read from the cache
-    assert update_seconds("--remeasure") < before
+    assert planned_update() == before                       # read from the cache
+    assert planned_update("--remeasure") < before
     table = CliRunner().invoke(app, ["plan", "demo", "--gpu", "cpu", "--rates", "datasheet"]).output
     assert "order-of-magnitude" in table and "rates measured" not in table

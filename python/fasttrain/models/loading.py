@@ -53,7 +53,7 @@ def _resolve(spec: str | os.PathLike | None) -> Path:
 
 
 def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu"):
+                device: str | torch.device = "cpu", quantize: bool | str = False):
     """Load `(model, tokenizer)`.
 
     spec: None or "smollm2-135m" for the bundled SmolLM2-135M-Instruct (converted from the
@@ -61,6 +61,10 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
     Face directory (Llama, Qwen2, Qwen3, Mistral families); or a .gguf file (converted and cached
     the same way). The model is returned in eval mode on `device`; its tokenizer carries the
     chat template, and a pad token (the EOS token when the model defines none).
+    quantize: "nf4" (or True) reads the checkpoint tensor by tensor and turns each projection into
+    an NF4Linear as it arrives (fasttrain.models.stream_load: the 16-bit model is never whole in
+    memory; same bytes as loading and then fasttrain.nn.quantize_model); "none" (or False) loads
+    the model in `dtype`.
     """
     _offline()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -71,8 +75,12 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
         raise ValueError(
             f"load_policy(spec={str(spec)!r}): model_type {config.model_type!r} is not supported; "
             f"fasttrain supports {', '.join(SUPPORTED_FAMILIES)}")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype, use_safetensors=True)
+    from .stream_load import load_streamed, wants_nf4
+    if wants_nf4(quantize):
+        model = load_streamed(path, dtype, quantize="nf4")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype, use_safetensors=True)
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token_id is None:

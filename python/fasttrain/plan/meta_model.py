@@ -75,6 +75,7 @@ class ModelShape:
     adapter_kind: str = "lora"
     rank: int = 0
     resident: dict = field(default_factory=dict)      # part -> bytes
+    stored_w: int = 0                # bytes per element in the checkpoint (config.json's dtype); 0: unknown
 
     @property
     def w(self) -> int:
@@ -95,6 +96,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
 
     if isinstance(config, PretrainedConfig):
         cfg = config
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     else:
         data = dict(config)
         mt = data.pop("model_type", None)
@@ -104,8 +106,8 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
             if not isinstance(data.get(key), int) or data[key] <= 0:
                 raise ValueError(f"{name}: config.json needs a positive integer {key!r}")
+        stored = data.pop("dtype", None) or data.pop("torch_dtype", None)
         data.pop("torch_dtype", None)
-        data.pop("dtype", None)
         cfg = AutoConfig.for_model(mt, **data)
     if cfg.model_type not in SUPPORTED_FAMILIES:
         raise ValueError(f"{name}: model_type {cfg.model_type!r} is not supported by fasttrain; supported: "
@@ -156,4 +158,12 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         projections=[(m.out_features, m.in_features) for _, m in layers],
         adapter_params=sum(p.numel() for p in adapters), adapter_kind=adapter, rank=rank,
         resident={"nf4_base": base, "dense_parts": sum(other.values()), "adapter_masters": adapter_bytes,
-                  "dora_norms": wsq})
+                  "dora_norms": wsq}, stored_w=_stored_w(stored))
+
+
+def _stored_w(dtype) -> int:
+    """Bytes per element of config.json's dtype (a name or a torch.dtype); 0 when not given."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    t = _DTYPES.get(str(dtype).removeprefix("torch.")) if dtype else None
+    return t.itemsize if t is not None else 0

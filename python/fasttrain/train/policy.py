@@ -19,8 +19,9 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def _load_base(spec: str, dtype: str):
-    """`module:factory` (a user hook returning (model, tokenizer)) or a fasttrain.models spec."""
+def _load_base(spec: str, dtype: str, quantize: str = "none"):
+    """`module:factory` (a user hook returning (model, tokenizer)) or a fasttrain.models spec, which
+    loads with its projections already in NF4 when `quantize` is "nf4" (layer by layer)."""
     if ":" in spec and not Path(spec).exists() and "/" not in spec.split(":")[0]:
         mod, _, fn = spec.partition(":")
         try:
@@ -29,20 +30,20 @@ def _load_base(spec: str, dtype: str):
             raise ConfigError(f"policy.model: cannot load factory {spec!r}: {e}") from None
         return factory(dtype=dtype)
     from fasttrain.models import load_policy
-    return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype))
+    return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype), quantize=quantize)
 
 
 def build_policy(cfg: Config, device: torch.device):
     """(model, tokenizer, adapter params by name). The base is frozen; only adapters train."""
-    from fasttrain.nn import attach_adapters, quantize_model
+    from fasttrain.nn import attach_adapters, nf4_layers, quantize_model
 
     p = cfg.policy
-    model, tokenizer = _load_base(p.model, p.dtype)
+    model, tokenizer = _load_base(p.model, p.dtype, p.quantize)
     model.to(device)
     _use_gpu_packages(model, p, device)
     for prm in model.parameters():
         prm.requires_grad_(False)
-    if p.quantize == "nf4":
+    if p.quantize == "nf4" and next(nf4_layers(model), None) is None:     # a factory's model: quantize here
         quantize_model(model)
     torch.manual_seed(cfg.run.seed)                       # adapter init is part of the run's seed
     params = attach_adapters(model, kind=p.adapter, r=p.rank, alpha=p.alpha, rslora=p.rslora,
