@@ -71,6 +71,7 @@ class AdaptedLinear(nn.Module):
         self.adapter, self.r, self.alpha, self.rslora = kind, r, float(alpha), bool(rslora)
         self.scale = float(alpha) / (math.sqrt(r) if rslora else r)
         params = [self.lora_A, self.lora_B]
+        self.__dict__.pop("_dora_norm_cache", None)      # a norm of the previous adapter, if any
         self.lora_magnitude = None
         if kind == "dora":
             self.lora_magnitude = nn.Parameter(self._initial_magnitude())

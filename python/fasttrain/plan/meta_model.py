@@ -79,6 +79,7 @@ class ModelShape:
     # part -> bytes; "nf4_base" is the projections' frozen base: packed NF4 + absmax, or with
     # quantize "none" the model's own 16-bit weights (what decode reads either way)
     resident: dict = field(default_factory=dict)
+    stored_w: int = 0                # bytes per element in the checkpoint (config.json's dtype); 0: unknown
     # hybrids (Gated DeltaNet + full attention): the layers that hold a KV cache (None: all), the
     # fixed per-sequence state of the others (conv window in the model's dtype + float32 recurrent
     # state, bytes per row), and the state math per token (FLOPs, outside the projections)
@@ -113,6 +114,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
     from fasttrain.models.families import text_config
     if isinstance(config, PretrainedConfig):
         cfg = text_config(config)
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     else:
         data = dict(config)
         mt = data.pop("model_type", None)
@@ -122,8 +124,8 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
             if not isinstance(data.get(key), int) or data[key] <= 0:
                 raise ValueError(f"{name}: config.json needs a positive integer {key!r}")
+        stored = data.pop("dtype", None) or data.pop("torch_dtype", None)
         data.pop("torch_dtype", None)
-        data.pop("dtype", None)
         cfg = text_config(AutoConfig.for_model(mt, **data))
     if cfg.model_type not in SUPPORTED_FAMILIES:
         raise ValueError(f"{name}: model_type {cfg.model_type!r} is not supported by fasttrain; supported: "
@@ -174,7 +176,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
             continue
         other[id(t)] = _bytes(t)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelShape(**hybrid_state(cfg, td), 
+    return ModelShape(**hybrid_state(cfg, td),
         name=name, model_type=cfg.model_type, architecture=type(model).__name__,
         layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
         heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
@@ -183,7 +185,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         projections=[(m.out_features, m.in_features) for _, m in layers], quantize=quantize,
         adapter_params=sum(p.numel() for p in adapters), adapter_kind=adapter, rank=rank,
         resident={"nf4_base": base, "dense_parts": sum(other.values()), "adapter_masters": adapter_bytes,
-                  "dora_norms": wsq})
+                  "dora_norms": wsq}, stored_w=_stored_w(stored))
 
 
 def hybrid_state(cfg, dtype: torch.dtype) -> dict:
@@ -203,3 +205,11 @@ def hybrid_state(cfg, dtype: torch.dtype) -> dict:
     state = (K - 1) * channels * w + Hv * Dk * Dv * (8 if dtype == torch.float64 else 4)
     return {"full_layers": len(kinds) - n_lin, "state_bytes": n_lin * state,
             "state_flops": n_lin * (8.0 * Hv * Dk * Dv + 2.0 * K * channels)}
+
+
+def _stored_w(dtype) -> int:
+    """Bytes per element of config.json's dtype (a name or a torch.dtype); 0 when not given."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    t = _DTYPES.get(str(dtype).removeprefix("torch.")) if dtype else None
+    return t.itemsize if t is not None else 0

@@ -33,13 +33,21 @@ class Rollout:
                              # the model's forward: HF does not derive positions from the mask)
     prompt_len: int          # P
     completion_ids: Tensor   # [B, T] long, pad_token_id after EOS
-    completion_mask: Tensor  # [B, T] bool: True up to and including EOS
+    completion_mask: Tensor  # [B, T] bool: the token exists (True up to the row's end); decoding
+                             # the answer text, positions and attention read it
+    action_mask: Tensor      # [B, T] bool: the model sampled the token (False on tool-result
+                             # tokens of a multi-turn answer); every training consumer reads it.
+                             # Single-turn: the completion mask itself
     lengths: Tensor          # [B] long: completion tokens per row (incl. EOS)
     prompt_index: Tensor     # [B] long: b // group_size
     logprobs: Tensor         # [B, T] fp32: behaviour log-probs of the sampled tokens under
                              # softmax(logits / temperature) (temperature 1 when greedy); 0 off-mask
     finished: Tensor         # [B] bool: the row ended with an EOS token or a stop string
     group_size: int
+    # Multi-turn answers (fasttrain.train.tool_rollout): each row's completion as chat messages
+    # (assistant, tool, ..., assistant) and the rollout's tool counts; None for single-turn answers.
+    conversations: list | None = None
+    tool_stats: dict | None = None
 
     def completion_texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
         """Decoded completions (masked tokens only)."""
@@ -257,6 +265,6 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     finished = finished | stopped
     return Rollout(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        prompt_len=P, completion_ids=completion_ids, completion_mask=completion_mask,
+        prompt_len=P, completion_ids=completion_ids, completion_mask=completion_mask, action_mask=completion_mask,
         lengths=lengths, prompt_index=torch.arange(B, device=device) // G,
         logprobs=logps[:, :T].contiguous(), finished=finished, group_size=G)

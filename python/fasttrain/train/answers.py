@@ -10,7 +10,12 @@ import torch
 from fasttrain.envs import Prompt, Score
 
 __all__ = ["answer_token_ids", "eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice",
-           "group_seeds", "join_rollouts"]
+           "group_seeds", "join_rollouts", "tool_settings"]
+
+
+def tool_settings(cfg) -> dict:
+    """The settings a multi-turn rollout with tools reads from a run's config."""
+    return {"max_tool_calls": cfg.rollout.max_tool_calls}
 
 
 def group_seeds(key: Sequence[int], start: int, stop: int) -> list[int]:
@@ -37,10 +42,14 @@ def eos_ids(model, tokenizer) -> list[int]:
 def prompt_token_ids(tokenizer, env, prompts: Sequence[Prompt], answer_prefix: str = "") -> list[list[int]]:
     """Chat-turn token ids of each prompt; `answer_prefix` is written at the start of the
     assistant's turn (prefilled: part of the prompt, never trained on, prepended to the answer
-    text the verifier scores)."""
+    text the verifier scores). With tools the prompt carries their schemas, rendered as the tool
+    rollout renders it (fasttrain.train.tool_rollout; an environment's reset text comes on top)."""
     from fasttrain.models import chat_messages_ids, chat_prompt_ids
     tail = list(tokenizer(answer_prefix, add_special_tokens=False)["input_ids"]) if answer_prefix else []
     messages = getattr(env, "chat_messages", None)    # environments whose prompts are chats
+    if getattr(env, "tool_workers", None) is not None:
+        from fasttrain.train.tool_rollout import tool_prompts
+        return [ids + tail for ids in tool_prompts(tokenizer, env, [messages(p) for p in prompts])]
     if messages is not None:
         return [list(chat_messages_ids(tokenizer, messages(p))) + tail for p in prompts]
     return [list(chat_prompt_ids(tokenizer, p.spec, env.answer_format)) + tail for p in prompts]
@@ -56,15 +65,21 @@ def answer_token_ids(roll) -> list[list[int]]:
 @torch.no_grad()
 def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
                    max_new_tokens: int, temperature: float, seed: int | Sequence[int], answer_prefix: str = "",
-                   stop_strings: Sequence[str] = (), weights=None, compile_decode: bool = False):
+                   stop_strings: Sequence[str] = (), weights=None, compile_decode: bool = False,
+                   tool_settings: dict | None = None):
     """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
     Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn;
     a row stops at EOS or once its text contains one of `stop_strings`. `weights`: dense rollout
     weights (fasttrain.nn.RolloutWeights), re-merged here if the adapters changed since the last
-    call; `compile_decode`: the decode step through torch.compile."""
+    call; `compile_decode`: the decode step through torch.compile. An environment with tools
+    (`env.tool_workers`) gets multi-turn answers (fasttrain.train.tool_rollout) with
+    `tool_settings` (max_tool_calls); the rollout then carries the conversations."""
     from fasttrain.models import extract_answer
     from fasttrain.rollout import sample
 
+    if getattr(env, "tool_workers", None) is not None and (answer_prefix or stop_strings):
+        raise ValueError("rollout.answer_prefix and rollout.stop_strings are single-turn settings; "
+                         "with tools a model turn ends at its end-of-turn token")
     was = model.training
     model.eval()
     cfg = getattr(model, "config", None)
@@ -74,6 +89,12 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
     if weights is not None:
         weights.refresh()
     try:
+        if getattr(env, "tool_workers", None) is not None:
+            from fasttrain.train.tool_rollout import sample_tool_answers
+            return sample_tool_answers(model, tokenizer, env, prompts, group_size=group_size,
+                                       max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                       eos_token_ids=eos_ids(model, tokenizer), weights=weights,
+                                       **(tool_settings or {}))
         roll = sample(model, prompt_token_ids(tokenizer, env, prompts, answer_prefix), group_size=group_size,
                       max_new_tokens=max_new_tokens, temperature=temperature,
                       eos_token_ids=eos_ids(model, tokenizer), seed=seed, stop_strings=stop_strings,
@@ -103,22 +124,27 @@ def join_rollouts(parts: Sequence, pad_id: int):
     def pad(x: torch.Tensor, left: int, right: int, value) -> torch.Tensor:
         return torch.nn.functional.pad(x, (left, right), value=value)
 
-    ids, att, comp, cmask, logp, offset, index = [], [], [], [], [], 0, []
+    ids, att, comp, cmask, amask, logp, offset, index = [], [], [], [], [], [], 0, []
     for r in parts:
         left, right = P - r.prompt_len, T - r.completion_ids.shape[1]
         ids.append(pad(r.input_ids, left, right, pad_id))
         att.append(pad(r.attention_mask, left, right, 0))
         comp.append(pad(r.completion_ids, 0, right, pad_id))
         cmask.append(pad(r.completion_mask, 0, right, False))
+        amask.append(pad(r.action_mask, 0, right, False))
         logp.append(pad(r.logprobs, 0, right, 0.0))
         index.append(r.prompt_index + offset)
         offset += r.completion_ids.shape[0] // G
     attention_mask = torch.cat(att)
     return Rollout(input_ids=torch.cat(ids), attention_mask=attention_mask,
                    position_ids=(attention_mask.long().cumsum(-1) - 1).clamp_min(0), prompt_len=P,
-                   completion_ids=torch.cat(comp), completion_mask=torch.cat(cmask),
+                   completion_ids=torch.cat(comp), completion_mask=torch.cat(cmask), action_mask=torch.cat(amask),
                    lengths=torch.cat([r.lengths for r in parts]), prompt_index=torch.cat(index),
-                   logprobs=torch.cat(logp), finished=torch.cat([r.finished for r in parts]), group_size=G)
+                   logprobs=torch.cat(logp), finished=torch.cat([r.finished for r in parts]), group_size=G,
+                   conversations=(None if parts[0].conversations is None
+                                  else [c for r in parts for c in r.conversations]),
+                   tool_stats=(None if parts[0].tool_stats is None
+                               else {k: sum(r.tool_stats[k] for r in parts) for k in parts[0].tool_stats}))
 
 
 def has_slice(env, name: str) -> bool:
@@ -138,15 +164,19 @@ def _takes_record(env) -> bool:
 
 
 def score_answers(env, prompts: Sequence[Prompt], answers: Sequence[str], data_slice: str,
-                  record: bool = True, completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
+                  record: bool = True, completion_ids: Sequence[Sequence[int]] | None = None,
+                  conversations: Sequence[list] | None = None) -> list[Score]:
     """Score; `record=False` (probes, filter) keeps a stateful environment (novelty archive)
     unchanged where the environment supports it. `completion_ids` (the sampled token ids of
-    each answer) go to environments whose score_many takes them."""
+    each answer) and `conversations` (a multi-turn answer's chat messages) go to environments
+    whose score_many takes them."""
     kw = {}
     if _takes_record(env):
         kw["record"] = record
     if completion_ids is not None and _takes(env, "completion_ids"):
         kw["completion_ids"] = completion_ids
+    if conversations is not None and _takes(env, "conversations"):
+        kw["conversations"] = conversations
     return env.score_many(prompts, answers, data_slice, **kw)
 
 

@@ -93,6 +93,11 @@ class EnvSection:
                                             # memory is killed, its answers invalid; 0 = a quarter of RAM
     skip_bad_rows: bool = False             # leave out rows that are not UTF-8, lack a column a reward
                                             # needs or render too long (counted in the report), not stop
+    # Tools and environment classes as TRL's GRPOTrainer takes them (fasttrain.envs.tools): answers
+    # become multi-turn (model turn, tool results, model turn, ...).
+    tools: tuple[str, ...] = ()             # "module:function" or "path/file.py:function"
+    environment: str = ""                   # "module:Class" with reset(**row), tools as methods
+    tool_timeout: float = 10.0              # seconds per tool call; past it the call is an error
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for fasttrain.envs.load_env(name, ...)."""
@@ -101,7 +106,8 @@ class EnvSection:
         return {"dataset": self.dataset, "rewards": list(self.rewards), "probe_dataset": self.probe_dataset,
                 "probe_rows": self.probe_rows, "system_prompt": self.system_prompt,
                 "reward_timeout": self.reward_timeout, "core": self.core, "worker_memory_mb": self.worker_memory_mb,
-                "skip_bad_rows": self.skip_bad_rows}
+                "skip_bad_rows": self.skip_bad_rows, "tools": list(self.tools), "environment": self.environment,
+                "tool_timeout": self.tool_timeout}
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,9 @@ class RolloutSection:
     # Off by default: on a CPU it measured equal to eager (bench/results, step-speed), and the
     # compile costs seconds to minutes; unmeasured on a GPU so far.
     compile: bool = False
+    # Tool-calling rounds per answer (TRL's max_tool_calling_iterations); 0: no limit but the
+    # budget, max_new_tokens, which the model's and the tools' tokens fill together.
+    max_tool_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -225,6 +234,8 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "env.probe_rows": (lambda v: v >= 0, "an integer >= 0"),
     "env.reward_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
     "env.worker_memory_mb": (lambda v: v == 0 or 64 <= v < math.inf, "0 (a quarter of the host's memory) or a number of MB >= 64"),
+    "env.tool_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
+    "rollout.max_tool_calls": (lambda v: v >= 0, "an integer >= 0 (0: no limit but max_new_tokens)"),
     "advantages.floor": (lambda v: not math.isnan(v) and v != math.inf, "a number or -inf"),
     "advantages.warn_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "advantages.warn_steps": (lambda v: v >= 1, "an integer >= 1"),
@@ -356,7 +367,7 @@ def _build(data: dict[str, Any]) -> Config:
 
 
 _DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core",
-                 "worker_memory_mb")
+                 "worker_memory_mb", "tools", "environment", "tool_timeout")
 
 
 def _near_recipe(data: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -375,12 +386,15 @@ def _near_recipe(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     for key in ("dataset", "probe_dataset"):
         if key in env:
             env[key] = near(env[key])
-    if isinstance(env.get("rewards"), list):
-        out = []
-        for spec in env["rewards"]:
-            file, sep, fn = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
-            out.append(f"{near(file)}:{fn}" if sep and file.endswith(".py") else spec)
-        env["rewards"] = out
+    def near_spec(spec: Any) -> Any:
+        file, sep, fn = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+        return f"{near(file)}:{fn}" if sep and file.endswith(".py") else spec
+
+    for key in ("rewards", "tools"):
+        if isinstance(env.get(key), list):
+            env[key] = [near_spec(spec) for spec in env[key]]
+    if "environment" in env:
+        env["environment"] = near_spec(env["environment"])
     return {**data, "env": env}
 
 

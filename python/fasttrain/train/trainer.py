@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
+from fasttrain.rl.masks import token_stats
 from fasttrain.train import distributed
 from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, join_rollouts, sample_answers,
-                                     score_answers)
+                                     score_answers, tool_settings)
 from fasttrain.train.checkpoint import (check_family, load_checkpoint, newest_checkpoint_name, pick_checkpoint,
                                         rng_state, save_checkpoint, set_rng_state)
 from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
@@ -219,7 +220,8 @@ class Trainer:
             roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
-        scores, texts = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll))  # whole step, every rank
+        scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
+                                                roll.conversations)       # whole step, every rank
         times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         adv, adv_info = self._advantages(scores)
@@ -233,7 +235,7 @@ class Trainer:
         # gives the old log-probs and entropy from its own forward (one forward less per step)
         batch = self._with_oom_retry(step, "scores", lambda mb: score_batch(
             self.model, roll, mb, R.temperature, need_ref=L.beta > 0, need_old=top_entropy))
-        mask = roll.completion_mask.bool()
+        mask = roll.action_mask.bool()          # the model's own tokens: every consumer below reads it
         loss_mask = mask
         if top_entropy:                                        # over every rank's answer tokens
             loss_mask = distributed.top_entropy_mask(batch.entropy, mask, L.rho)
@@ -255,8 +257,7 @@ class Trainer:
         passes = result.passes
         gap = self._logprob_gap(roll, result, mask)
         # entropy of the pre-update policy (scored before the update, or by its first pass), all ranks
-        n_tok, n_loss, ent_sum = distributed.sum_values(
-            [float(mask.sum()), float(loss_mask.sum()), float((result.entropy * mask).sum())])
+        n_tok, n_loss, ent_sum = distributed.sum_values(token_stats(result.entropy, mask, loss_mask))
         n_tok, n_loss = int(n_tok), int(n_loss)
         mean_entropy = ent_sum / max(1, n_tok)
         # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy, over every
@@ -297,6 +298,7 @@ class Trainer:
             # a plug-in's batch verifier that raised or returned the wrong length (run total)
             "verifier_batch_failures": 0,
             **_env_counters(self.env),                        # the environment's run totals
+            **self._tool_metrics(roll, len(scores)),
             **{f"seconds_{k}": v for k, v in times.items()},
         }
         row["seconds_step"] = sum(times.values())
@@ -305,6 +307,8 @@ class Trainer:
                    "core": [s.core for s in scores], "valid": [s.valid for s in scores],
                    "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names},
                    "reasons": [s.reason for s in scores]}
+        if turns is not None:
+            samples["conversations"] = turns               # each answer's turns (assistant, tool, ...)
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
 
@@ -334,7 +338,8 @@ class Trainer:
                                       max_new_tokens=R.max_new_tokens, temperature=R.temperature,
                                       seed=seeds[a:a + n], answer_prefix=R.answer_prefix,
                                       stop_strings=R.stop_strings, weights=self.rollout_weights,
-                                      compile_decode=R.compile)
+                                      compile_decode=R.compile,
+                                      tool_settings={**tool_settings(self.cfg), "first_slot": a * R.group_size})
             parts.append(roll)
             texts += tx
         pad = getattr(self.model.config, "pad_token_id", None)
@@ -342,9 +347,10 @@ class Trainer:
 
     def _undo_update(self):
         """A function that puts the adapters and AdamW back as they are now (before an update
-        that may run out of memory part-way, after some passes stepped)."""
-        params = [p.detach().clone() for p in self.params]
-        state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        that may run out of memory part-way, after some passes stepped). The copy is kept in host
+        memory: it must not add to the device memory the update needs."""
+        params = [p.detach().to("cpu", copy=True) for p in self.params]
+        state = {p: {k: (v.to("cpu", copy=True), v.device) if torch.is_tensor(v) else v for k, v in st.items()}
                  for p, st in self.optimizer.state.items()}
         training = self.model.training
 
@@ -355,7 +361,8 @@ class Trainer:
                     p.grad = None
             self.optimizer.state.clear()
             for p, st in state.items():
-                self.optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                self.optimizer.state[p] = {k: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v
+                                           for k, v in st.items()}
             self.model.train(training)
         return undo
 
@@ -390,21 +397,39 @@ class Trainer:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
 
-    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]]):
-        """(scores, answer texts) of the whole step in the one-process order, on every rank. A
-        stateful environment scores every answer on every rank, in that order, so its state stays
-        the one-process state; a stateless one scores each rank's answers where they are."""
+    def _tool_metrics(self, roll, answers: int) -> dict[str, float]:
+        """Per step, over every rank: tool calls, the calls that ended in an error message (or
+        could not be read), and model turns per answer; nothing for single-turn answers."""
+        if roll.tool_stats is None:
+            return {}
+        st = roll.tool_stats
+        calls, errors, turns, dropped = distributed.sum_values(
+            [float(st["tool_calls"]), float(st["tool_errors"]), float(st["turns"]), float(st["tool_results_dropped"])])
+        return {"tool_calls": int(calls), "tool_errors": int(errors), "turns": turns / max(1, answers),
+                "tool_results_dropped": int(dropped)}
+
+    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]],
+                    turns: list | None = None):
+        """(scores, answer texts, conversations or None) of the whole step in the one-process
+        order, on every rank. A stateful environment scores every answer on every rank, in that
+        order, so its state stays the one-process state; a stateless one scores each rank's
+        answers where they are."""
         G = self.cfg.rollout.group_size
+        turns = turns if turns is not None else [None] * len(texts)
         if is_stateful(self.env) or distributed.world_size() == 1:
-            both = distributed.gather_list(list(zip(texts, ids)))
-            texts, ids = [tx for tx, _ in both], [i for _, i in both]
+            both = distributed.gather_list(list(zip(texts, ids, turns)))
+            texts, ids, turns = [x[0] for x in both], [x[1] for x in both], [x[2] for x in both]
             rep = [p for p in prompts for _ in range(G)]
+            conv = turns if turns and turns[0] is not None else None
             return score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True,
-                                 completion_ids=ids), texts
+                                 completion_ids=ids, conversations=conv), texts, conv
         rep = [p for p in prompts[lo:hi] for _ in range(G)]
-        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids)
-        both = distributed.gather_list(list(zip(mine, texts)))
-        return [sc for sc, _ in both], [tx for _, tx in both]
+        conv = turns if turns and turns[0] is not None else None
+        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids,
+                             conversations=conv)
+        both = distributed.gather_list(list(zip(mine, texts, turns)))
+        conv = [x[2] for x in both]
+        return [x[0] for x in both], [x[1] for x in both], conv if conv and conv[0] is not None else None
 
     def _say(self, msg: str) -> None:
         """A line on the console (every rank under torchrun: a stop concerns each)."""
@@ -518,6 +543,9 @@ class Trainer:
         tr = cls(cfg, run_dir, **kw)
         tr._resume_from, tr._resume_notes = ckpt, notes
         tr._resume_changes = changes
+        if ckpt is None:                       # no checkpoint yet: the run starts again, said once
+            for note in notes:
+                tr._warn(0, note)
         return tr
 
     def _restore(self, ckpt: Path) -> None:
