@@ -204,3 +204,51 @@ def test_the_decode_step_compiles_to_one_graph_with_fixed_shapes():
     compiled = run(torch.compile(dec.decode, backend="aot_eager", dynamic=False))
     assert torch.equal(eager, compiled)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("layout", ["interval4-gqa-rep2", "interval2-gqa-rep3"])
+def test_step_rows_with_held_tokens_equals_the_oracle_over_each_rows_own_tokens(layout):
+    """The multi-turn step (k tokens per row, any of them held): three calls of k = 3 with held
+    tokens at the front, middle and end of a call, and a row held for a whole call; each row's last
+    valid hidden state equals the oracle's over the row's prompt and its valid tokens only."""
+    model = model64(layout, seed=6)
+    dec = HybridDecoder(model)
+    n, k, calls = len(PROMPTS), 3, 3
+    P = max(len(p) for p in PROMPTS)
+    S = P + k * calls + 1
+    scratch = S - 1
+    ids = torch.zeros(n, P, dtype=torch.long)
+    valid = torch.zeros(n, P, dtype=torch.bool)
+    for i, p in enumerate(PROMPTS):
+        ids[i, P - len(p):] = torch.tensor(p)
+        valid[i, P - len(p):] = True
+    feed = torch.randint(3, 97, (calls, n, k), generator=torch.Generator().manual_seed(8))
+    ok = torch.ones(calls, n, k, dtype=torch.bool)
+    ok[0, 0, 0] = ok[0, 1, 1] = ok[0, 2, 2] = False        # held at the front, the middle, the end
+    ok[1, 1] = False                                       # a whole call held
+    ok[2, 0, 1:] = False
+    cache = dec.new_cache(n, S)
+    cos, sin = dec.rotary_table((valid.long().cumsum(1) - 1).clamp(min=0))
+    key_valid = torch.zeros(n, S, dtype=torch.bool)
+    key_valid[:, :P] = valid
+    written = torch.zeros(n, dtype=torch.long)
+    last_h = torch.zeros(n, model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        last_h = dec.prefill(ids, valid, cos, sin, cache)
+        for c in range(calls):
+            v = ok[c]
+            at = written[:, None] + v.long().cumsum(1) - 1                 # each valid token's index
+            cols = torch.where(v, P + at, torch.full_like(at, scratch))
+            cs, sn = dec.rotary_table(valid.sum(1)[:, None] + at.clamp(min=0))
+            h = dec.step_rows(feed[c], v, cols, key_valid, cs, sn, cache)
+            key_valid[torch.arange(n)[:, None].expand_as(cols)[v], cols[v]] = True
+            for b in range(n):
+                if v[b].any():
+                    last_h[b] = h[b, int(v[b].nonzero().max())]
+            written = written + v.sum(1)
+        got = torch.log_softmax(dec.lm_head(last_h), -1)
+    for b, p in enumerate(PROMPTS):
+        own = p + [int(t) for c in range(calls) for t, o in zip(feed[c, b], ok[c, b]) if o]
+        seq = torch.tensor([own])
+        want = oracle_logprobs(model, seq, torch.ones_like(seq), torch.arange(seq.shape[1])[None])[0, -1]
+        assert (got[b] - want).abs().max() <= _tol(model, seq.shape[1]), b

@@ -118,8 +118,23 @@ def test_a_row_does_not_depend_on_its_neighbours_turns(model):
     assert torch.equal(alone.action_mask[0, :n], mixed.action_mask[0, :n])
 
 
-def test_a_hybrid_model_is_refused_with_a_reason_not_a_wrong_answer():
+def test_a_hybrid_models_sampled_tokens_have_the_oracles_logprob():
+    """Qwen3.5 hybrids take the same per-row step (HybridDecoder.step_rows: a held token leaves the
+    conv window and the recurrent state as they were); the oracle is transformers' model in float64
+    with fasttrain's float64 delta rule and conv (fasttrain.models.hf_oracle)."""
     from fasttrain.models import tiny_qwen3_5
-    with pytest.raises(ValueError, match="Llama-family models only so far"):
-        sample_turns(tiny_qwen3_5(), [[1, 2, 3]], group_size=2, max_new_tokens=4, temperature=1.0,
-                     eos_token_ids=EOS, seed=0, end_of_turn=lambda rows, spans, room: [None] * len(rows))
+    from fasttrain.models.hf_oracle import hf_float64_oracle
+    hybrid = tiny_qwen3_5(vocab_size=48, hidden=32, layers=4, interval=2, heads=4, kv_heads=2, head_dim=8,
+                          linear_k_heads=2, value_heads_per_key=2, linear_head_dim=8, seed=3, dtype=torch.float64)
+    prompts = [[1, 11, 12, 13, 14], [1, 20, 21]]
+    end = Scripted(lambda r: [0, 3, 1, 7][r])
+    roll = sample_turns(hybrid, prompts, group_size=2, max_new_tokens=30, temperature=1.0, eos_token_ids=EOS,
+                        seed=[5, 6], end_of_turn=end)
+    ctx = roll.completion_mask & ~roll.action_mask
+    assert ctx.any() and not ctx.all()                                       # rows at different turns
+    with hf_float64_oracle():
+        for b in range(4):
+            n = int(roll.lengths[b])
+            act = roll.action_mask[b, :n]
+            ref, tol = _full_logprobs(hybrid, prompts[b // 2], roll.completion_ids[b, :n].tolist())
+            assert _close(roll.logprobs[b, :n].double()[act], ref[act], tol[act]), b

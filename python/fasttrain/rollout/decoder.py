@@ -57,8 +57,9 @@ class LlamaFamilyDecoder:
         self.weights = weights
 
     def new_cache(self, batch: int, seq: int) -> Tensor:
-        # kv: [layers, 2, B, kv_heads, S_max, head_dim]; uninitialised, every read column is written first
-        return torch.empty(len(self.layers), 2, batch, self.n_kv, seq, self.head_dim,
+        # kv: [layers, 2, B, kv_heads, S_max, head_dim], zeros: step_rows attends over every column under
+        # a mask, and a masked column of uninitialised memory holding NaN would still give 0·NaN = NaN
+        return torch.zeros(len(self.layers), 2, batch, self.n_kv, seq, self.head_dim,
                            dtype=self.dtype, device=self.device)
 
     def copy_prompts(self, small: Tensor, cache: Tensor, group: int, prompt_len: int) -> None:

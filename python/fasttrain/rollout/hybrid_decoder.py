@@ -131,6 +131,65 @@ class HybridDecoder(LlamaFamilyDecoder):
 
     decode_static = decode
 
+    def step_rows(self, tokens: Tensor, valid: Tensor, columns: Tensor, key_valid: Tensor, cos: Tensor,
+                  sin: Tensor, cache: HybridCache) -> Tensor:
+        """k new tokens per row with a per-token hold (the multi-turn rollout's step; the Llama
+        decoder's contract): tokens [B, k] at per-row cache `columns` [B, k] (an invalid token's column
+        is a scratch column no row marks valid); valid bool [B, k]; key_valid bool [B, S_max] the
+        columns each row wrote before; cos/sin [B, k, rotary dims] from each row's own positions.
+        An invalid token changes nothing: in full attention its key is never valid; in a Gated
+        DeltaNet layer a row's valid tokens run in order (moved to the front of the row), the
+        invalid ones after them with g = β = 0 (the state passes through), and the conv window ends
+        at the row's last valid input. Returns the final-norm hidden states [B, k, H] (invalid
+        tokens: unused values)."""
+        B, k = tokens.shape
+        S = next(kv for kv in cache.kv if kv is not None)[0].shape[2]
+        causal = torch.ones(k, k, dtype=torch.bool, device=self.device).tril_()
+        new = torch.zeros(B, k, S, dtype=torch.bool, device=self.device).scatter_(
+            2, columns[:, None, :].expand(B, k, k), causal[None] & valid[:, None, :])   # [B, k, S]
+        mask = (key_valid[:, None, :] | new)[:, None]                                 # [B, 1, k, S]
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices       # valid tokens first
+        back = torch.argsort(order, dim=1)
+        n_valid = valid.sum(1)
+        rows = torch.arange(B, device=self.device)[:, None]
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            if self.kinds[i] == "full_attention":
+                attn = layer.self_attn
+                q, kk, v, gate = self.attention_inputs(attn, h, cos[:, None], sin[:, None])
+                kv = cache.kv[i]
+                kv[0].transpose(1, 2)[rows, columns] = kk.transpose(1, 2)
+                kv[1].transpose(1, 2)[rows, columns] = v.transpose(1, 2)
+                keys, values = kv
+                if self.group > 1:
+                    keys, values = keys.repeat_interleave(self.group, 1), values.repeat_interleave(self.group, 1)
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+                o = o.transpose(1, 2).reshape(B, k, -1) * torch.sigmoid(gate)
+                x = x + self._project(o, (attn.o_proj,))[0]
+            else:
+                y = self._delta_rows(layer.linear_attn, h.gather(1, order[..., None].expand_as(h)),
+                                     valid.gather(1, order), n_valid, cache, i)
+                x = x + y.gather(1, back[..., None].expand_as(y))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def _delta_rows(self, la, h: Tensor, valid: Tensor, n_valid: Tensor, cache: HybridCache, i: int) -> Tensor:
+        """A Gated DeltaNet layer over k tokens per row whose valid ones come first (valid [B, k],
+        n_valid [B]); updates the row's conv and recurrent states in place."""
+        B, k, _ = h.shape
+        qkv, z, beta, g = self.delta_inputs(la, h, None)
+        window = torch.cat([cache.conv[i], qkv], 1)                       # [B, K-1+k, C]
+        y, _ = causal_conv1d(qkv, la.conv1d.weight[:, 0], cache.conv[i])
+        q, kk, v = self.split_qkv(y)
+        g = torch.where(valid[..., None], g, torch.zeros_like(g)).to(cache.rec[i].dtype)
+        beta = torch.where(valid[..., None], beta, torch.zeros_like(beta))
+        o, rec = gated_delta_rule(q, kk, v, g, beta, initial_state=cache.rec[i])
+        last = n_valid[:, None] + torch.arange(self.conv_k - 1, device=self.device)[None]   # [B, K-1]
+        cache.conv[i].copy_(window.gather(1, last[..., None].expand(B, self.conv_k - 1, window.shape[2])))
+        cache.rec[i].copy_(rec)
+        return self.delta_output(la, o, z)
+
     def _run(self, x: Tensor, cos: Tensor, sin: Tensor, cache: HybridCache, start, mask: Tensor,
              valid: Tensor | None, active: Tensor | None) -> Tensor:
         for i, layer in enumerate(self.layers):

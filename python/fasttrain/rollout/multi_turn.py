@@ -3,7 +3,7 @@
 Each row decodes its model turn to its end-of-turn token; the caller's `end_of_turn` then says what
 comes next for the rows that ended a turn in that step: the token ids of a context turn (a tool
 result rendered by the chat template) to append, or None to end the answer. Context tokens are fed
-in one forward for all such rows (`LlamaFamilyDecoder.step_rows`, k tokens per row), and decoding
+in one forward for all such rows (the decoder's `step_rows`, k tokens per row), and decoding
 goes on. Rows that are done, or not fed in a given forward, are held: they write no cache column
 that is ever read and their positions do not move, so one batch carries rows at different turns.
 
@@ -23,7 +23,6 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .decoder import LlamaFamilyDecoder
 from .families import decoder_for
 from .sampling import Rollout, _check, _default_pad, _exponential_noise
 
@@ -60,9 +59,9 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
     whose list runs out samples again); their log-probs are still the model's. It drives the same
     model turns through this rollout and another trainer's loop, for comparisons and tests."""
     dec = decoder_for(model, weights)
-    if type(dec) is not LlamaFamilyDecoder:     # the per-row step (step_rows) is the Llama decoder's only
-        raise ValueError(f"sample_turns: multi-turn answers (tools) run Llama-family models only so far; "
-                         f"{type(dec).__name__} has no per-row step (step_rows) yet")
+    if not hasattr(dec, "step_rows"):           # the per-row step with held tokens (both families have it)
+        raise ValueError(f"sample_turns: multi-turn answers (tools) need a decoder with a per-row step; "
+                         f"{type(dec).__name__} has no step_rows")
     vocab = model.config.vocab_size
     _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
@@ -86,7 +85,7 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
     small = dec.new_cache(n_p, P)
     h_last = dec.prefill(ids, valid, cos, sin, small)                       # each prompt once
     cache = dec.new_cache(B, S)
-    cache[:, :, :, :, :P].unflatten(2, (n_p, G)).copy_(small.unsqueeze(3))  # ... into its G rows
+    dec.copy_prompts(small, cache, G, P)                                    # ... into its G rows
     del small
     logits = dec.lm_head(h_last).float().repeat_interleave(G, dim=0)     # [B, V]
 
