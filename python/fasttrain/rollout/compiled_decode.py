@@ -5,7 +5,8 @@ attention per layer); in eager PyTorch their per-op overhead is a large share of
 CPU and most of it on a GPU. Inductor fuses the elementwise work around the GEMMs; on CUDA,
 mode "reduce-overhead" replays the whole step as one CUDA graph.
 
-How the shapes stay fixed: `LlamaFamilyDecoder.decode_static` writes the new keys/values at a
+How the shapes stay fixed (the hybrid decoder's step does the same with its conv and recurrent
+states, written in place of fixed buffers): `LlamaFamilyDecoder.decode_static` writes the new keys/values at a
 column given as a tensor and attends over every cache column under the key mask, so one compiled
 graph serves every step of a rollout; each layer's keys and values are their own tensors, so the
 compiled step writes one column in place. The cache length is rounded up to a multiple of `BUCKET`
@@ -15,6 +16,7 @@ Sampling stays outside the compiled step (it owns the seeded generator).
 """
 from __future__ import annotations
 
+import inspect
 import time
 import weakref
 
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .decoder import LlamaFamilyDecoder
+from .families import decoder_for
 
 __all__ = ["CompiledDecode", "compiled_decode", "BUCKET"]
 
@@ -35,6 +38,8 @@ class CompiledDecode:
 
     def __init__(self, dec: LlamaFamilyDecoder, backend: str = "inductor"):
         self.dec, self.backend = dec, backend
+        # a decoder whose step holds rows itself (a hybrid's states) takes the per-row `active` mask
+        self._takes_active = "active" in inspect.signature(dec.decode_static).parameters
         cuda = dec.device.type == "cuda" and backend == "inductor"
         self._fn = torch.compile(self._step, backend=backend, mode="reduce-overhead" if cuda else None,
                                  dynamic=False)
@@ -43,8 +48,9 @@ class CompiledDecode:
         self._shapes_run: set[tuple] = set()
 
     def _step(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: list,
-              column: Tensor) -> Tensor:
-        h = self.dec.decode_static(tokens, key_valid, cos, sin, cache, column)
+              column: Tensor, active: Tensor | None) -> Tensor:
+        extra = {"active": active} if self._takes_active else {}
+        h = self.dec.decode_static(tokens, key_valid, cos, sin, cache, column, **extra)
         return self.dec.lm_head(h).float()
 
     def cache(self, batch: int, seq: int) -> list[tuple[Tensor, Tensor]]:
@@ -53,6 +59,9 @@ class CompiledDecode:
         key = (batch, seq)
         if key not in self._caches:
             d = self.dec
+            if hasattr(d, "static_cache"):   # a decoder that lays out its own fixed buffers (hybrids)
+                self._caches = {key: d.static_cache(batch, seq)}
+                return self._caches[key]
             c = [tuple(torch.zeros(batch, d.n_kv, seq, d.head_dim, dtype=d.dtype, device=d.device) for _ in range(2))
                  for _ in d.layers]
             if d.device.type == "cuda":
@@ -62,12 +71,24 @@ class CompiledDecode:
             self._caches = {key: c}        # one live shape at a time: a new batch shape frees the old
         return self._caches[key]
 
+    def fill(self, small, cache, group: int, prompt_len: int) -> int:
+        """Give each prompt's prefilled cache (`small`, the decoder's own layout) to its `group` rows
+        of the fixed cache, clearing the Llama layout's columns past the prompt; returns the width."""
+        if hasattr(self.dec, "static_cache"):
+            self.dec.copy_prompts(small, cache, group, prompt_len)
+            return self.dec.cache_width(cache)
+        for i, kv in enumerate(cache):
+            for j, t in enumerate(kv):
+                t[:, :, :prompt_len].unflatten(0, (-1, group)).copy_(small[i, j].unsqueeze(1))
+                t[:, :, prompt_len:].zero_()
+        return cache[0][0].shape[2]
+
     def step(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: list,
-             column: Tensor) -> Tensor:
+             column: Tensor, active: Tensor | None = None) -> Tensor:
         shape = (tuple(key_valid.shape), tokens.shape[0])
         first = shape not in self._shapes_run
         t0 = time.perf_counter()
-        out = self._fn(tokens, key_valid, cos, sin, cache, column)
+        out = self._fn(tokens, key_valid, cos, sin, cache, column, active if self._takes_active else None)
         if first:
             if out.is_cuda:
                 torch.cuda.synchronize()
@@ -83,5 +104,5 @@ def compiled_decode(model, weights=None, backend: str = "inductor") -> CompiledD
     key = (id(weights), backend)
     if key not in per or per[key].dec.weights is not weights:
         per.clear()
-        per[key] = CompiledDecode(LlamaFamilyDecoder(model, weights), backend)
+        per[key] = CompiledDecode(decoder_for(model, weights), backend)
     return per[key]

@@ -97,6 +97,21 @@ class HybridDecoder(LlamaFamilyDecoder):
                                                      device=self.device))
         return HybridCache(kv, conv, rec)
 
+    def static_cache(self, batch: int, seq: int) -> HybridCache:
+        """new_cache for the compiled decode step: on CUDA every buffer is marked static (the step
+        writes them in place, so captured graphs keep their addresses)."""
+        cache = self.new_cache(batch, seq)
+        if self.device.type == "cuda":
+            for t in [x for kv in cache.kv if kv is not None for x in kv] + \
+                     [x for x in cache.conv + cache.rec if x is not None]:
+                torch._dynamo.mark_static_address(t)
+        return cache
+
+    @staticmethod
+    def cache_width(cache: HybridCache) -> int:
+        """Columns of the full-attention layers' keys and values."""
+        return next(kv for kv in cache.kv if kv is not None)[0].shape[2]
+
     def copy_prompts(self, small: HybridCache, cache: HybridCache, group: int, prompt_len: int) -> None:
         """Give each of the n prompts' cache (small, n rows) to its `group` consecutive rows of cache."""
         for i in range(len(self.kinds)):
@@ -143,7 +158,7 @@ class HybridDecoder(LlamaFamilyDecoder):
         at the row's last valid input. Returns the final-norm hidden states [B, k, H] (invalid
         tokens: unused values)."""
         B, k = tokens.shape
-        S = next(kv for kv in cache.kv if kv is not None)[0].shape[2]
+        S = self.cache_width(cache)
         causal = torch.ones(k, k, dtype=torch.bool, device=self.device).tril_()
         new = torch.zeros(B, k, S, dtype=torch.bool, device=self.device).scatter_(
             2, columns[:, None, :].expand(B, k, k), causal[None] & valid[:, None, :])   # [B, k, S]

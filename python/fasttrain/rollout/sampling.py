@@ -134,9 +134,6 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     step = None
     dec = decoder_for(model, weights)
     if compile:
-        if not hasattr(dec.layers[0], "self_attn"):
-            raise ValueError("sample: compile=True (rollout.compile) runs Llama-family models only so far; "
-                             "set rollout.compile = false for this hybrid model")
         step = compiled_decode(model, weights, compile if isinstance(compile, str) else "inductor")
         dec = step.dec
     vocab = model.config.vocab_size
@@ -172,18 +169,14 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
 
     # Prefill each distinct prompt once, then give its G rows the same cache columns.
     if step is not None:
-        cache = step.cache(B, S)            # per layer; S rounded up; columns past P masked until written
-        width = cache[0][0].shape[2]
+        cache = step.cache(B, S)            # fixed buffers; S rounded up; columns past P masked until written
     else:
         cache = dec.new_cache(B, S)
         width = S
     small = dec.new_cache(n, P)
     h_last = dec.prefill(ids, valid, cos[:, :P], sin[:, :P], small)  # [n, H]
     if step is not None:
-        for i, kv in enumerate(cache):
-            for j, t in enumerate(kv):
-                t[:, :, :P].unflatten(0, (n, G)).copy_(small[i, j].unsqueeze(1))
-                t[:, :, P:].zero_()
+        width = step.fill(small, cache, G, P)
     else:
         dec.copy_prompts(small, cache, G, P)
     del small
@@ -246,7 +239,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         if step is not None:
             column = torch.full((1,), col, dtype=torch.long, device=device)
             logits = step.step(tokens[:, t].contiguous(), key_valid, cos[:, col].contiguous(),
-                               sin[:, col].contiguous(), cache, column)
+                               sin[:, col].contiguous(), cache, column, active=~done)
         else:
             h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col, active=~done)
             logits = dec.lm_head(h).float()
