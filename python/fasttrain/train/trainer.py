@@ -247,7 +247,7 @@ class Trainer:
         try:
             result = self._with_oom_retry(step, "update", lambda mb: update_policy(
                 self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
-                cfg.optim.grad_clip, R.temperature), undo=self._undo_update())
+                cfg.optim.grad_clip, R.temperature), undo=self._undo_update() if L.passes > 1 else None)
             self.nonfinite_in_row = 0
         except NonFiniteLoss as e:
             skipped, result = True, e.result
@@ -348,7 +348,9 @@ class Trainer:
     def _undo_update(self):
         """A function that puts the adapters and AdamW back as they are now (before an update
         that may run out of memory part-way, after some passes stepped). The copy is kept in host
-        memory: it must not add to the device memory the update needs."""
+        memory: it must not add to the device memory the update needs. Only an update of k > 1
+        passes needs it: with one pass nothing has stepped before its end, and pass 1 starts by
+        clearing the gradients."""
         params = [p.detach().to("cpu", copy=True) for p in self.params]
         state = {p: {k: (v.to("cpu", copy=True), v.device) if torch.is_tensor(v) else v for k, v in st.items()}
                  for p, st in self.optimizer.state.items()}
