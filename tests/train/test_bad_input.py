@@ -113,14 +113,14 @@ def test_an_environment_with_tools_counts_the_tool_schemas(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert CliRunner().invoke(app, ["init", "calc", "--tools"]).exit_code == 0
     from agent_files import tiny_tool_policy
-    from fasttrain.train.answers import prompt_token_ids
+    from fasttrain.models import chat_messages_ids
     from fasttrain.train.prompt_length import _rendered_lengths
     cfg = load_config(str(tmp_path / "calc" / "recipe.toml"), ["policy.model=agent_files:tiny_tool_policy"])
     tr = Trainer(cfg, progress=False)
     _, tok = tiny_tool_policy()
     prompts = tr.train_prompts[:3]
     with_tools = _rendered_lengths(tok, tr.env, prompts, "")
-    plain = [len(i) for i in prompt_token_ids(tok, tr.env, prompts, "")]
+    plain = [len(chat_messages_ids(tok, tr.env.chat_messages(p))) for p in prompts]     # without the schemas
     schema = json.dumps(tr.env.tool_workers.schemas[0])
     assert all(w > p + len(tok(schema)["input_ids"]) // 2 for w, p in zip(with_tools, plain)), (with_tools, plain)
     tr.env.close()

@@ -27,14 +27,9 @@ def prompt_limit(cfg: Config, model) -> int:
 
 
 def _rendered_lengths(tokenizer, env, prompts: Sequence[Prompt], answer_prefix: str) -> list[int]:
-    workers = getattr(env, "tool_workers", None)
-    if workers is None:
-        return [len(ids) for ids in prompt_token_ids(tokenizer, env, prompts, answer_prefix)]
-    from fasttrain.models import template_kwargs
-    from fasttrain.models.tool_template import tool_chat_template, tool_prompt_ids
-    kwargs = template_kwargs(tokenizer)
-    template = tool_chat_template(tokenizer, kwargs)
-    return [len(tool_prompt_ids(tokenizer, env.chat_messages(p), workers.schemas, template, kwargs)) for p in prompts]
+    # prompt_token_ids renders a tool environment's prompts with the tools' schemas, as the tool
+    # rollout does: one renderer for the check and the run
+    return [len(ids) for ids in prompt_token_ids(tokenizer, env, prompts, answer_prefix)]
 
 
 def _where(env, prompt_id: str) -> str:

@@ -319,12 +319,13 @@ class Trainer:
         """rollout_logprob_gap (mean) and rollout_logprob_gap_max: |Δ log p| of the sampled tokens
         between the rollout's decode and the update's forward on the pre-update policy, every rank's tokens."""
         from fasttrain.rl.logprob_gap import logprob_gap_parts
-        if result is None or result.old_logp is None:
+        have = result is not None and result.old_logp is not None
+        total, top, n = logprob_gap_parts(roll.logprobs, result.old_logp, mask) if have else (0.0, 0.0, 0)
+        total, n = distributed.sum_values([total, float(n)])        # every rank joins the collectives
+        top = max(distributed.gather_list([top]))
+        if n == 0:
             return {"rollout_logprob_gap": math.nan, "rollout_logprob_gap_max": math.nan}
-        total, top, n = logprob_gap_parts(roll.logprobs, result.old_logp, mask)
-        total, n = distributed.sum_values([total, float(n)])
-        return {"rollout_logprob_gap": total / max(n, 1.0),
-                "rollout_logprob_gap_max": max(distributed.gather_list([top]))}
+        return {"rollout_logprob_gap": total / n, "rollout_logprob_gap_max": top}
 
     # ---- out of memory ------------------------------------------------------------------------
     def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None):
