@@ -105,6 +105,7 @@ class Trainer:
                                              "update": cfg.optim.micro_batch}
         self._oom_retries = 0
         self._checkpointed_step = -1
+        self._mid_step = False                     # a step's scoring, update and logging under way
 
     # ---- set-up ---------------------------------------------------------------------------
     def _check_channels(self) -> None:
@@ -220,6 +221,7 @@ class Trainer:
             roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
+        self._mid_step = True               # from here on the step changes state (environment, adapters)
         scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
                                                 roll.conversations)       # whole step, every rank
         times["verify"] = time.perf_counter() - t
@@ -660,6 +662,7 @@ class Trainer:
                     if step % ckpt_every == 0 or step == cfg.run.steps:
                         self._checkpoint()
                     self._show(bar, row, probe)
+                    self._mid_step = False
                     if self.nonfinite_in_row >= cfg.optim.max_skipped_steps:
                         self._checkpoint()
                         raise TrainingStopped(
@@ -684,9 +687,16 @@ class Trainer:
                 preempted = Preempted(e.signum, self.step)
             except KeyboardInterrupt:
                 interrupted = True
-                self._checkpoint(sync=False)    # ranks are interrupted at different points
-                self.console.print(f"[yellow]interrupted at step {self.step}[/yellow]: checkpoint saved; "
-                                   f"continue with `fasttrain run --resume {self.dir}`")
+                if self._mid_step:              # part of the next step is in the state: no checkpoint
+                    self.console.print(
+                        f"[yellow]interrupted during step {self.step + 1}[/yellow]: not checkpointed (it would "
+                        f"hold part of that step); the last checkpoint, "
+                        f"{newest_checkpoint_name(self.dir / 'checkpoints')}, stands; continue with "
+                        f"`fasttrain run --resume {self.dir}`")
+                else:
+                    self._checkpoint(sync=False)    # ranks are interrupted at different points
+                    self.console.print(f"[yellow]interrupted at step {self.step}[/yellow]: checkpoint saved; "
+                                       f"continue with `fasttrain run --resume {self.dir}`")
         self._stop = None
         if preempted is not None:
             self._say(f"stopped by {preempted.name} after step {self.step}: its checkpoint is written; continue "
