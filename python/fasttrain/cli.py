@@ -87,10 +87,15 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
         out: Optional[str] = typer.Option(None, "--out", help="parent folder of the run (default runs/)"),
         no_progress: bool = typer.Option(False, "--no-progress", help="no live progress bar"),
         nproc: int = typer.Option(1, "--nproc", min=1, help="data-parallel processes on this machine "
-                                  "(one per GPU; starts torchrun)")) -> None:
+                                  "(one per GPU; starts torchrun)"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="resolve the recipe and overrides, load the dataset "
+                                     "and reward functions, print the plan, and stop (no weights are loaded)")) -> None:
     """Train a policy with RECIPE (default: the CPU demo) and write runs/<run-id>/."""
     from fasttrain.train import ConfigError, Trainer, TrainingStopped, distributed, load_config
 
+    if dry_run:
+        _dry_run(recipe, set_, resume, out, nproc)
+        return
     if nproc > 1:
         _launch(nproc, recipe, set_, resume, out, no_progress)
     trainer = None
@@ -128,23 +133,45 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
     console.print(f"report: {trainer.dir / 'report.md'}")
 
 
+def _run_config(recipe: str, set_: list[str], resume: Optional[Path], out: Optional[str] = None):
+    """The config `run` would train with: the run folder's own config.toml under --resume, else the recipe."""
+    import tomllib
+
+    from fasttrain.train import load_config
+
+    if resume is not None:
+        if not (resume / "config.toml").exists():
+            raise FileNotFoundError(f"--resume {resume}: no config.toml there (not a fasttrain run folder)")
+        return load_config(tomllib.loads((resume / "config.toml").read_text()), set_)
+    return load_config(recipe, list(set_) + ([f"run.out={json.dumps(out)}"] if out else []))
+
+
+def _dry_run(recipe: str, set_: list[str], resume: Optional[Path], out: Optional[str], nproc: int) -> None:
+    """`run --dry-run`: the checks of a run up to its first weight, then the plan (fasttrain.train.dry_run)."""
+    from fasttrain.train import ConfigError, distributed
+    from fasttrain.train.dry_run import dry_run
+
+    try:
+        cfg = _run_config(recipe, set_, resume, out)
+        distributed.check_prompts_per_step(cfg.rollout.prompts_per_step, nproc)
+        lines = dry_run(cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(str(e))
+    for line in lines:
+        console.print(line, markup=False, highlight=False)
+
+
 def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], out: Optional[str],
             no_progress: bool) -> None:
     """`run --nproc N`: check the recipe here, then start the same command under torchrun."""
     import os
-    import tomllib
 
-    from fasttrain.train import ConfigError, distributed, load_config
+    from fasttrain.train import ConfigError, distributed
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _fail("--nproc starts torchrun itself; under torchrun, leave it out")
     try:
-        if resume is not None:
-            if not (resume / "config.toml").exists():
-                raise FileNotFoundError(f"--resume {resume}: no config.toml there (not a fasttrain run folder)")
-            cfg = load_config(tomllib.loads((resume / "config.toml").read_text()), set_)
-        else:
-            cfg = load_config(recipe, set_)
+        cfg = _run_config(recipe, set_, resume)
         distributed.check_prompts_per_step(cfg.rollout.prompts_per_step, nproc)
     except (ConfigError, FileNotFoundError) as e:
         _fail(str(e))
@@ -172,13 +199,16 @@ def init(name: str = typer.Argument(..., help="folder to create for the task, e.
 def ladder(recipes: list[str] = typer.Argument(..., help="recipes to run in order, e.g. dapo cispo cispo_repo_r"),
            set_: list[str] = typer.Option([], "--set", help=SET_HELP),
            out: Optional[str] = typer.Option(None, "--out", help="parent folder of the runs"),
+           seeds: int = typer.Option(1, "--seeds", min=1, help="runs per rung, seeds run.seed, run.seed + 1, ... "
+                                     "(the same on every rung, so changes are paired)"),
            no_progress: bool = typer.Option(False, "--no-progress")) -> None:
-    """Run several recipes and write the seed-style table (rung, configuration, shipped step, holdout, change, versus)."""
+    """Run several recipes with N seeds each and write the table that ranks them: each rung's shipped holdout
+    score (mean, 95% interval) and its change against the previous rung (paired by seed)."""
     from fasttrain.train import ConfigError
     from fasttrain.train.ladder import run_ladder
 
     try:
-        path, _ = run_ladder(recipes, set_, out, progress=not no_progress, console=console)
+        path, _ = run_ladder(recipes, set_, out, progress=not no_progress, console=console, seeds=seeds)
     except (ConfigError, FileNotFoundError) as e:
         _fail(str(e))
     console.print(path.read_text())
