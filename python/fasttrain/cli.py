@@ -84,6 +84,8 @@ def _fail(msg: str) -> None:
 def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path to a .toml"),
         set_: list[str] = typer.Option([], "--set", help=SET_HELP),
         resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this folder"),
+        from_: Optional[str] = typer.Option(None, "--from", help="with --resume: the kept checkpoint to "
+                                            "continue from, e.g. step_000040 (default: the newest whole one)"),
         out: Optional[str] = typer.Option(None, "--out", help="parent folder of the run (default runs/)"),
         no_progress: bool = typer.Option(False, "--no-progress", help="no live progress bar"),
         nproc: int = typer.Option(1, "--nproc", min=1, help="data-parallel processes on this machine "
@@ -92,26 +94,37 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
                                      "and reward functions, print the plan, and stop (no weights are loaded)")) -> None:
     """Train a policy with RECIPE (default: the CPU demo) and write runs/<run-id>/."""
     from fasttrain.train import ConfigError, Trainer, TrainingStopped, distributed, load_config
+    from fasttrain.train.checkpoint import CheckpointError
+    from fasttrain.train.preemption import EXIT_PREEMPTED, Preempted
 
     if dry_run:
         _dry_run(recipe, set_, resume, out, nproc)
         return
+    from_step = _from_step(from_, resume)
     if nproc > 1:
-        _launch(nproc, recipe, set_, resume, out, no_progress)
+        _launch(nproc, recipe, set_, resume, out, no_progress, from_)
     trainer = None
     try:
         if resume is not None:
-            trainer = Trainer.resume(resume, set_, progress=not no_progress, console=console)
+            trainer = Trainer.resume(resume, set_, from_step, progress=not no_progress, console=console)
         else:
             overrides = list(set_) + ([f"run.out={json.dumps(out)}"] if out else [])
             trainer = Trainer(load_config(recipe, overrides), progress=not no_progress, console=console)
         if trainer.main:
             console.print(f"run [bold]{trainer.run_id}[/bold] -> {trainer.dir}")
         export = trainer.train()
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError) as e:
         _fail(str(e))
     except TrainingStopped as e:
         _fail(str(e))
+    except Preempted:
+        # stopped by SIGTERM / SIGUSR1 at a safe point, its checkpoint written (the trainer said so):
+        # status 75 (EX_TEMPFAIL) tells a scheduler to requeue; --resume continues the same run
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if distributed.world_size() > 1:
+            os._exit(EXIT_PREEMPTED)
+        raise typer.Exit(EXIT_PREEMPTED)
     except distributed.RankLost as e:
         # The process group is broken (a peer is gone): its backend threads can abort the interpreter's
         # normal exit (gloo: "terminate called without an active exception", SIGABRT), which would
@@ -161,8 +174,20 @@ def _dry_run(recipe: str, set_: list[str], resume: Optional[Path], out: Optional
         console.print(line, markup=False, highlight=False)
 
 
+def _from_step(text: Optional[str], resume: Optional[Path]) -> Optional[int]:
+    """--from step_000040 (or step_40, or 40) -> 40."""
+    if text is None:
+        return None
+    if resume is None:
+        _fail("--from picks a checkpoint of the run given to --resume; add --resume RUN_DIR")
+    digits = text.strip().removeprefix("step_")
+    if not digits.isdigit():
+        _fail(f"--from {text!r}: name a checkpoint folder such as step_000040 (or its step, 40)")
+    return int(digits)
+
+
 def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], out: Optional[str],
-            no_progress: bool) -> None:
+            no_progress: bool, from_: Optional[str] = None) -> None:
     """`run --nproc N`: check the recipe here, then start the same command under torchrun."""
     import os
 
@@ -177,6 +202,7 @@ def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], ou
         _fail(str(e))
     argv = ["run", recipe] + [x for s in set_ for x in ("--set", s)]
     argv += (["--resume", str(resume)] if resume is not None else []) + (["--out", out] if out else [])
+    argv += ["--from", from_] if from_ else []
     argv += ["--no-progress"] if no_progress else []
     raise typer.Exit(distributed.launch_local(nproc, argv))
 

@@ -77,7 +77,10 @@ class RankCrash(BaseException):
 
 class DyingEnv:
     """The tiny letter environment, except that rank 1 kills itself (SIGKILL, no clean-up), or raises
-    with DIE_HOW=raise, when it scores training answers for the DIE_AT_CALL-th time."""
+    with DIE_HOW=raise, when it scores training answers for the DIE_AT_CALL-th time. DIE_HOW=term_agent
+    sends SIGTERM to torchrun's agent instead (which sends it on to every rank) and waits 2 s in
+    the scoring, so the signal comes during that step; DIE_HOW=hang does the same and then hangs
+    with SIGTERM and SIGUSR1 ignored (a rank stuck in C code) until the agent kills it."""
 
     def __init__(self):
         from tiny_world import make_env
@@ -96,9 +99,18 @@ class DyingEnv:
         if data_slice == "train" and len(prompts) and os.environ.get("RANK") == "1":
             self.calls += 1
             if self.calls == int(os.environ.get("DIE_AT_CALL", "0")):
-                if os.environ.get("DIE_HOW") == "raise":      # past the plugin's `except Exception`
+                how = os.environ.get("DIE_HOW")
+                if how == "raise":                             # past the plugin's `except Exception`
                     raise RankCrash("the test environment failed on purpose on rank 1")
-                os.kill(os.getpid(), signal.SIGKILL)
+                if how in ("term_agent", "hang"):
+                    import time
+                    if how == "hang":
+                        for s in (signal.SIGTERM, signal.SIGUSR1):
+                            signal.signal(s, signal.SIG_IGN)
+                    os.kill(os.getppid(), signal.SIGTERM)
+                    time.sleep(3600 if how == "hang" else 2.0)
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
         return self.inner.score_many(prompts, answers, data_slice)
 
 

@@ -83,3 +83,15 @@ def test_recipe_file_path(tmp_path):
     p.write_text("[loss\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_recipe(str(p))
+
+
+def test_chat_template_kwargs_take_a_table_of_scalars_and_name_the_key():
+    c = load_config("demo", ["policy.chat_template_kwargs.enable_thinking=true", "policy.chat_template_kwargs.x=2"])
+    assert c.policy.chat_template_kwargs == {"enable_thinking": True, "x": 2}
+    assert load_config(tomllib.loads(config_to_toml(c))) == c
+    with pytest.raises(ConfigError, match=r"policy.chat_template_kwargs: 3 is not allowed; allowed: a table of name"):
+        load_config("demo", ["policy.chat_template_kwargs=3"])
+    with pytest.raises(ConfigError, match=r"policy.chat_template_kwargs.x: \[1\] is not allowed; allowed: true, false"):
+        load_config("demo", ["policy.chat_template_kwargs={ x = [1] }"])
+    with pytest.raises(ConfigError, match=r"policy.chat_template_kwargs.1x: not a template variable name"):
+        load_config("demo", ['policy.chat_template_kwargs={ "1x" = true }'])

@@ -196,7 +196,8 @@ def test_killed_rank_stops_the_others_and_resume_continues(runs, tmp_path):
     from fasttrain.train.config import config_to_toml, load_config
 
     _, _, _, two_dir = runs
-    cfg = load_config(_recipe(tmp_path / "runs", **{"run.checkpoint_every": 1, "run.dist_timeout": 60,
+    # run.dist_timeout far beyond the test's own timeout: rank 0 does not wait for it
+    cfg = load_config(_recipe(tmp_path / "runs", **{"run.checkpoint_every": 1, "run.dist_timeout": 3600,
                                                     "env.name": "dist_driver:make_dying_env"}))
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(config_to_toml(cfg))
@@ -220,10 +221,53 @@ def test_killed_rank_stops_the_others_and_resume_continues(runs, tmp_path):
     assert any(k.startswith("optim/exp_avg/") for k in load_file(str(ckpt / "trainer_state.safetensors")))
     assert [r["step"] for r in _metrics(run_dir)] == [1]      # step 2 needed rank 1's scores
 
-    p = _torchrun("-m", "fasttrain", "run", "--resume", str(run_dir), "--set", 'env.name="tiny_world:make_env"',
-                  "--no-progress")
+    p = _torchrun("-m", "fasttrain", "run", "--resume", str(run_dir), "--no-progress")   # no DIE_AT_CALL now
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert _strip(_metrics(run_dir)) == _strip(_metrics(two_dir))
+
+
+def _signalled_run(tmp_path, how: str, **over) -> tuple[subprocess.CompletedProcess, Path]:
+    """A 2-rank run whose rank 1 sends SIGTERM to torchrun's agent while it scores step 2."""
+    from fasttrain.train.config import config_to_toml, load_config
+    cfg = load_config(_recipe(tmp_path / "runs", **{"run.dist_timeout": 3600,
+                                                    "env.name": "dist_driver:make_dying_env", **over}))
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(config_to_toml(cfg))
+    env = {**_env(), "DIE_AT_CALL": "3", "DIE_HOW": how}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--shutdown-timeout", "10", "-m", "fasttrain", "run", str(recipe), "--no-progress"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    return p, run_dir
+
+
+def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step_and_resume_is_exact(runs, tmp_path):
+    """torchrun's agent forwards SIGTERM to both ranks: they finish step 2, agree to stop, write its
+    checkpoint and exit with status 75; a resumed 2-rank run equals the uninterrupted one."""
+    from fasttrain.train.checkpoint import pick_checkpoint
+    _, _, _, two_dir = runs
+    p, run_dir = _signalled_run(tmp_path, "term_agent", **{"run.checkpoint_every": 100})
+    out = p.stdout + p.stderr
+    for r in (0, 1):
+        assert f"[rank {r}] stopped by SIGTERM after step 2" in out, out[-3000:]
+    assert re.search(r"exitcode\s*:\s*75", out) or "exitcode" not in out, out[-3000:]
+    assert pick_checkpoint(run_dir / "checkpoints") == (run_dir / "checkpoints" / "step_000002", [])
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2]
+    p = _torchrun("-m", "fasttrain", "run", "--resume", str(run_dir), "--no-progress")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert _strip(_metrics(run_dir)) == _strip(_metrics(two_dir))
+
+
+def test_a_rank_that_cannot_reach_a_safe_point_leaves_after_stop_timeout(tmp_path):
+    """Rank 1 hangs (signals ignored) after SIGTERM reached the agent: rank 0, waiting for it in a
+    collective, leaves after run.stop_timeout, not run.dist_timeout (an hour here), with status 75
+    and the step-1 checkpoint whole; the agent kills rank 1 after its --shutdown-timeout."""
+    from fasttrain.train.checkpoint import pick_checkpoint
+    p, run_dir = _signalled_run(tmp_path, "hang", **{"run.checkpoint_every": 1, "run.stop_timeout": 2.0})
+    out = p.stdout + p.stderr
+    assert "[rank 0] no safe point within run.stop_timeout = 2 s of SIGTERM" in out, out[-3000:]
+    assert "the last complete checkpoint stands (exit status 75)" in out, out[-3000:]
+    assert pick_checkpoint(run_dir / "checkpoints") == (run_dir / "checkpoints" / "step_000001", [])
 
 
 def test_prompts_per_step_must_divide_by_the_ranks():

@@ -299,6 +299,22 @@ class DatasetEnvironment:
             self._warned.add(name)
             log.warning("%s (answers it cannot score are invalid; every reason is in samples.jsonl)", why)
 
+    # ---- run state (checkpointed by the trainer) -------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """Run totals for metrics.jsonl."""
+        return {"reward_invalid": sum(self.invalid_counts.values()),
+                "reward_worker_restarts": sum(f.restarts for f in self.rewards)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"invalid_counts": dict(self.invalid_counts), "warned": sorted(self._warned),
+                "restarts": {f.name: f.restarts for f in self.rewards}}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        self.invalid_counts = {n: int(st["invalid_counts"].get(n, 0)) for n in self.invalid_counts}
+        self._warned = set(st["warned"])
+        for f in self.rewards:
+            f.restarts = int(st["restarts"].get(f.name, 0))
+
     def close(self) -> None:
         """Stop the reward workers (they also stop when this object is collected or the run ends)."""
         for f in self.rewards:

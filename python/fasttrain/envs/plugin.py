@@ -9,7 +9,9 @@ one answer's reward, never the run. Nothing is silent: a batch verifier (`score_
 raises or returns the wrong number of scores is logged (once per environment) and counted in
 `batch_failures` (the trainer writes it to metrics.jsonl) before the batch is scored one answer at
 a time; a stateful plug-in (its `score_many` takes `record`) gets `record` passed through, so
-probes leave it unchanged and resume can replay it.
+probes leave it unchanged and resume can replay it. The wrapper's counters, and the plug-in's own
+`state_dict()` when it has one (JSON-serialisable; given back through `load_state_dict`), are
+saved in every checkpoint, so a resumed run counts on from where the checkpoint was.
 """
 
 from __future__ import annotations
@@ -61,6 +63,23 @@ class GuardedEnvironment:
 
     def prompts(self, split: str) -> list[Prompt]:
         return list(self.inner.prompts(split))
+
+    def counters(self) -> dict[str, int]:
+        """Run totals for metrics.jsonl."""
+        return {"verifier_batch_failures": self.batch_failures, "verifier_invalid": self.invalid_count}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What carries over steps: the counters, and the plug-in's own state_dict() if it has one."""
+        st: dict[str, Any] = {"invalid_count": self.invalid_count, "batch_failures": self.batch_failures}
+        inner = getattr(self.inner, "state_dict", None)
+        if callable(inner):
+            st["inner"] = inner()
+        return st
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        self.invalid_count, self.batch_failures = int(st["invalid_count"]), int(st["batch_failures"])
+        if "inner" in st and callable(getattr(self.inner, "load_state_dict", None)):
+            self.inner.load_state_dict(st["inner"])
 
     def _check(self, s: object) -> Score:
         why = check_score(s, self.channels)

@@ -5,14 +5,20 @@ checkpoints/step_NNNNNN/
     trainer_state.safetensors  adapter masters (fp32, by parameter name) + AdamW moments, flattened
     trainer_state.json       step, optimizer step counts and hyper-parameters, thermostat state,
                              RNG states (base64), counters
+    manifest.json            size and SHA-256 of every other file, written last
 checkpoints/latest.json      points at the newest complete checkpoint (replaced atomically last)
 
 A checkpoint folder is written as step_NNNNNN.tmp and renamed when complete, so a crash leaves
-either the old checkpoint or the new one, never half of one. No pickle anywhere.
+either the old checkpoint or the new one, never half of one. What the rename cannot promise (a
+file truncated or edited later, a disk that lost a block) the manifest finds: `--resume` checks
+each checkpoint against it, newest first, and continues from the newest whole one, saying which
+it passed over and why (`pick_checkpoint`). No pickle anywhere.
 """
 from __future__ import annotations
 
 import base64
+import errno
+import hashlib
 import json
 import random
 import shutil
@@ -24,7 +30,95 @@ from safetensors.torch import load_file, save_file
 
 from fasttrain.train.run_files import write_json
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state",
+           "CheckpointError", "newest_checkpoint_name", "verify_checkpoint", "pick_checkpoint", "write_manifest"]
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint of a run can be resumed from, or one could not be written; the message names
+    the checkpoint, the file and what is wrong."""
+
+
+def newest_checkpoint_name(ckpt_root: Path) -> str:
+    """The newest complete checkpoint's folder name (for messages)."""
+    steps = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir() and _step_of(p) is not None
+                    and not p.name.endswith(".tmp")), key=_step_of)
+    return steps[-1].name if steps else "none (the run must start again)"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json: {"files": {relative path: {"size", "sha256"}}} of every file under `folder`."""
+    files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    write_json(folder / MANIFEST, {"files": files})
+
+
+def verify_checkpoint(ckpt: Path) -> str | None:
+    """None when every file of the checkpoint matches its manifest; otherwise what is wrong."""
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return "it has no manifest.json"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"its manifest.json is not readable ({type(e).__name__})"
+    for rel, want in files.items():
+        p = ckpt / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        size = p.stat().st_size
+        if size != want["size"]:
+            return f"{rel} has {size} bytes, the manifest says {want['size']}"
+        if _sha256(p) != want["sha256"]:
+            return f"{rel} does not match its SHA-256 in the manifest (edited or damaged)"
+    for need in ("trainer_state.json", "trainer_state.safetensors"):
+        if need not in files:
+            return f"the manifest does not list {need}"
+    return None
+
+
+def _step_of(p: Path) -> int | None:
+    try:
+        return int(p.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def pick_checkpoint(ckpt_root: Path, step: int | None = None) -> tuple[Path, list[str]]:
+    """(the checkpoint to resume from, a note for each newer one passed over). `step`: that
+    checkpoint and no other. Raises CheckpointError naming each checkpoint and its fault when
+    none is whole."""
+    found = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                    and _step_of(p) is not None), key=_step_of, reverse=True)
+    if step is not None:
+        found = [p for p in found if _step_of(p) == step]
+        if not found:
+            kept = ", ".join(p.name for p in sorted(ckpt_root.glob("step_*")) if not p.name.endswith(".tmp"))
+            raise CheckpointError(f"--from step_{step}: there is no such checkpoint in {ckpt_root} "
+                                  f"(kept: {kept or 'none'})")
+    notes = []
+    for p in found:
+        if not (p / MANIFEST).exists() and (p / "trainer_state.json").exists():
+            notes.append(f"checkpoint {p.name} has no manifest (an older fasttrain wrote it): not verified")
+            return p, notes
+        why = verify_checkpoint(p)
+        if why is None:
+            return p, notes
+        notes.append(f"checkpoint {p.name} is damaged: {why}")
+    if not found:
+        raise CheckpointError(f"no complete checkpoint under {ckpt_root}: the run stopped before its first "
+                              "checkpoint; start it again")
+    raise CheckpointError("no checkpoint can be resumed from: " + "; ".join(notes)
+                          + ". Start the run again (or restore the checkpoints folder from a copy)")
 
 
 def rng_state() -> dict[str, Any]:
@@ -48,6 +142,24 @@ def set_rng_state(st: dict[str, Any]) -> None:
 def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
                     optimizer: torch.optim.Optimizer, state: dict[str, Any], base_model: str,
                     keep: int = 2, keep_steps: set[int] | None = None) -> Path:
+    """Write checkpoint `step` (the module docstring's layout). A write that fails (a full or
+    read-only disk, no permission) removes the half-written folder, leaves the previous
+    checkpoints as they were and raises CheckpointError naming the file and the error."""
+    try:
+        return _save_checkpoint(ckpt_root, step, model, params, optimizer, state, base_model, keep, keep_steps)
+    except OSError as e:
+        shutil.rmtree(ckpt_root / f"step_{step:06d}.tmp", ignore_errors=True)
+        where = e.filename or ckpt_root
+        raise CheckpointError(f"could not write the checkpoint of step {step}: {where}: {e.strerror or e} "
+                              f"(errno {errno.errorcode.get(e.errno, e.errno)}). The previous checkpoint, "
+                              f"{newest_checkpoint_name(ckpt_root)}, is intact, and metrics.jsonl and "
+                              f"samples.jsonl hold every step so far. Free space or fix the folder's "
+                              f"permissions, then resume: `fasttrain run --resume {ckpt_root.parent}`") from None
+
+
+def _save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
+                     optimizer: torch.optim.Optimizer, state: dict[str, Any], base_model: str,
+                     keep: int, keep_steps: set[int] | None) -> Path:
     from fasttrain.nn import save_adapter
 
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -73,6 +185,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, params: 
                     tensors[f"optim/{k}/{n}"] = v.detach().to("cpu").contiguous()
     save_file(tensors, str(tmp / "trainer_state.safetensors"))
     write_json(tmp / "trainer_state.json", {"step": step, "optimizer": opt_meta, **state})
+    write_manifest(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -20,12 +21,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = ["ConfigError", "Config", "load_config", "load_recipe", "recipe_path", "list_recipes",
-           "apply_overrides", "config_to_toml", "config_hash", "SEED_PRIORITIES"]
+           "apply_overrides", "config_to_toml", "config_hash", "SEED_PRIORITIES", "RESUME_CHANGEABLE",
+           "resume_changes"]
 
 
 class ConfigError(ValueError):
     """A recipe or override is wrong; the message names the key and what is allowed."""
 
+
+# What a chat-template variable may be: a TOML scalar.
+TemplateValue = typing.Union[bool, int, float, str]
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 SEED_PRIORITIES = {"core": 3.0, "stability": 1.0, "pattern_guard": 0.3, "complexity": 0.2}
 
@@ -44,6 +50,8 @@ class RunSection:
                                             # for the others before it stops (one died or hangs)
     # experiment trackers fed every metrics line: any of "tensorboard", "wandb", "mlflow", "trackio"
     report_to: tuple[str, ...] = ()
+    stop_timeout: float = 60.0              # after SIGTERM/SIGUSR1: seconds to reach a safe point and
+                                            # checkpoint, else leave (the last checkpoint stands)
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,9 @@ class PolicySection:
     gradient_checkpointing: bool = True
     attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"  # auto: flash-attn 2 on CUDA if installed
     liger: bool = False                     # Liger-Kernel RMSNorm/SwiGLU/RoPE on the policy (CUDA, fasttrain[gpu])
+    # Variables every prompt's chat template is rendered with, e.g. { enable_thinking = false }
+    # (Qwen3's switch); a variable the model's template does not mention is ignored.
+    chat_template_kwargs: dict[str, TemplateValue] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,7 @@ class OptimSection:
     eps: float = 1e-8
     grad_clip: float = 1.0                  # max global gradient norm; 0 turns clipping off
     micro_batch: int = 8                    # answers per forward/backward
+    max_skipped_steps: int = 3              # non-finite losses in a row (updates skipped) before the run stops
 
 
 @dataclass(frozen=True)
@@ -187,6 +199,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "run.checkpoint_every": (lambda v: v >= 0, "an integer >= 0"),
     "run.threads": (lambda v: v >= 0, "an integer >= 0"),
     "run.dist_timeout": (lambda v: v > 0, "a number of seconds > 0"),
+    "run.stop_timeout": (lambda v: v > 0, "a number of seconds > 0"),
     "run.report_to": (lambda v: all(x in ("tensorboard", "wandb", "mlflow", "trackio") for x in v)
                       and len(set(v)) == len(v),
                       'a list of distinct tracker names among "tensorboard", "wandb", "mlflow", "trackio"'),
@@ -218,6 +231,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "optim.eps": (lambda v: v > 0, "a number > 0"),
     "optim.grad_clip": (lambda v: v >= 0, "a number >= 0"),
     "optim.micro_batch": (lambda v: v >= 1, "an integer >= 1"),
+    "optim.max_skipped_steps": (lambda v: v >= 1, "an integer >= 1"),
     "probe.every": (lambda v: v >= 0, "an integer >= 0"),
     "probe.prompts": (lambda v: v >= 1, "an integer >= 1"),
     "probe.samples": (lambda v: v >= 1, "an integer >= 1"),
@@ -267,6 +281,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
             raise ConfigError(f"{key}: {value!r} is not a list of strings")
         return tuple(value)
+    if origin is dict and typing.get_args(tp)[1] == TemplateValue:
+        return _template_kwargs(key, value)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: {value!r} is not a table of name = number")
@@ -275,6 +291,19 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             out[str(k)] = _coerce(f"{key}.{k}", v, float)
         return out
     raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover
+
+
+def _template_kwargs(key: str, value: Any) -> dict[str, TemplateValue]:
+    allowed = "a table of name = true/false, number or string (e.g. { enable_thinking = false })"
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {allowed}")
+    for k, v in value.items():
+        if not _TEMPLATE_VARIABLE.fullmatch(str(k)):
+            raise ConfigError(f"{key}.{k}: not a template variable name; allowed: letters, digits and _, "
+                              "not starting with a digit")
+        if not isinstance(v, (bool, int, float, str)):
+            raise ConfigError(f"{key}.{k}: {v!r} is not allowed; allowed: true, false, a number or a string")
+    return {str(k): v for k, v in value.items()}
 
 
 def _build(data: dict[str, Any]) -> Config:
@@ -433,3 +462,25 @@ def config_to_toml(cfg: Config) -> str:
 
 def config_hash(cfg: Config) -> str:
     return hashlib.sha256(config_to_toml(cfg).encode()).hexdigest()[:8]
+
+
+# Settings `--resume RUN --set key=value` may change: they steer the rest of the run without
+# making its past steps another run's (cadence, length, learning rate, where metrics go). Every
+# other key is the run's identity; changing it mid-run would make a run no recipe describes.
+RESUME_CHANGEABLE = ("run.steps", "run.checkpoint_every", "run.report_to", "run.threads", "run.dist_timeout",
+                     "run.stop_timeout", "optim.lr", "optim.max_skipped_steps", "probe.every")
+
+
+def resume_changes(saved: Config, new: Config) -> dict[str, tuple[Any, Any]]:
+    """{key: (saved value, new value)} of what the overrides change; ConfigError naming every
+    key that a resumed run may not change."""
+    old_d, new_d = saved.to_dict(), new.to_dict()
+    changed = {f"{sec}.{k}": (v, new_d[sec][k]) for sec, vals in old_d.items() for k, v in vals.items()
+               if new_d[sec][k] != v}
+    refused = [k for k in changed if k not in RESUME_CHANGEABLE]
+    if refused:
+        raise ConfigError(f"--resume: {', '.join(f'{k} ({changed[k][0]!r} -> {changed[k][1]!r})' for k in refused)} "
+                          f"cannot change in the middle of a run (the steps so far were trained with the saved "
+                          f"value); a resumed run may change {', '.join(RESUME_CHANGEABLE)}. Start a new run "
+                          f"to change the others.")
+    return changed

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 __all__ = ["RankLost", "init_from_env", "finish", "world_size", "rank", "is_main", "shard_bounds",
            "check_prompts_per_step", "gather_list", "broadcast_object", "broadcast_parameters",
-           "sum_values", "sum_gradients", "sum_stats", "top_entropy_mask", "barrier",
+           "any_rank", "sum_values", "sum_gradients", "sum_stats", "top_entropy_mask", "barrier",
            "collective_seconds", "launch_local"]
 
 # Seconds spent inside collectives since the last collective_seconds(reset=True); it includes
@@ -168,6 +168,16 @@ def gather_list(local: Sequence[Any]) -> list[Any]:
     with _timed("gathering a list (all_gather_object)"):
         dist.all_gather_object(out, list(local))
     return [x for part in out for x in part]
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on some rank (every rank gets the same answer)."""
+    if not _on():
+        return bool(flag)
+    v = torch.tensor([1.0 if flag else 0.0], device=_device())
+    with _timed("all_reduce of the stop flag"):
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    return bool(v.item() > 0)
 
 
 def broadcast_object(obj: Any) -> Any:

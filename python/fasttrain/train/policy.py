@@ -34,10 +34,12 @@ def _load_base(spec: str, dtype: str):
 
 def build_policy(cfg: Config, device: torch.device):
     """(model, tokenizer, adapter params by name). The base is frozen; only adapters train."""
+    from fasttrain.models import set_template_kwargs
     from fasttrain.nn import attach_adapters, quantize_model
 
     p = cfg.policy
     model, tokenizer = _load_base(p.model, p.dtype)
+    set_template_kwargs(tokenizer, p.chat_template_kwargs)   # the one reader: every prompt renders with them
     model.to(device)
     _use_gpu_packages(model, p, device)
     for prm in model.parameters():

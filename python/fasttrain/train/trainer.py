@@ -16,10 +16,14 @@ writes the run folder.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import shutil
+import signal
+import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,26 +33,33 @@ import torch
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
 from fasttrain.train import distributed
 from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers
-from fasttrain.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config
+from fasttrain.train.checkpoint import (load_checkpoint, newest_checkpoint_name, pick_checkpoint, rng_state,
+                                        save_checkpoint, set_rng_state)
+from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
+                                    resume_changes)
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device, rollout_weights
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
+from fasttrain.train.preemption import Preempted, StopSignals
 from fasttrain.train.probe import run_probe, select_shipped
 from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
 from fasttrain.train.trackers import Trackers
 
-__all__ = ["Trainer", "TrainingStopped"]
-
-MAX_NONFINITE = 3
+__all__ = ["Trainer", "TrainingStopped", "Preempted"]
 
 
 class TrainingStopped(RuntimeError):
-    """The run cannot continue (three non-finite losses in a row); the message says why."""
+    """The run cannot continue (optim.max_skipped_steps non-finite losses in a row, non-finite
+    adapters at a checkpoint); the message says why and how to go on."""
 
 
 def _checkpoint_step(ckpt: Path | None) -> int:
     return int(json.loads((ckpt / "trainer_state.json").read_text())["step"]) if ckpt is not None else 0
+
+
+def _env_counters(env) -> dict[str, int]:
+    f = getattr(env, "counters", None)
+    return {k: int(v) for k, v in f().items()} if callable(f) else {}
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -84,6 +95,8 @@ class Trainer:
         self.zeta_log: list[float] = []
         self.trackers = Trackers([], print)       # started by train() from run.report_to
         self._setup_done = False
+        self._stop: StopSignals | None = None     # while train() runs: SIGTERM / SIGUSR1
+        self._checkpointed_step = -1
 
     # ---- set-up ---------------------------------------------------------------------------
     def _check_channels(self) -> None:
@@ -186,11 +199,13 @@ class Trainer:
         torch.manual_seed(step_seed(cfg.run.seed, step, 1))
         prompts = self._prompts_for_step(step)
         lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
-        roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts[lo:hi], group_size=R.group_size,
-                                     max_new_tokens=R.max_new_tokens, temperature=R.temperature,
-                                     seed=group_seeds([cfg.run.seed, step], lo, hi), answer_prefix=R.answer_prefix,
-                                     stop_strings=R.stop_strings, weights=self.rollout_weights,
-                                     compile_decode=R.compile)
+        # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
+        with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
+            roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts[lo:hi],
+                                         group_size=R.group_size, max_new_tokens=R.max_new_tokens,
+                                         temperature=R.temperature, seed=group_seeds([cfg.run.seed, step], lo, hi),
+                                         answer_prefix=R.answer_prefix, stop_strings=R.stop_strings,
+                                         weights=self.rollout_weights, compile_decode=R.compile)
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
         scores, texts = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll))  # whole step, every rank
@@ -263,7 +278,8 @@ class Trainer:
             "mean_length": n_tok / len(scores), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
             # a plug-in's batch verifier that raised or returned the wrong length (run total)
-            "verifier_batch_failures": int(getattr(self.env, "batch_failures", 0)),
+            "verifier_batch_failures": 0,
+            **_env_counters(self.env),                        # the environment's run totals
             **{f"seconds_{k}": v for k, v in times.items()},
         }
         row["seconds_step"] = sum(times.values())
@@ -290,6 +306,13 @@ class Trainer:
         mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids)
         both = distributed.gather_list(list(zip(mine, texts)))
         return [sc for sc, _ in both], [tx for _, tx in both]
+
+    def _say(self, msg: str) -> None:
+        """A line on the console (every rank under torchrun: a stop concerns each)."""
+        if distributed.world_size() > 1:
+            print(f"[rank {distributed.rank()}] {msg}", file=sys.stderr, flush=True)
+        else:
+            self.console.print(msg, markup=False, highlight=False)
 
     def _warn(self, step: int, msg: str) -> None:
         self.warnings.append({"step": step, "message": msg})
@@ -324,12 +347,32 @@ class Trainer:
     def _state(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
-                "warnings": self.warnings, "zeta_log": self.zeta_log}
+                "warnings": self.warnings, "zeta_log": self.zeta_log,
+                # the environment's counters and state (plug-in wrapper, dataset rewards), if any
+                "env": self.env.state_dict() if callable(getattr(self.env, "state_dict", None)) else None}
+
+    def _nonfinite_state(self) -> str | None:
+        """The first adapter tensor or optimizer moment that holds a NaN or an infinity, or None."""
+        for n, p in self.named_params.items():
+            if not bool(torch.isfinite(p).all()):
+                return f"adapter {n}"
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    return f"AdamW {k} of {n}"
+        return None
 
     def _checkpoint(self, sync: bool = True) -> None:
+        bad = self._nonfinite_state()        # every rank holds the same adapters: all stop alike
+        if bad is not None:
+            last = newest_checkpoint_name(self.dir / "checkpoints")
+            raise TrainingStopped(
+                f"step {self.step}: {bad} is not finite, so no checkpoint was written (the last one, {last}, "
+                f"is whole). Resume from it with a lower rate: `fasttrain run --resume {self.dir} "
+                f"--set optim.lr={self.cfg.optim.lr / 10:g}` (or try optim.grad_clip, policy.dtype=float32).")
         if self.main:
             save_checkpoint(self.dir / "checkpoints", self.step, self.model, self.named_params, self.optimizer,
                             self._state(), base_model=self.cfg.policy.model)
+        self._checkpointed_step = self.step
         if sync:
             distributed.barrier()      # no rank runs ahead of the newest complete checkpoint
 
@@ -349,28 +392,40 @@ class Trainer:
 
     # ---- resume -----------------------------------------------------------------------------
     @classmethod
-    def resume(cls, run_dir: str | Path, overrides: list[str] | None = None, **kw) -> "Trainer":
+    def resume(cls, run_dir: str | Path, overrides: list[str] | None = None, from_step: int | None = None,
+               **kw) -> "Trainer":
+        """The run in `run_dir`, continued from its newest whole checkpoint (each is checked
+        against its manifest; a damaged one is passed over with a warning), or from checkpoint
+        `from_step`. CheckpointError when none can be used."""
         run_dir = Path(run_dir)
         cfg_file = run_dir / "config.toml"
         if not cfg_file.exists():
             raise FileNotFoundError(f"--resume {run_dir}: no config.toml there (not a fasttrain run folder)")
         import tomllib
-        cfg = load_config(tomllib.loads(cfg_file.read_text()), overrides)
+        saved = tomllib.loads(cfg_file.read_text())
+        cfg = load_config(saved, overrides)
+        changes = resume_changes(load_config(saved), cfg)                # refuses what may not change
+        ckpt, notes = pick_checkpoint(run_dir / "checkpoints", from_step)   # before the model loads
         tr = cls(cfg, run_dir, **kw)
-        tr._resume_from = latest_checkpoint(run_dir / "checkpoints")
-        if tr._resume_from is None:
-            raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under checkpoints/")
+        tr._resume_from, tr._resume_notes = ckpt, notes
+        tr._resume_changes = changes
         return tr
 
     def _restore(self, ckpt: Path) -> None:
         meta = load_checkpoint(ckpt, self.named_params, self.optimizer)
-        self.step = int(meta["step"])
+        self.step = self._checkpointed_step = int(meta["step"])
         self.thermostat.load_state_dict(meta["thermostat"])
         self.nonfinite_in_row = meta["nonfinite_in_row"]
         self.low_share_in_row = meta["low_share_in_row"]
         self.warnings = list(meta["warnings"])
         self.zeta_log = list(meta["zeta_log"])
         set_rng_state(meta["rng"])
+        for note in getattr(self, "_resume_notes", []):
+            self._warn(self.step, f"{note}; resuming from {ckpt.name}")
+        for g in self.optimizer.param_groups:      # the config's rate, which --set may have changed
+            g["lr"] = self.cfg.optim.lr
+        for key, (old, new) in getattr(self, "_resume_changes", {}).items():
+            self._warn(self.step, f"resumed at step {self.step} with {key} = {new!r} (was {old!r})")
         keep = [r for r in read_jsonl(self.dir / "metrics.jsonl") if r["step"] <= self.step]
         samples = [r for r in read_jsonl(self.dir / "samples.jsonl") if r["step"] <= self.step]
         self.probes = [r for r in read_jsonl(self.dir / "probes.jsonl") if r["step"] <= self.step]
@@ -384,6 +439,8 @@ class Trainer:
             for r in samples:
                 ps = [by_id[i] for i in r["prompt_ids"] for _ in range(self.cfg.rollout.group_size)]
                 score_answers(self.env, ps, r["answers"], self.cfg.env.train_slice, record=True)
+        if meta.get("env") is not None:     # after the replay, which would count its failures again
+            self.env.load_state_dict(meta["env"])
         self.console.print(f"resumed {self.run_id} at step {self.step} from {ckpt.name}")
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -441,8 +498,9 @@ class Trainer:
                                                "torch": torch.__version__, "started": time.time(),
                                                "world_size": distributed.world_size()})
         ckpt_every = cfg.run.checkpoint_every or cfg.probe.every or cfg.run.steps
-        interrupted = False
-        with self._progress_bar() as bar:
+        interrupted, preempted = False, None
+        self._stop = StopSignals(cfg.run.stop_timeout, self._say)
+        with self._stop, self._progress_bar() as bar:
             try:
                 if self.step == 0 and not self.probes:
                     self._show(bar, None, self._probe(0))
@@ -461,18 +519,38 @@ class Trainer:
                     if step % ckpt_every == 0 or step == cfg.run.steps:
                         self._checkpoint()
                     self._show(bar, row, probe)
-                    if self.nonfinite_in_row >= MAX_NONFINITE:
+                    if self.nonfinite_in_row >= cfg.optim.max_skipped_steps:
                         self._checkpoint()
                         raise TrainingStopped(
-                            f"stopped at step {step}: {MAX_NONFINITE} non-finite losses in a row. The adapters "
-                            f"were not updated by those steps; try a lower optim.lr (now {cfg.optim.lr}), "
-                            f"optim.grad_clip, or policy.dtype=float32. Resume with "
-                            f"`fasttrain run --resume {self.dir}`.")
+                            f"stopped at step {step}: {self.nonfinite_in_row} non-finite losses in a row "
+                            f"(optim.max_skipped_steps = {cfg.optim.max_skipped_steps}). The adapters were not "
+                            f"updated by those steps; try a lower rate or clipping, or policy.dtype=float32: "
+                            f"`fasttrain run --resume {self.dir} --set optim.lr={cfg.optim.lr / 10:g}`.")
+                    if self._stop.agreed(distributed.any_rank):        # every rank stops after this step
+                        raise Preempted(self._stop.requested or signal.SIGTERM)
+            except OSError as e:        # the run folder's disk is full, read-only or not ours
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
+                raise TrainingStopped(
+                    f"step {self.step}: cannot write {e.filename or self.dir}: {e.strerror} "
+                    f"(errno {errno.errorcode.get(e.errno, e.errno)}). The last checkpoint, "
+                    f"{newest_checkpoint_name(self.dir / 'checkpoints')}, is intact and the run files stay "
+                    f"readable (a line cut short is dropped on reading). Free space or fix the permissions, "
+                    f"then `fasttrain run --resume {self.dir}`.") from None
+            except Preempted as e:
+                if self._checkpointed_step != self.step:
+                    self._checkpoint()
+                preempted = Preempted(e.signum, self.step)
             except KeyboardInterrupt:
                 interrupted = True
                 self._checkpoint(sync=False)    # ranks are interrupted at different points
                 self.console.print(f"[yellow]interrupted at step {self.step}[/yellow]: checkpoint saved; "
                                    f"continue with `fasttrain run --resume {self.dir}`")
+        self._stop = None
+        if preempted is not None:
+            self._say(f"stopped by {preempted.name} after step {self.step}: its checkpoint is written; continue "
+                      f"with `fasttrain run --resume {self.dir}`")
+            raise preempted
         if not self.main:
             return {"run_id": self.run_id, "rank": distributed.rank(), "steps_done": self.step}
         shipped = self._ship()
