@@ -209,7 +209,7 @@ def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], ou
 
 @app.command()
 def init(name: str = typer.Argument(..., help="folder to create for the task, e.g. my_task")) -> None:
-    """Write a starter task (400 arithmetic questions, two reward functions, a recipe) to train at once."""
+    """Write a starter task (300 arithmetic questions, two reward functions, a recipe) to train at once."""
     from fasttrain.starter import write_starter
 
     try:

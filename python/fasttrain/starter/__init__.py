@@ -1,6 +1,6 @@
 """`fasttrain init NAME`: a starter task folder that `fasttrain run NAME/recipe.toml` trains.
 
-NAME/data.jsonl (400 arithmetic questions with an `answer` column, the last 100 held out;
+NAME/data.jsonl (300 arithmetic questions with an `answer` column, the last 100 held out;
 fasttrain.starter.arithmetic writes them), NAME/rewards.py (two reward
 functions in TRL's signature) and NAME/recipe.toml (the dataset environment, sized for a CPU).
 """

@@ -5,14 +5,15 @@ same rows on every machine; `python -m fasttrain.starter.arithmetic` writes the 
 test checks the packaged file equals its output). What it is not: part of the starter folder
 `fasttrain init` writes (that folder holds the rows, not their generator).
 
-Sizes: 400 rows, the last 100 held out (the recipe's env.probe_rows): "A plus B" and "A minus B"
-with A in 1..30 and B in 1..9 (a difference is never negative). The bundled SmolLM2-135M-Instruct
+Sizes: 300 rows, the last 100 held out (the recipe's env.probe_rows): "A plus B" and "A minus B"
+with A in 1..20 and B in 1..9 (a difference is never negative; 324 distinct questions exist). The bundled SmolLM2-135M-Instruct
 starts between 10% and 50% correct on them (bench/learning_eval.py measures it; the number is in
 the recipe's header). Measured on bands of 40 questions (bf16, temperature 0.7, 16 new tokens,
 "Answer with the number only."): one-digit sums 33%, two-digit plus one-digit 10%, differences
 under 20 25%, one-digit products 0%. Most wrong answers are not wrong sums but explanations
 ("To find 5 + 6, you start by ...") cut off at 16 tokens, which is what RL on `correct` and
-`concise` teaches away; products are left out (nothing to reinforce at 0%).
+`concise` teaches away; products are left out (nothing to reinforce at 0%). With A in 1..30 the
+held-out rows started at 10.5% (one-digit A 25%, larger A 5%), too close to 10%, hence 1..20.
 """
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ from typing import Any
 __all__ = ["generate", "write_data", "DATA_FILE", "ROWS"]
 
 DATA_FILE = Path(__file__).parent / "data.jsonl"
-ROWS = 400
+ROWS = 300
 
 
 def _row(rng: random.Random) -> dict[str, Any]:
-    a, b = rng.randint(1, 30), rng.randint(1, 9)
+    a, b = rng.randint(1, 20), rng.randint(1, 9)
     if rng.random() < 0.5:
         return {"prompt": f"What is {a} plus {b}?", "answer": a + b}
     a, b = max(a, b), min(a, b)
