@@ -12,8 +12,11 @@ the recipe's header). Measured on bands of 40 questions (bf16, temperature 0.7, 
 "Answer with the number only."): one-digit sums 33%, two-digit plus one-digit 10%, differences
 under 20 25%, one-digit products 0%. Most wrong answers are not wrong sums but explanations
 ("To find 5 + 6, you start by ...") cut off at 16 tokens, which is what RL on `correct` and
-`concise` teaches away; products are left out (nothing to reinforce at 0%). With A in 1..30 the
-held-out rows started at 10.5% (one-digit A 25%, larger A 5%), too close to 10%, hence 1..20.
+`concise` teaches away; products are left out (nothing to reinforce at 0%).
+On the 100 held-out rows, 2 answers each (bench/learning_eval.py, bf16 base, seed 1234): with A in
+1..30, 10.5% correct (one-digit A 25%, larger A 5%); with A in 1..20, 10.0%; with A in 1..20 and
+the question ending in "Answer with just the number." (these rows), 16.0%; written as "A + B =",
+11.0%. A 2-core CPU shared with other work, 2026-12-01 (a score does not depend on the load).
 """
 from __future__ import annotations
 
@@ -26,14 +29,15 @@ __all__ = ["generate", "write_data", "DATA_FILE", "ROWS"]
 
 DATA_FILE = Path(__file__).parent / "data.jsonl"
 ROWS = 300
+ASK = "Answer with just the number."
 
 
 def _row(rng: random.Random) -> dict[str, Any]:
     a, b = rng.randint(1, 20), rng.randint(1, 9)
     if rng.random() < 0.5:
-        return {"prompt": f"What is {a} plus {b}?", "answer": a + b}
+        return {"prompt": f"What is {a} plus {b}? {ASK}", "answer": a + b}
     a, b = max(a, b), min(a, b)
-    return {"prompt": f"What is {a} minus {b}?", "answer": a - b}
+    return {"prompt": f"What is {a} minus {b}? {ASK}", "answer": a - b}
 
 
 def generate(n: int = ROWS, seed: int = 0) -> list[dict[str, Any]]:
