@@ -107,7 +107,7 @@ def fasttrain_config(a, out_dir: str, selection: str):
         "run": {"name": "bench_step", "seed": a.seed, "steps": a.warmup + a.steps, "out": out_dir,
                 "device": a.device},
         "policy": {"dtype": "float32" if a.fasttrain_dtype == "fp32" else "bfloat16", "rank": a.rank,
-                   "alpha": float(a.alpha)},
+                   "alpha": float(a.alpha), "quantize": a.quantize},
         "env": {"name": "signal-a", "prompts": selection},
         "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new,
                     "temperature": 1.0},
@@ -158,8 +158,9 @@ def worker_fasttrain(a) -> dict:
         limits = machine_limits(a, tr, prompts[:a.prompts], shapes[-1])
     R = tr.cfg.rollout
     return {"steps": steps[a.warmup:], "memory": mem, "prompt_order": order, "limits": limits,
-            "setting": f"{a.fasttrain_dtype} base quantized to NF4 + fp32 LoRA masters, rollout from "
-                       f"{'dense merged weights' if tr.rollout_weights is not None else 'NF4'}"
+            "setting": f"{a.fasttrain_dtype} base " + ("quantized to NF4" if a.quantize == "nf4" else "kept 16-bit")
+                       + " + fp32 LoRA masters, rollout from "
+                       f"{'dense merged weights' if tr.rollout_weights is not None else 'the adapted layers'}"
                        f" (rollout.base_weights={R.base_weights}), compile={R.compile}"}
 
 
@@ -243,9 +244,8 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
     if w is not None:
         weight_bytes = w.nbytes()
     else:
-        from fasttrain.nn import nf4_layers
-        weight_bytes = sum(m.qweight.numel() + (m.qabsmax.numel() if m.double_quant else 4 * m.absmax.numel())
-                           for _, m in nf4_layers(tr.model))
+        from fasttrain.nn import resident_bytes
+        weight_bytes = resident_bytes(tr.model)["total"]["base"]            # NF4 codes + scales, or 16-bit
     weight_bytes += d["H"] * d["V"] * esz                                   # lm_head
     B, P = a.prompts * a.group, max(map(len, ids))
     kv_bytes = d["L"] * 2 * B * d["nkv"] * d["D"] * (P + T / 2) * esz      # the mean context's cache
@@ -436,6 +436,8 @@ def main() -> int:
     ap.add_argument("--fasttrain-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                     help="fasttrain's base dtype before NF4 (non-quantized layers compute in it); auto: the "
                          "host's faster precision (fp32 on CPUs without bf16 instructions)")
+    ap.add_argument("--quantize", choices=["nf4", "none"], default="nf4",
+                    help="fasttrain's frozen base: NF4, or the 16-bit weights (TRL's PEFT LoRA is 16-bit)")
     ap.add_argument("--rollout-reps", type=int, default=3)
     ap.add_argument("--only", default="fasttrain,trl,rollout", help="comma-separated: fasttrain,trl,rollout")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per worker")

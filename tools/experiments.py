@@ -8,7 +8,10 @@ reproduced small with the real model (SmolLM2-135M-Instruct, NF4 + LoRA/DoRA).
                                                          # validity and the non-zero-advantage share per floor
     python tools/experiments.py countdown [--steps N] [--threads T] [--set ...]   # (d) the countdown recipe as
                                                          # it is: probe share solved before and after
-    python tools/experiments.py summarize --exp learning|floor|ladder|countdown   # plots + tables again
+    python tools/experiments.py tools    [--steps N] [--seeds 1 2 3] [--set ...]   # (e) countdown with a
+                                                         # calculator tool: valid tool calls and held-out
+                                                         # success before and after, one run per seed
+    python tools/experiments.py summarize --exp learning|floor|ladder|countdown|tools   # plots + tables again
 
 Every experiment starts from a recipe (demo for (a) and (b), the ladder recipes for (c)) with the
 scale flags applied to all runs alike as `--set` overrides, writes its runs under
@@ -231,8 +234,30 @@ def _plot_floor(exports, path: Path) -> None:
     plt.close(fig)
 
 
+def summarize_tools(exports, fig_dir: Path) -> str:
+    """Per seed: the probe's share of answers with a calculate call that returned a value
+    (used_calculator) and its share solved (held-out: probe problems are never trained on), at the
+    first and the last probe; then the mean over seeds."""
+    lines = ["| seed | run | valid tool call: start -> end | held-out solved: start -> end | tool calls / step | wall |",
+             "|---:|---|---:|---:|---:|---:|"]
+    ends = []
+    for e in exports:
+        first, last = e["probes"][0], e["probes"][-1]
+        key = "train_reward_used_calculator"
+        calls = sum(s.get("tool_calls", 0) for s in e["steps"]) / max(1, len(e["steps"]))
+        lines.append(f"| {e['config']['run']['seed']} | {e['run_id']} | {_f(first.get(key), '.0%')} -> "
+                     f"{_f(last.get(key), '.0%')} | {_f(first['train_success'], '.0%')} -> {_f(last['train_success'], '.0%')}"
+                     f" | {calls:.1f} | {e['wall_seconds']:.0f} s |")
+        ends.append((first.get(key, math.nan), last.get(key, math.nan), first["train_success"], last["train_success"]))
+    if ends:
+        m = [sum(x[i] for x in ends) / len(ends) for i in range(4)]
+        lines.append(f"| mean | {len(ends)} seeds | {_f(m[0], '.0%')} -> {_f(m[1], '.0%')} | "
+                     f"{_f(m[2], '.0%')} -> {_f(m[3], '.0%')} | | |")
+    return "\n".join(lines) + "\n"
+
+
 SUMMARIES = {"learning": summarize_learning, "floor": summarize_floor, "ladder": summarize_ladder,
-             "countdown": summarize_countdown}
+             "countdown": summarize_countdown, "tools": summarize_tools}
 
 
 def write_summary(exp: str, root: Path, fig_dir: Path, command: str) -> str:
@@ -264,6 +289,13 @@ def run_countdown(a, root: Path) -> None:
     """The countdown recipe as it is (its own scale), only steps, seed, threads and --set changed."""
     train("countdown", [f"run.steps={a.steps}", f"run.seed={a.seed}", f"run.threads={a.threads}"] + list(a.set or []),
           root)
+
+
+def run_tools(a, root: Path) -> None:
+    """The tools recipe as it is, one run per seed; only steps, seed, threads and --set changed."""
+    for seed in a.seeds:
+        train("tools", [f"run.steps={a.steps}", f"run.seed={seed}", f"run.threads={a.threads}",
+                        f'run.name="tools-s{seed}"'] + list(a.set or []), root)
 
 
 def run_ladder(a, root: Path) -> None:
@@ -331,7 +363,7 @@ def run_start(a, root: Path) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=["learning", "floor", "ladder", "countdown", "start", "summarize"])
+    ap.add_argument("experiment", choices=["learning", "floor", "ladder", "countdown", "tools", "start", "summarize"])
     ap.add_argument("--exp", choices=list(SUMMARIES), help="for summarize: which experiment")
     ap.add_argument("--out", default="runs/experiments", help="runs go under OUT/<experiment>/")
     ap.add_argument("--figures", default="docs/img", help="where the PNG plots go")
@@ -346,6 +378,7 @@ def main(argv=None) -> None:
     g.add_argument("--probe-prompts", type=int, default=8)
     g.add_argument("--lr", type=float, default=0.0, help="0: the recipe's own")
     g.add_argument("--set", action="append", help="any further section.key=value override")
+    g.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="tools experiment: one run per seed")
     g.add_argument("--floors", type=float, nargs="+", default=[0.0, -math.inf], help="floor experiment: the floors")
     g.add_argument("--rungs", default="", help=f"ladder: comma-separated subset of {','.join(LADDER)}")
     g.add_argument("--filter-samples", type=int, default=4)
@@ -361,7 +394,8 @@ def main(argv=None) -> None:
     if a.experiment == "start":
         return run_start(a, root)
     if a.experiment != "summarize":
-        {"learning": run_learning, "floor": run_floor, "ladder": run_ladder, "countdown": run_countdown}[exp](a, root)
+        {"learning": run_learning, "floor": run_floor, "ladder": run_ladder, "countdown": run_countdown,
+         "tools": run_tools}[exp](a, root)
     write_summary(exp, root, Path(a.figures), command)
 
 

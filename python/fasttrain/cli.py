@@ -208,12 +208,13 @@ def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], ou
 
 
 @app.command()
-def init(name: str = typer.Argument(..., help="folder to create for the task, e.g. my_task")) -> None:
-    """Write a starter task (300 arithmetic questions, two reward functions, a recipe) to train at once."""
+def init(name: str = typer.Argument(..., help="folder to create for the task, e.g. my_task"),
+         tools: bool = typer.Option(False, "--tools", help="a starter whose answers may call a tool (tools.py)")) -> None:
+    """Write a starter task (300 arithmetic questions, reward functions, a recipe; --tools: and a tool) to train at once."""
     from fasttrain.starter import write_starter
 
     try:
-        files = write_starter(name)
+        files = write_starter(name, tools=tools)
     except (FileExistsError, ValueError) as e:
         _fail(str(e))
     for f in files:

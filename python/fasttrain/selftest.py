@@ -43,6 +43,9 @@ Tolerances (each is an elementwise bound, derived here, never measured on a host
     ε_g = 6u_c + (K + r + 4)u_a·Q/‖·‖² with Q = Σ_k(|W| + s|B|·|A|)² (what the factorised norm's sums
     hold); the backward's products likewise, with the length of each sum (N + r for dx, M + N for dA,
     M + K for dB, M + K + r for dm) and dz = dy ⊙ g inheriting ε_g.
+  dense_linear (policy.quantize = "none": the model's 16-bit W, fasttrain.nn.dense_linear, ATen's
+    products): the same bounds as nf4_linear with W the dense weight (its base GEMM output, the fp32
+    casts and the one final rounding are among the six roundings).
   nf4_dora_norm: ‖·‖² off by (2u_c + (K + r + 6)u_a)·Q, so ‖·‖ by that over 2‖·‖;
   nf4_weight_sq_norm: (K + 2)u_a·Σ W² plus the float32 rounding of the result.
 """
@@ -77,9 +80,12 @@ def _u_acc(dtype: torch.dtype) -> float:
 def _kernel_faces() -> dict[str, Callable]:
     """The op faces whose compiled kernels are checked (a test swaps one for a wrong kernel)."""
     import fasttrain.ops as F
+    from fasttrain.nn.dense_linear import dense_linear
     return {"fused_logprob": F.fused_logprob, "policy_loss": F.policy_loss, "nf4_quantize": F.nf4_quantize,
             "nf4_dequantize": F.nf4_dequantize, "nf4_linear": F.nf4_linear, "nf4_dora_norm": F.nf4_dora_norm,
-            "nf4_weight_sq_norm": F.nf4_weight_sq_norm}
+            "nf4_weight_sq_norm": F.nf4_weight_sq_norm, "dense_linear": dense_linear,
+            "gated_delta_rule": F.gated_delta_rule, "gated_delta_step": F.gated_delta_step,
+            "causal_conv1d": F.causal_conv1d, "causal_conv1d_step": F.causal_conv1d_step}
 
 
 KERNELS: dict[str, Callable] = {}
@@ -442,7 +448,18 @@ def _linear_data(dev, N, K, r, seed):
     return g, q.to(dev), st.to(dev), a.to(dev), b.to(dev)
 
 
-def _linear_case(dev, N, K, r, M, dtype, adapter, seed=0) -> tuple[str, Callable]:
+def _dense_reference(x, w, a, b, s, m):
+    """y = g ⊙ (x·Wᵀ + s·(x·Aᵀ)·Bᵀ), g = m / ‖W + s·B·A‖ detached (or 1), in the inputs' float64."""
+    y = x @ w.T if a is None else x @ w.T + s * ((x @ a.T) @ b.T)
+    if m is not None:
+        with torch.no_grad():
+            norm = (w + s * b @ a).norm(dim=1)
+        y = y * (m / norm)
+    return y
+
+
+def _linear_case(dev, N, K, r, M, dtype, adapter, seed=0, base="nf4") -> tuple[str, Callable]:
+    """nf4_linear, or with base "dense" the 16-bit layer's dense_linear on a weight in `dtype`."""
     name = f"N={N} K={K} r={r} M={M} {DT_NAME[dtype]} {adapter}"
     s = 2.0
 
@@ -450,6 +467,9 @@ def _linear_case(dev, N, K, r, M, dtype, adapter, seed=0) -> tuple[str, Callable
         from fasttrain.ops import reference as R
         g, q, st, a, b = _linear_data(dev, N, K, r, seed)
         W = R.nf4_decode_weight(q, st, torch.float64)
+        if base == "dense":
+            Wd = (torch.randn(N, K, generator=g) / 4).to(dtype).to(dev)
+            W = Wd.double()
         m = (W + s * b.double() @ a.double()).norm(dim=1) * (1 + 0.2 * torch.rand(N, generator=g, dtype=torch.float64).to(dev))
         x = torch.randn(M, K, generator=g).to(dtype).to(dev)
         dy = torch.randn(M, N, generator=g).to(dtype).to(dev)
@@ -458,6 +478,11 @@ def _linear_case(dev, N, K, r, M, dtype, adapter, seed=0) -> tuple[str, Callable
         xr, ar, br, mr = (_leaf(t, dev, torch.float64) for t in (x, a, b, mk))
 
         def kern():
+            if base == "dense":
+                y = KERNELS["dense_linear"](xk, Wd, None, ak if lora else None, bk if lora else None, s,
+                                            mk if dora else None)
+                y.backward(dy)
+                return y
             # as NF4Linear: the cached float32 ‖W‖², except for a float64 model (its exact sum)
             wsq = KERNELS["nf4_weight_sq_norm"](q, st) if dora and dtype != torch.float64 else None
             y = KERNELS["nf4_linear"](xk, q, st, ak if lora else None, bk if lora else None, s,
@@ -466,6 +491,10 @@ def _linear_case(dev, N, K, r, M, dtype, adapter, seed=0) -> tuple[str, Callable
             return y
 
         def refr():
+            if base == "dense":
+                y = _dense_reference(xr, W, ar if lora else None, br if lora else None, s, mr if dora else None)
+                y.backward(dy.double())
+                return y
             y = R.nf4_linear(xr, q, st, ar if lora else None, br if lora else None, s, mr if dora else None)
             y.backward(dy.double())
             return y
@@ -501,6 +530,21 @@ def _linear_case(dev, N, K, r, M, dtype, adapter, seed=0) -> tuple[str, Callable
         return tk, tr
 
     return name, run
+
+
+def _dense_cases(dev, quick: bool):
+    if quick:
+        return [_linear_case(dev, 129, 96, 8, 1, torch.float32, "lora", seed=21, base="dense"),
+                _linear_case(dev, 129, 96, 8, 65, torch.bfloat16, "dora", seed=22, base="dense")]
+    out, i = [], 0
+    for (N, K, r) in [(37, 70, 5), (129, 96, 8), (1000, 584, 16)]:
+        for M in (1, 65, 300):
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                for adapter in ("base", "lora", "dora"):
+                    i += 1
+                    out.append(_linear_case(dev, N, K, r, M, dt, adapter, seed=600 + i, base="dense"))
+    out.append(_linear_case(dev, 129, 96, 8, 65, torch.float64, "dora", seed=699, base="dense"))
+    return out
 
 
 def _norm_case(dev, N, K, r, dtype, seed=0) -> tuple[str, Callable]:
@@ -570,8 +614,19 @@ def _package_cases(dev, quick: bool):
     return [_package_case(dev, p) for p in ("flash_attn", "liger_kernel") if installed(p)]
 
 
+def _gated_delta_cases(dev, quick: bool):
+    from fasttrain.selftest_gated_delta import gated_delta_cases
+    return gated_delta_cases(dev, quick)
+
+
+def _conv_cases(dev, quick: bool):
+    from fasttrain.selftest_gated_delta import conv_cases
+    return conv_cases(dev, quick)
+
+
 CASES = {"fused_logprob": _logprob_cases, "policy_loss": _policy_cases, "nf4_quantize": _nf4_cases,
-         "nf4_linear": _linear_cases, "nf4_dora_norm": _norm_cases, "gpu_packages": _package_cases}
+         "nf4_linear": _linear_cases, "nf4_dora_norm": _norm_cases, "dense_linear": _dense_cases,
+         "gated_delta_rule": _gated_delta_cases, "causal_conv1d": _conv_cases, "gpu_packages": _package_cases}
 
 
 # ---- the run ----------------------------------------------------------------------------------

@@ -83,3 +83,12 @@ def hangs_on_big_batches(completions, **kwargs):
 
 def ground_truth_equal(completions, ground_truth, **kwargs):
     return [1.0 if _text(c).strip() == str(g) else 0.0 for c, g in zip(completions, ground_truth)]
+
+
+def hungry(completions, **kwargs):
+    """Allocates without bound when a completion says "hog" (a leak, or a runaway answer)."""
+    held = []
+    while any("hog" in _text(c) for c in completions):
+        held.append(b"\1" * (32 << 20))
+        time.sleep(0.005)
+    return [0.5] * len(completions)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -180,11 +181,11 @@ def test_hung_rewards_time_out_together_and_the_next_call_works(jsonl):
     hung = ["stuck", "stuck_async", "sleepy"]                        # busy loop, awaited sleep, blocking sleep
     env = DatasetEnvironment(dataset=jsonl, rewards=rw("matches", *hung), probe_rows=1, reward_timeout=0.5)
     p = env.prompts("train")[2]
-    workers = [f._proc for f in env.rewards[1:]]
+    workers = env.pool.pids()
     s = env.score_many([p, p], ["hang", "4"])
     assert [x.reason for x in s] == ["; ".join(f"reward '{n}' timed out after 0.5 s" for n in hung)] * 2
     assert [x.channels["matches"] for x in s] == [0.0, 1.0]          # the other reward still scored
-    assert all(w.poll() is not None for w in workers)                # the hung workers were killed
+    assert len(set(workers) - set(env.pool.pids())) == 3 and env.pool.timeouts == 3   # hung ones killed
     s = env.score_many([p], ["4"])
     assert s[0].valid and [f.restarts for f in env.rewards] == [0, 1, 1, 1]
     assert s[0].channels == {"matches": 1.0, "stuck": 0.5, "stuck_async": 0.25, "sleepy": 0.0}
@@ -230,4 +231,17 @@ def test_a_worker_that_cannot_restart_costs_answers_not_the_run(tmp_path, jsonl)
     s = env.score_many([p], ["0"])[0]
     assert not s.valid and s.channels["matches"] == 1.0
     assert s.reason.startswith("reward 'stuck' could not be restarted: env.rewards: cannot load")
+    env.close()
+
+
+def test_a_reward_over_its_memory_is_killed_and_the_next_call_works(jsonl):
+    env = DatasetEnvironment(dataset=jsonl, rewards=rw("matches", "hungry"), probe_rows=1, worker_memory_mb=200)
+    p = env.prompts("train")[2]
+    s = env.score_many([p, p], ["hog", "4"])
+    assert [x.valid for x in s] == [False, False] and [x.channels["matches"] for x in s] == [0.0, 1.0]
+    assert re.fullmatch(r"reward 'hungry' used \d+ MB, over env.worker_memory_mb = 200 \(killed with its processes\)",
+                        s[0].reason), s[0].reason
+    assert env.counters()["reward_workers_over_memory"] == 1 and env.rewards[1].restarts == 1
+    s = env.score_many([p], ["4"])
+    assert s[0].valid and s[0].channels == {"matches": 1.0, "hungry": 0.5}
     env.close()

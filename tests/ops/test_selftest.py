@@ -44,6 +44,11 @@ def _wrong_linear(x, q, st, a=None, b=None, scale=1.0, m=None, wsq=None):
     return F.nf4_linear(x, q, st, a, b, scale * 1.01, m, wsq)                # LoRA scale off by 1%
 
 
+def _wrong_dense_linear(x, w, bias=None, a=None, b=None, scale=1.0, m=None, norm=None):
+    from fasttrain.nn.dense_linear import dense_linear
+    return dense_linear(x, w, bias, a, b, scale * 1.01, m, norm)             # LoRA scale off by 1%
+
+
 def _wrong_quantize(w, blocksize=64, double_quant=False):
     packed, st = F.nf4_quantize(w, blocksize=blocksize, double_quant=double_quant)
     packed = packed.clone()
@@ -55,9 +60,18 @@ def _wrong_dora_norm(q, st, a, b, s, wsq=None):
     return F.nf4_dora_norm(q, st, a, b, s, wsq) * (1 + 1e-4)
 
 
+def _wrong_delta_rule(q, k, v, g, beta, **kw):
+    return F.gated_delta_rule(q, k, v, g, beta * 1.001, **kw)                  # write strength off by 0.1%
+
+
+def _wrong_conv(x, w, state=None, activation=True):
+    return F.causal_conv1d(x, w.roll(1, dims=1), state, activation)           # taps in the wrong order
+
+
 @pytest.mark.parametrize("op,wrong", [("fused_logprob", _wrong_logprob), ("policy_loss", _wrong_policy_loss),
                                       ("nf4_linear", _wrong_linear), ("nf4_quantize", _wrong_quantize),
-                                      ("nf4_dora_norm", _wrong_dora_norm)])
+                                      ("nf4_dora_norm", _wrong_dora_norm), ("dense_linear", _wrong_dense_linear),
+                                      ("gated_delta_rule", _wrong_delta_rule), ("causal_conv1d", _wrong_conv)])
 def test_a_wrong_kernel_fails(op, wrong, tmp_path, monkeypatch):
     monkeypatch.setitem(selftest.KERNELS, op, wrong)
     out = tmp_path / "st.json"

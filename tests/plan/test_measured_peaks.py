@@ -27,7 +27,7 @@ def _compare(trainer, monkeypatch):
     measured = measure_steps(trainer, monkeypatch)
     cfg = trainer.cfg
     m = meta_policy(trainer.model.config, dtype=cfg.policy.dtype, adapter=cfg.policy.adapter,
-                    rank=cfg.policy.rank, alpha=cfg.policy.alpha)
+                    rank=cfg.policy.rank, alpha=cfg.policy.alpha, quantize=cfg.policy.quantize)
     plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]), device_for(gpu_spec("cpu")))
     resident = sum(plan.phases["update"][k] for k in ("nf4_base", "dense_parts", "adapter_masters", "dora_norms"))
     assert resident == measured["resident"]          # the meta build counts the real model's bytes exactly
@@ -58,6 +58,24 @@ def test_tiny_model_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n
     r["policy"].update(dtype=dtype, gradient_checkpointing=checkpointing, model="padded_world:tiny_policy_as_loaded")
     cfg = load_config(r)
     got = _compare(Trainer(cfg, progress=False), monkeypatch)
+    for phase, (planned, measured) in got.items():
+        assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
+
+
+@pytest.mark.parametrize("n,G,T,mb,dtype,checkpointing,adapter", [
+    (2, 4, 8, 6, "float32", True, "lora"), (3, 4, 16, 12, "bfloat16", False, "lora"),
+    (3, 2, 4, 3, "bfloat16", True, "dora"), (3, 4, 16, 12, "float32", False, "dora")])
+def test_16bit_base_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n, G, T, mb, dtype, checkpointing,
+                                                adapter):
+    """policy.quantize = "none": the resident bytes are the model's own, and the activations of the fp32
+    adapter path (DenseLinear) follow the code as the NF4 path's do."""
+    from conftest_recipe import tiny_recipe
+    from fasttrain.train import Trainer, load_config
+
+    r = tiny_recipe(tmp_path, n, G, T, mb)
+    r["policy"].update(dtype=dtype, gradient_checkpointing=checkpointing, model="padded_world:tiny_policy_as_loaded",
+                       quantize="none", adapter=adapter)
+    got = _compare(Trainer(load_config(r), progress=False), monkeypatch)
     for phase, (planned, measured) in got.items():
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
 

@@ -162,3 +162,44 @@ def test_host_memory_is_read_from_meminfo():
     assert gpu_spec("cpu").memory_bytes == total > 0
     assert 0 < avail <= total
     assert meminfo_bytes("NoSuchField") == 0
+
+
+@pytest.mark.parametrize("adapter", ["lora", "dora"])
+def test_a_16bit_base_plans_the_models_own_bytes(adapter):
+    """policy.quantize = "none": the resident base is the model's own projections in its dtype, so base
+    + unquantised parts are the model's bytes (the parameter count x 2 for bf16, + rotary tables), equal to
+    what the built policy (adaptable_model on the real modules) holds, and the phases still add up."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fasttrain.nn import adaptable_model, attach_adapters, resident_bytes
+    from fasttrain.plan.report import as_json, make_plan
+    cfg = model_config("smollm2-135m")
+    m = meta_policy(cfg, name="smollm2-135m", quantize="none", adapter=adapter)
+    assert m.resident["nf4_base"] == m.linear_params * 2                      # no bias in Llama projections
+    rotary = 2 * (m.head_dim // 2) * 4                                        # inv_freq and its original, fp32
+    assert m.resident["nf4_base"] + m.resident["dense_parts"] == m.params * 2 + rotary
+    small = {**cfg, "num_hidden_layers": 2}                                   # a real (not meta) build, kept small
+    mt = small.pop("model_type")
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **small), dtype=torch.bfloat16)
+    own = sum(t.numel() * t.element_size() for t in list(real.parameters()) + list(real.buffers()))
+    adaptable_model(real)
+    attach_adapters(real, adapter, r=32, alpha=64)
+    rep = resident_bytes(real)["total"]
+    m2 = meta_policy({**small, "model_type": mt}, quantize="none", adapter=adapter)
+    assert rep["base"] + rep["other"] == own == m2.resident["nf4_base"] + m2.resident["dense_parts"]
+    assert rep["adapter"] == m2.resident["adapter_masters"]
+    p = make_plan(cfg, SHAPE.with_(quantize="none", adapter=adapter), gpu_spec("cpu"), name="smollm2-135m",
+                  with_limits=False)
+    for phase, parts in as_json(p)["memory"].items():
+        assert all(v >= 0 for v in parts.values()) and sum(v for k, v in parts.items() if k != "total") == parts["total"]
+    nf4 = make_plan(cfg, SHAPE.with_(adapter=adapter), gpu_spec("cpu"), name="smollm2-135m", with_limits=False)
+    assert p.memory.phases["update"]["nf4_base"] > 3 * nf4.memory.phases["update"]["nf4_base"]
+
+
+def test_a_bad_quantize_value_is_a_clear_error():
+    from fasttrain.train.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r"policy.quantize: 'int8' is not allowed; allowed values: 'nf4', 'none'"):
+        load_config({"policy": {"quantize": "int8"}})
+    with pytest.raises(ValueError, match=r"policy.quantize 'int8': allowed 'nf4', 'none'"):
+        meta_policy(model_config("smollm2-135m"), quantize="int8")

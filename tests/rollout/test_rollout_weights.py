@@ -1,19 +1,22 @@
-"""Dense rollout weights (merged NF4 + adapter copies): the rollout on them equals the rollout on
-the NF4 modules (float64: to rounding; same tokens), they follow the adapters after an update, and
-adapters switched off give the base."""
+"""Dense rollout weights (merged base + adapter copies): the rollout on them equals the rollout on
+the adapted modules, NF4 or 16-bit (float64: to rounding; same tokens), they follow the adapters
+after an update, adapters switched off give the base, and merging never writes into the base."""
 import pytest
 import torch
 
 from fasttrain.models import tiny_llama
-from fasttrain.nn import RolloutWeights, attach_adapters, quantize_model
+from fasttrain.nn import RolloutWeights, adaptable_model, attach_adapters, quantize_model
 from fasttrain.rollout import sample
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10]]
 
 
-def adapted(kind: str):
+QUANTIZE = pytest.mark.parametrize("quantize", ["nf4", "none"])
+
+
+def adapted(kind: str, quantize: str = "nf4"):
     model = tiny_llama(vocab_size=128, seed=1, dtype=torch.float64)
-    quantize_model(model)
+    quantize_model(model) if quantize == "nf4" else adaptable_model(model)
     torch.manual_seed(4)
     params = attach_adapters(model, kind=kind, r=4, alpha=8)
     with torch.no_grad():
@@ -27,9 +30,11 @@ def run(model, weights, seed=3):
                   seed=seed, pad_token_id=0, weights=weights)
 
 
+@QUANTIZE
 @pytest.mark.parametrize("kind", ["lora", "dora"])
-def test_rollout_on_dense_weights_equals_the_nf4_modules_in_float64(kind):
-    model, params = adapted(kind)
+def test_rollout_on_dense_weights_equals_the_adapted_modules_in_float64(kind, quantize):
+    model, params = adapted(kind, quantize)
+    base = [m.base_weight() for m in model.modules() if hasattr(m, "base_weight")]
     w = RolloutWeights(model)
     a, b = run(model, None), run(model, w)
     assert torch.equal(a.completion_ids, b.completion_ids)
@@ -39,11 +44,15 @@ def test_rollout_on_dense_weights_equals_the_nf4_modules_in_float64(kind):
     layer = model.model.layers[0]
     qkv = w.fused((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
     assert qkv is not None and qkv.shape == (64 + 32 + 32, 64)
+    w.refresh()
+    assert all(torch.equal(a, m.base_weight()) for a, m in zip(base, [m for m in model.modules()
+                                                                     if hasattr(m, "base_weight")]))
 
 
-def test_dense_weights_follow_the_adapters_and_adapters_off():
+@QUANTIZE
+def test_dense_weights_follow_the_adapters_and_adapters_off(quantize):
     from fasttrain.nn import adapters_disabled
-    model, params = adapted("lora")
+    model, params = adapted("lora", quantize)
     w = RolloutWeights(model)
     assert w.refresh() == 0                          # nothing changed since construction
     before = run(model, w).logprobs
@@ -60,17 +69,19 @@ def test_dense_weights_follow_the_adapters_and_adapters_off():
         torch.testing.assert_close(run(model, w).logprobs, run(model, None).logprobs, rtol=0, atol=1e-9)
 
 
+@QUANTIZE
 @pytest.mark.parametrize("dense", [False, True])
-def test_compiled_decode_samples_the_eager_tokens(dense):
+def test_compiled_decode_samples_the_eager_tokens(dense, quantize):
     """The static-shape decode step (written column as a tensor, every cache column read under the
     key mask, cache length rounded up) traced by torch.compile gives eager's tokens under the same
-    seed, twice in a row (the kept cache is reused), on the NF4 modules and on dense weights.
+    seed, twice in a row (the kept cache is reused), on the adapted modules (NF4 and 16-bit) and on
+    dense weights.
     The "aot_eager" backend runs the traced, functionalised graph without code generation
     (inductor's C++ build takes minutes on a small CI machine; bench_rollout measures it)."""
     import torch._dynamo
     torch._dynamo.reset()
     backend = "aot_eager"
-    model, params = adapted("lora")
+    model, params = adapted("dora" if quantize == "none" else "lora", quantize)
     w = RolloutWeights(model) if dense else None
     ref = run(model, w)
     for seed in (3, 3):
@@ -97,8 +108,8 @@ def test_rollout_base_weights_setting_picks_the_weights():
         load_config({"rollout": {"base_weights": "bf16"}})
 
 
-def test_a_model_without_nf4_layers_keeps_no_dense_copy():
-    """policy.quantize = "none": the model is dense already, so even "dequantized" keeps no copy."""
+def test_a_model_without_adapted_layers_keeps_no_dense_copy():
+    """A plain model has nothing to merge, so even "dequantized" keeps no copy."""
     from fasttrain.nn.rollout_weights import rollout_weights_for
     plain = tiny_llama(vocab_size=128, seed=1, dtype=torch.float64)
     assert rollout_weights_for("dequantized", plain) is None

@@ -3,8 +3,9 @@
 The tiny recipe runs 3 steps in this process and as 2 torchrun ranks (tests/train/dist_driver.py
 records each rank's advantages, answer-token entropies, top-entropy mask, gradients and adapters
 per step). Then a 2-rank run through the command line loses rank 1 to SIGKILL in step 2 and is
-resumed. A 2-rank run whose tracker cannot start on rank 0 stops on both ranks. Four torchrun
-launches in all: the file costs about 40-50 s on a 2-core machine.
+resumed; the first comparison runs again on a 16-bit base with DoRA. A 2-rank run whose tracker
+cannot start on rank 0 stops on both ranks. Five torchrun launches in all: the file costs about
+60-70 s on a quiet 2-core machine.
 """
 from __future__ import annotations
 
@@ -53,8 +54,7 @@ def _strip(rows):
     return [{k: v for k, v in r.items() if not k.startswith("seconds_")} for r in rows]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _record_runs(tmp_path_factory, **over):
     """(one-process records, [rank 0, rank 1] records, one-process run dir, 2-rank run dir)."""
     from safetensors.torch import load_file
 
@@ -64,18 +64,23 @@ def runs(tmp_path_factory):
         tmp = tmp_path_factory.mktemp("dist")
         n = torch.get_num_threads()
         try:
-            one = dist_driver.run(_recipe(tmp / "one"), tmp / "rec1")
+            one = dist_driver.run(_recipe(tmp / "one", **over), tmp / "rec1")
         finally:
             torch.set_num_threads(n)
         recipe = tmp / "recipe.json"
-        recipe.write_text(json.dumps(_recipe(tmp / "two")))
+        recipe.write_text(json.dumps(_recipe(tmp / "two", **over)))
         p = _torchrun(str(HERE / "dist_driver.py"), str(recipe), str(tmp / "rec2"))
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         ranks = [load_file(str(tmp / "rec2" / f"rank{r}.safetensors")) for r in (0, 1)]
         (one_dir,), (two_dir,) = list((tmp / "one").iterdir()), list((tmp / "two").iterdir())
-        yield one, ranks, one_dir, two_dir
+        return one, ranks, one_dir, two_dir
     finally:
         sys.path.remove(str(HERE))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _record_runs(tmp_path_factory)
 
 
 def _chain(seq_len: int) -> int:
@@ -94,6 +99,17 @@ def _gamma(n: int) -> float:
 
 
 def test_two_ranks_equal_one_process(runs):
+    _two_ranks_equal_one_process(runs)
+
+
+def test_two_ranks_equal_one_process_on_a_16bit_base(tmp_path_factory):
+    """policy.quantize = "none" with DoRA: the same equalities (the adapters' gradients are one flat
+    all-reduce whatever layer holds them)."""
+    _two_ranks_equal_one_process(_record_runs(tmp_path_factory, **{"policy.quantize": "none",
+                                                                   "policy.adapter": "dora"}))
+
+
+def _two_ranks_equal_one_process(runs):
     one, (r0, r1), one_dir, two_dir = runs
     cfg = _recipe(Path("."))
     B = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"]

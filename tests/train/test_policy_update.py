@@ -19,16 +19,17 @@ class RecordingSGD(torch.optim.SGD):
         self.seen.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
 
 
-def _adapted_tiny_policy(dtype: str, seed: int):
-    """The tiny policy in NF4 with LoRA adapters whose B is non-zero (so they matter for log p)."""
+def _adapted_tiny_policy(dtype: str, seed: int, quantize: str = "nf4", kind: str = "lora"):
+    """The tiny policy in NF4 (or its own weights: quantize "none") with adapters whose B is non-zero
+    (so they matter for log p)."""
     import tiny_world
-    from fasttrain.nn import attach_adapters, quantize_model
+    from fasttrain.nn import adaptable_model, attach_adapters, quantize_model
     model, tok = tiny_world.tiny_policy(dtype)
     for p in model.parameters():
         p.requires_grad_(False)
-    quantize_model(model)
+    quantize_model(model) if quantize == "nf4" else adaptable_model(model)
     torch.manual_seed(seed)
-    params = attach_adapters(model, kind="lora", r=4, alpha=8)
+    params = attach_adapters(model, kind=kind, r=4, alpha=8)
     with torch.no_grad():
         for p in params:
             p.normal_(0, 0.2)
@@ -106,14 +107,15 @@ def _tokens_through_q_proj(model):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny, checkpointing):
+@pytest.mark.parametrize("base", [("nf4", "lora"), ("none", "dora")], ids=["nf4-lora", "16bit-dora"])
+def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny, checkpointing, base):
     """Running each prompt once per micro-batch and letting its answers attend to its keys and
     values gives the full forward's log-probs and adapter gradients (float64: equal to rounding),
     with gradient checkpointing off and on; under checkpointing the layers recompute from the
     prompts' U rows, not from B copies, and keep only the layer inputs."""
     from fasttrain.rollout import sample
     from fasttrain.train.policy_update import answer_logprobs
-    model, tok, params = _adapted_tiny_policy("float64", 5)
+    model, tok, params = _adapted_tiny_policy("float64", 5, *base)
     prompt_ids = [tok.encode(t) for t in ("say a word", "a longer prompt, with more bytes in it", "hi")]
     roll = sample(model, prompt_ids, group_size=3, max_new_tokens=7, temperature=1.0,
                   eos_token_ids=[tok.eos_token_id], seed=2)

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from fasttrain.train import Trainer, load_config
 
@@ -43,12 +44,39 @@ def test_end_to_end_writes_every_output(tiny, tiny_recipe):
     assert any(r["loss"] != 0 for r in rows)
 
 
-def test_resume_equals_uninterrupted(tiny, tiny_recipe):
-    full = Trainer(load_config(tiny_recipe(tiny / "a", **{"run.steps": 6, "probe.every": 0})), progress=False)
+@pytest.mark.parametrize("policy", [{}, {"policy.quantize": "none", "policy.adapter": "dora"}, {"policy.quantize": "none"}, {"policy.adapter": "dora"}],
+                         ids=["nf4-lora", "16bit-dora", "16bit-lora", "nf4-dora"])
+def test_resume_equals_uninterrupted(tiny, tiny_recipe, policy):
+    full = Trainer(load_config(tiny_recipe(tiny / "a", **{"run.steps": 6, "probe.every": 0}, **policy)),
+                   progress=False)
     full.train()
-    part = Trainer(load_config(tiny_recipe(tiny / "b", **{"run.steps": 3, "probe.every": 0})), progress=False)
+    part = Trainer(load_config(tiny_recipe(tiny / "b", **{"run.steps": 3, "probe.every": 0}, **policy)),
+                   progress=False)
     part.train()
     Trainer.resume(part.dir, ["run.steps=6"], progress=False).train()
     a, b = _strip(_metrics(full.dir)), _strip(_metrics(part.dir))
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert a == b                    # every metric, to the last bit
+    assert any(r["loss"] != 0 for r in a) and len({r["kl"] for r in a}) > 1      # the adapters moved
+
+
+def test_a_16bit_run_trains_its_adapters_on_the_models_own_weights(tiny, tiny_recipe):
+    """policy.quantize = "none": the projections keep the model's weights (DenseLinear), the dense
+    rollout copy follows the same rule as for NF4, and the shipped adapter loads back."""
+    from fasttrain.nn import DenseLinear, NF4Linear, load_adapter
+    from tiny_world import tiny_policy
+    cfg = load_config(tiny_recipe(tiny / "runs", **{"policy.quantize": "none", "run.steps": 2, "probe.every": 2,
+                                                   "rollout.base_weights": "dequantized"}))
+    tr = Trainer(cfg, progress=False)
+    tr.train()
+    layers = [m for m in tr.model.modules() if isinstance(m, (DenseLinear, NF4Linear))]
+    assert len(layers) == 14 and all(isinstance(m, DenseLinear) for m in layers)
+    assert tr.rollout_weights is not None and tr.rollout_weights.nbytes() == sum(m.weight.nbytes for m in layers)
+    plain, _ = tiny_policy()
+    q = tr.model.model.layers[0].self_attn.q_proj
+    assert torch.equal(q.weight, plain.model.layers[0].self_attn.q_proj.weight)      # the base never moved
+    assert q.lora_B.abs().max() > 0
+    from fasttrain.nn import adaptable_model
+    again = adaptable_model(plain)
+    load_adapter(again, tr.dir / "shipped" / "adapter")
+    assert again.model.layers[0].self_attn.q_proj.lora_A.shape == q.lora_A.shape

@@ -9,6 +9,9 @@
     # system_prompt = "Think, then answer."
     # reward_timeout = 30.0              # seconds per reward call
     # core = "correct"                   # default: the first reward
+    # tools = ["tools.py:calculate"]     # multi-turn answers with tool calls (fasttrain.envs.tools)
+    # environment = "envs.py:Game"       # TRL's environment class protocol; get_reward is a channel
+    # tool_timeout = 10.0                # seconds per tool call
 
 Rows load with the `datasets` library. `prompt` holds text (one user turn) or a list of chat
 messages ({"role", "content"}); the policy's chat template applies to both, with `system_prompt`
@@ -24,8 +27,13 @@ Each reward function is one GDPO channel named after the function (its priority 
 value, a completion is the answer text (or `[{"role": "assistant", "content": text}]` when the
 prompt is a list of messages) and completion_ids are the sampled token ids up to and including
 EOS. TRL's trainer-only hooks (`trainer_state`, `log_metric`, `log_extra`) are not passed: give
-such functions `**kwargs`. Functions run in worker processes with a deadline (see
-fasttrain.envs.reward_functions).
+such functions `**kwargs`. Functions run in the environment's worker pool with a deadline and a
+memory limit, `worker_memory_mb` (see fasttrain.envs.reward_functions and .worker_pool).
+
+With tools or an environment class, answers are conversations: `completions` is each answer's
+message list (assistant, tool, ..., assistant) as TRL passes it, and an environment's
+`get_reward()` is one more channel named after its class, scored in the worker that holds the
+row's instance (fasttrain.envs.tools).
 
 Verdicts: `core` is the value of the `core` reward, `success` is core > 0. An answer is invalid
 when any reward gives it None, a non-number or a non-finite value, raises on it, or times out;
@@ -44,6 +52,7 @@ from typing import Any, Sequence
 
 from .protocol import INVALID_CORE, Channel, Prompt, Score
 from .reward_functions import RewardFunction, parse_reward_spec
+from .worker_pool import WorkerPool
 
 __all__ = ["DatasetEnvironment", "DatasetError", "load_rows"]
 
@@ -56,9 +65,11 @@ class DatasetError(ValueError):
     """The dataset or the probe set cannot be used; the message names the key and the fix."""
 
 
-def load_rows(path: str, key: str = "env.dataset") -> list[dict[str, Any]]:
+def load_rows(path: str, key: str = "env.dataset", skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """Rows of a JSONL / JSON / Parquet / CSV file or a `save_to_disk` folder (its "train"
-    split if it holds several), checked for a `prompt` column and at least one row."""
+    split if it holds several), checked for a `prompt` column, at least one row and UTF-8 text
+    (fasttrain.envs.row_checks; with `skipped` a list, rows that are not UTF-8 are left out and
+    described there)."""
     if not path:
         raise DatasetError(f"{key} is not set: name a JSONL, Parquet or CSV file or a folder "
                            "written by datasets' save_to_disk")
@@ -87,7 +98,8 @@ def load_rows(path: str, key: str = "env.dataset") -> list[dict[str, Any]]:
                                    ".parquet, .csv or a save_to_disk folder")
             if _has_no_rows(p, fmt):
                 raise DatasetError(f"{key}: {path!r} has no rows")
-            ds = datasets.load_dataset(fmt, data_files=str(p), split="train")
+            from .row_checks import utf8_rows
+            ds = datasets.load_dataset(fmt, data_files=str(utf8_rows(p, fmt, key, skipped)), split="train")
     except DatasetError:
         raise
     except Exception as e:   # the datasets library's parse errors, with its own explanation
@@ -134,6 +146,13 @@ def _check_prompt(v: Any, i: int, key: str, path: str) -> None:
                        f"{{'role': str, 'content': str}}; got {v!r:.160}")
 
 
+def _no_row_retry(out):
+    """A raise of a reward function run with environments fails its answers (the one-at-a-time
+    retry would run in the reward pool, which holds no instances)."""
+    from .worker_pool import Outcome
+    return Outcome(False, failure=out.failure, kind="crashed") if out.kind == "raised" else out
+
+
 def _prompt_key(v: Any) -> str:
     return json.dumps(v, sort_keys=True, ensure_ascii=False, default=str)
 
@@ -152,8 +171,10 @@ class DatasetEnvironment:
     answer_format = ""
 
     def __init__(self, dataset: str = "", rewards: Sequence[str] = (), probe_dataset: str = "",
-                 probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = ""):
-        if not rewards:
+                 probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = "",
+                 worker_memory_mb: float = 0.0, skip_bad_rows: bool = False, tools: Sequence[str] = (),
+                 environment: str = "", tool_timeout: float = 10.0):
+        if not rewards and not environment:
             raise DatasetError('env.rewards is empty: list reward functions, e.g. '
                                'rewards = ["rewards.py:correct"] or ["my_pkg.rewards:correct"]')
         if probe_dataset and probe_rows:
@@ -162,17 +183,30 @@ class DatasetEnvironment:
         if not probe_dataset and not probe_rows:
             raise DatasetError("the probe needs prompts it never trains on: set env.probe_rows = N (the "
                                "last N rows of env.dataset are held out) or env.probe_dataset = PATH")
-        names = [parse_reward_spec(spec).name for spec in rewards]
+        self.tool_workers = None
+        if tools or environment:
+            from .tools import ToolWorkers
+            self.tool_workers = ToolWorkers(tools, environment, tool_timeout, memory_mb=worker_memory_mb or None)
+        self.env_reward = (self.tool_workers.environment_name
+                           if self.tool_workers is not None and self.tool_workers.has_reward else None)
+        names = [parse_reward_spec(spec).name for spec in rewards] + ([self.env_reward] if self.env_reward else [])
+        if not names:
+            self.close()
+            raise DatasetError("env.rewards is empty and the environment class has no get_reward(): nothing "
+                               "scores the answers")
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise DatasetError(f"env.rewards: two reward functions are named {dup[0]!r}; each is one "
                                "channel, so names must differ")
         if core and core not in names:
             raise DatasetError(f"env.core: {core!r} is not one of the rewards: {', '.join(names)}")
-        rows = load_rows(dataset, "env.dataset")
+        # rows left out by env.skip_bad_rows, with the reason (the run's report lists them)
+        self.skipped_rows: list[str] = []
+        skipped = self.skipped_rows if skip_bad_rows else None
+        rows = load_rows(dataset, "env.dataset", skipped)
         if probe_dataset:
             train_rows = list(enumerate(rows))
-            probe_set = list(enumerate(load_rows(probe_dataset, "env.probe_dataset")))
+            probe_set = list(enumerate(load_rows(probe_dataset, "env.probe_dataset", skipped)))
             probe_tag = "probe_dataset"
         else:
             if probe_rows >= len(rows):
@@ -181,7 +215,7 @@ class DatasetEnvironment:
             cut = len(rows) - probe_rows
             train_rows, probe_set = list(enumerate(rows))[:cut], list(enumerate(rows))[cut:]
             probe_tag = "dataset"
-        self._check_overlap(train_rows, probe_set, probe_tag)
+        self._check_overlap(train_rows, probe_set, probe_tag, whole_row=bool(environment))
         columns = [c for c in rows[0] if c not in NOT_REWARD_COLUMNS]
         if probe_dataset:
             probe_cols = set(probe_set[0][1])
@@ -192,20 +226,26 @@ class DatasetEnvironment:
         self.columns = columns
         self.system_prompt = system_prompt
         self.name = f"dataset:{Path(dataset).name}"
+        self._sources = {"dataset": dataset, "probe_dataset": probe_dataset}
         self._raw: dict[str, Any] = {}
         self._messages: dict[str, list[dict[str, str]]] = {}
         self._prompts = {"train": [self._prompt("dataset", i, r) for i, r in train_rows],
                          "probe": [self._prompt(probe_tag, i, r) for i, r in probe_set]}
 
         self.rewards: list[RewardFunction] = []
+        # one pool for every reward (and, later, tool) of this environment; a worker per reward
+        self.pool = WorkerPool(memory_mb=worker_memory_mb or None, max_workers=max(2, len(rewards)))
         try:
-            for spec in rewards:                      # one worker each; import errors surface here
-                self.rewards.append(RewardFunction(spec, reward_timeout))
+            for spec in rewards:                      # import errors surface here
+                self.rewards.append(RewardFunction(spec, reward_timeout, self.pool))
         except BaseException:
             self.close()
             raise
+        self._check_reward_columns(dataset, probe_dataset, skipped)
         self.core = core or names[0]
         self.channels = [Channel(f.name, 1.0, f"reward function {f.spec.spec}") for f in self.rewards]
+        if self.env_reward:
+            self.channels.append(Channel(self.env_reward, 1.0, f"get_reward() of {environment}"))
         self.invalid_counts = {n: 0 for n in names}
         self._warned: set[str] = set()
 
@@ -220,18 +260,42 @@ class DatasetEnvironment:
         self._raw[pid], self._messages[pid] = raw, msgs
         return Prompt(pid, _show(raw), {c: row.get(c) for c in self.columns})
 
+    def _check_reward_columns(self, dataset: str, probe_dataset: str, skipped: list[str] | None) -> None:
+        """Every argument a reward function has no default for is a column with a value in every
+        row (fasttrain.envs.row_checks.missing_columns); rows without one are an error or skipped."""
+        from .row_checks import TRL_ARGS, missing_columns
+        needs = {f.name: [n for n, has_default in f.signature["params"].items()
+                          if not has_default and n not in TRL_ARGS and n != "environments"] for f in self.rewards}
+        for split, where in (("train", f"env.dataset {dataset!r}"),
+                             ("probe", f"env.probe_dataset {probe_dataset!r}" if probe_dataset
+                              else f"env.dataset {dataset!r}")):
+            bad = missing_columns([(p.id, p.fields) for p in self._prompts[split]], needs, self.columns, where, skipped)
+            self._prompts[split] = [p for p in self._prompts[split] if p.id not in bad]
+            if not self._prompts[split]:
+                raise DatasetError(f"{where}: every {split} row was left out (env.skip_bad_rows); the first "
+                                   f"reason: {self.skipped_rows[0]}")
+
     @staticmethod
-    def _check_overlap(train, probe, probe_tag: str) -> None:
+    def _check_overlap(train, probe, probe_tag: str, whole_row: bool = False) -> None:
+        """No probe prompt among the training prompts; with an environment class the whole row
+        is the task (reset gets its columns), so rows, not prompts, must differ."""
+        def key(r):
+            return _prompt_key(r if whole_row else r["prompt"])
         seen = {}
         for i, r in train:
-            seen.setdefault(_prompt_key(r["prompt"]), i)
-        clash = [(i, seen[_prompt_key(r["prompt"])]) for i, r in probe if _prompt_key(r["prompt"]) in seen]
+            seen.setdefault(key(r), i)
+        clash = [(i, seen[key(r)]) for i, r in probe if key(r) in seen]
         if clash:
             (pi, ti), n = clash[0], len(clash)
             where = "env.probe_dataset" if probe_tag == "probe_dataset" else "the held-out rows (env.probe_rows)"
             raise DatasetError(f"{where}: {n} probe prompt(s) also appear in the training rows of env.dataset "
                                f"(first: probe row {pi} = training row {ti}); a probe must be unseen. "
                                "Remove the duplicates from one of the sets")
+
+    def row_of(self, prompt_id: str) -> str:
+        """Where a prompt comes from, for messages: "env.dataset 'data.jsonl' row 12"."""
+        tag, _, i = prompt_id.rpartition("/")
+        return f"env.{tag} {self._sources.get(tag, '')!r} row {i}"
 
     def prompts(self, split: str) -> list[Prompt]:
         if split not in self._prompts:
@@ -244,13 +308,16 @@ class DatasetEnvironment:
 
     # ---- scoring --------------------------------------------------------------------------
     def reward_inputs(self, prompts: Sequence[Prompt], answers: Sequence[str],
-                      completion_ids: Sequence[Sequence[int]] | None = None) -> dict[str, list]:
-        """The keyword arguments every reward function gets for these answers."""
+                      completion_ids: Sequence[Sequence[int]] | None = None,
+                      conversations: Sequence[list] | None = None) -> dict[str, list]:
+        """The keyword arguments every reward function gets for these answers; a multi-turn
+        answer's completion is its conversation."""
         raws = [self._raw[p.id] for p in prompts]
         kw: dict[str, list] = {
             "prompts": raws,
-            "completions": [[{"role": "assistant", "content": a}] if isinstance(r, list) else a
-                            for r, a in zip(raws, answers)],
+            "completions": ([[dict(m) for m in c] for c in conversations] if conversations is not None else
+                            [[{"role": "assistant", "content": a}] if isinstance(r, list) else a
+                             for r, a in zip(raws, answers)]),
             "completion_ids": ([list(map(int, c)) for c in completion_ids] if completion_ids is not None
                                else [None] * len(answers)),
         }
@@ -259,37 +326,51 @@ class DatasetEnvironment:
         return kw
 
     def score_many(self, prompts: Sequence[Prompt], answers: Sequence[str], data_slice: str = "train",
-                   completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
+                   completion_ids: Sequence[Sequence[int]] | None = None,
+                   conversations: Sequence[list] | None = None) -> list[Score]:
+        """Scores of the answers; with an environment class, answer i is the one whose instance
+        is slot i of the rollout just sampled (its get_reward reads that instance)."""
         n = len(answers)
-        if len(prompts) != n or (completion_ids is not None and len(completion_ids) != n):
-            raise ValueError("prompts, answers and completion_ids differ in length")
+        if len(prompts) != n or any(x is not None and len(x) != n for x in (completion_ids, conversations)):
+            raise ValueError("prompts, answers, completion_ids and conversations differ in length")
         if n == 0:
             return []
-        kw = self.reward_inputs(prompts, answers, completion_ids)
-        for f in self.rewards:                                          # restarts first: they take time
-            f.ensure_started()
-        deadlines = [f.send("batch", kw) for f in self.rewards]          # then every worker at once
-        replies = [f.receive(d) for f, d in zip(self.rewards, deadlines)]
-        results = {f.name: f.finish(kw, n, r) for f, r in zip(self.rewards, replies)}
+        kw = self.reward_inputs(prompts, answers, completion_ids, conversations)
+        here = [self._with_environments(f) for f in self.rewards]        # those run where the instances are
+        jobs = [None if h else f.submit(kw) for f, h in zip(self.rewards, here)]   # every reward at once
+        env_values = self.tool_workers.rewards(range(n)) if self.env_reward else None
+        outs = [_no_row_retry(self.tool_workers.score(f.spec.spec, kw, n)) if h else job.result()
+                for f, h, job in zip(self.rewards, here, jobs)]
+        results = {f.name: f.finish(kw, n, out) for f, out in zip(self.rewards, outs)}
+        if self.env_reward:
+            results[self.env_reward] = [(v, None if why is None else f"reward {self.env_reward!r} {why}")
+                                        for v, why in env_values]
         worst = {k: min((v for v, _ in res if v is not None), default=None) for k, res in results.items()}
         invalid_core = min(INVALID_CORE, worst[self.core]) if worst[self.core] is not None else INVALID_CORE
         scores = []
         for i in range(n):
             channels, reasons = {}, []
-            for f in self.rewards:
-                v, why = results[f.name][i]
+            for name in results:
+                v, why = results[name][i]
                 if v is None:
                     reasons.append(why)
-                    self.invalid_counts[f.name] += 1
-                    self._warn_once(f.name, why)
-                    v = worst[f.name] if worst[f.name] is not None else 0.0
-                channels[f.name] = v
+                    self.invalid_counts[name] += 1
+                    self._warn_once(name, why)
+                    v = worst[name] if worst[name] is not None else 0.0
+                channels[name] = v
             if reasons:
                 scores.append(Score(channels, False, invalid_core, False, "; ".join(reasons)))
             else:
                 core = channels[self.core]
                 scores.append(Score(channels, True, core, core > 0, None))
         return scores
+
+    def _with_environments(self, f: RewardFunction) -> bool:
+        """A reward function that names `environments` runs in the tool workers, with the rows'
+        environment instances (TRL passes them to every reward function; here only to those that
+        ask, since the instances live in other processes)."""
+        return ("environments" in f.signature["params"] and self.tool_workers is not None
+                and self.tool_workers.has_environment)
 
     def score(self, prompt: Prompt, answer_text: str, data_slice: str = "train") -> Score:
         return self.score_many([prompt], [answer_text], data_slice)[0]
@@ -303,19 +384,23 @@ class DatasetEnvironment:
     def counters(self) -> dict[str, int]:
         """Run totals for metrics.jsonl."""
         return {"reward_invalid": sum(self.invalid_counts.values()),
-                "reward_worker_restarts": sum(f.restarts for f in self.rewards)}
+                "reward_worker_restarts": sum(f.restarts for f in self.rewards),
+                "reward_workers_over_memory": self.pool.killed_for_memory}
 
     def state_dict(self) -> dict[str, Any]:
         return {"invalid_counts": dict(self.invalid_counts), "warned": sorted(self._warned),
-                "restarts": {f.name: f.restarts for f in self.rewards}}
+                "restarts": {f.name: f.restarts for f in self.rewards}, "pool": self.pool.state_dict()}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.invalid_counts = {n: int(st["invalid_counts"].get(n, 0)) for n in self.invalid_counts}
         self._warned = set(st["warned"])
         for f in self.rewards:
             f.restarts = int(st["restarts"].get(f.name, 0))
+        self.pool.load_state_dict(st.get("pool", {}))
 
     def close(self) -> None:
-        """Stop the reward workers (they also stop when this object is collected or the run ends)."""
-        for f in self.rewards:
-            f.close()
+        """Stop the reward and tool workers (they also stop when this object is collected or the run ends)."""
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()
+        if getattr(self, "tool_workers", None) is not None:
+            self.tool_workers.close()

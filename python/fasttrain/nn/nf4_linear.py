@@ -2,21 +2,21 @@
 
 The base is stored as bitsandbytes-layout NF4 (`fasttrain.ops.nf4_quantize`), 4 bits per weight plus
 one absmax per 64 (fp32, or 8-bit with double quantisation: 4.13 bits per weight in all). Forward is
-one `fasttrain.ops.nf4_linear` call. Adapter initialisation follows PEFT (LoRA: A Kaiming-uniform with
-a=√5, B zero; DoRA: m = row norms of the dequantised base), so the output equals the base at start.
+one `fasttrain.ops.nf4_linear` call. The adapter (initialisation, merge, the switch for the reference
+policy) is `fasttrain.nn.adapted_linear.AdaptedLinear`'s; DoRA's m starts at the row norms of the
+dequantised base, so the output equals the base at start.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
+from fasttrain.nn.adapted_linear import AdaptedLinear
 from fasttrain.ops.nf4 import NF4State, nf4_dequantize, nf4_quantize
 from fasttrain.ops.nf4_linear import nf4_dora_norm, nf4_linear, nf4_weight_sq_norm
 
 
-class NF4Linear(nn.Module):
+class NF4Linear(AdaptedLinear):
     """y = g ⊙ (x·Wᵀ + s·x·Aᵀ·Bᵀ) + bias, W frozen NF4 [out, in]; adapter "lora" | "dora" | None."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, blocksize: int = 64,
@@ -36,12 +36,7 @@ class NF4Linear(nn.Module):
             self.register_buffer("absmax", torch.zeros(nb, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
-        self.adapter: str | None = None
-        self.r, self.alpha, self.rslora, self.scale = 0, 0.0, False, 0.0
-        for name in ("lora_A", "lora_B", "lora_magnitude"):
-            self.register_parameter(name, None)
         self.register_buffer("weight_sq_norm", None, persistent=False)
-        self.adapters_enabled = True
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -78,38 +73,27 @@ class NF4Linear(nn.Module):
             return nf4_dequantize(self.qweight, self.state, torch.float32).double()
         return nf4_dequantize(self.qweight, self.state, dtype)
 
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.dequantized_weight(dtype)
+
     # ---- adapters ------------------------------------------------------------------------------
+    def _initial_magnitude(self) -> torch.Tensor:
+        # ‖W‖² once per layer (a buffer, not a parameter); m starts at ‖W + s·B·A‖ = ‖W‖ (B = 0),
+        # the square root of the same ‖W‖² the op's norm starts from.
+        if self.weight_dtype == torch.float64:  # an fp64 model (tests) keeps the exact fp64 sum
+            self.weight_sq_norm = self.dequantized_weight(torch.float64).square().sum(1)
+        else:
+            self.weight_sq_norm = nf4_weight_sq_norm(self.qweight, self.state)
+        return self.weight_sq_norm.double().sqrt().float()
+
     def attach_adapter(self, kind: str = "lora", r: int = 32, alpha: float = 64, rslora: bool = False,
                        generator: torch.Generator | None = None) -> list[nn.Parameter]:
-        """Add a fresh LoRA or DoRA adapter (fp32), initialised as PEFT does; returns its parameters."""
-        if kind not in ("lora", "dora"):
-            raise ValueError(f"attach_adapter: kind must be 'lora' or 'dora', got {kind!r}")
-        if not isinstance(r, int) or r <= 0:
-            raise ValueError(f"attach_adapter: r must be a positive int, got {r!r}")
-        dev = self.qweight.device
-        a = torch.empty(r, self.in_features, dtype=torch.float32, device=dev)
-        # PEFT's default init: nn.init.kaiming_uniform_(A, a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)).
-        bound = 1.0 / math.sqrt(self.in_features)
-        a.uniform_(-bound, bound, generator=generator)
-        self.lora_A = nn.Parameter(a)
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, dtype=torch.float32, device=dev))
-        self.adapter, self.r, self.alpha, self.rslora = kind, r, float(alpha), bool(rslora)
-        self.scale = float(alpha) / (math.sqrt(r) if rslora else r)
-        params = [self.lora_A, self.lora_B]
-        self.lora_magnitude = None
         self.weight_sq_norm = None
-        if kind == "dora":
-            # ‖W‖² once per layer (a buffer, not a parameter); m starts at ‖W + s·B·A‖ = ‖W‖ (B = 0).
-            if self.weight_dtype == torch.float64:  # an fp64 model (tests) keeps the exact fp64 sum
-                self.weight_sq_norm = self.dequantized_weight(torch.float64).square().sum(1)
-            else:
-                self.weight_sq_norm = nf4_weight_sq_norm(self.qweight, self.state)
-            self.lora_magnitude = nn.Parameter(self.weight_sq_norm.double().sqrt().float())
-            params.append(self.lora_magnitude)
-        return params
-
-    def adapter_parameters(self) -> list[nn.Parameter]:
-        return [p for p in (self.lora_A, self.lora_B, self.lora_magnitude) if p is not None]
+        return super().attach_adapter(kind, r, alpha, rslora, generator)
 
     def dora_norm(self) -> torch.Tensor:
         """‖W + s·B·A‖ per output row (detached), from the factorised form."""
@@ -117,23 +101,6 @@ class NF4Linear(nn.Module):
         if self.weight_dtype == torch.float64:  # an fp64 model computes its norm in fp64, as the op does
             a, b = a.double(), b.double()
         return nf4_dora_norm(self.qweight, self.state, a, b, self.scale, self.weight_sq_norm)
-
-    def _cached_dora_norm(self) -> torch.Tensor:
-        key = (self.lora_A._version, self.lora_B._version, self.lora_A.data_ptr(), self.lora_B.data_ptr(), self.scale)
-        cache = getattr(self, "_dora_norm_cache", None)
-        if cache is None or cache[0] != key:
-            cache = (key, self.dora_norm())
-            self._dora_norm_cache = cache
-        return cache[1]
-
-    def merged_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """W + s·B·A (LoRA) or m/‖W + s·B·A‖ ⊙ (W + s·B·A) (DoRA), computed in fp32, returned in dtype."""
-        w = self.dequantized_weight(torch.float32)
-        if self.adapter is not None:
-            w = w + self.scale * (self.lora_B.detach() @ self.lora_A.detach())
-            if self.adapter == "dora":
-                w = w * (self.lora_magnitude.detach() / w.norm(dim=1)).unsqueeze(1)
-        return w.to(dtype)
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +118,6 @@ class NF4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        ad = "" if self.adapter is None else f", adapter={self.adapter}(r={self.r}, alpha={self.alpha:g}" + \
-            (", rslora" if self.rslora else "") + ")"
+        ad = self._adapter_repr()
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"blocksize={self.blocksize}, double_quant={self.double_quant}{ad}")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from safetensors.torch import load_file, save_file
 
-from fasttrain.nn.surgery import nf4_layers
+from fasttrain.nn.adapted_linear import adapted_layers
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -25,7 +25,7 @@ _PREFIX = "base_model.model."
 
 
 def _adapted(model: nn.Module):
-    layers = [(n, m) for n, m in nf4_layers(model) if m.adapter is not None]
+    layers = [(n, m) for n, m in adapted_layers(model) if m.adapter is not None]
     if not layers:
         raise ValueError("save_adapter: the model has no adapters (call attach_adapters first)")
     kinds = {(m.adapter, m.r, m.alpha, m.rslora) for _, m in layers}
@@ -63,7 +63,8 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str
 
 
 def load_adapter(model: nn.Module, directory: str | os.PathLike) -> list[nn.Parameter]:
-    """Attach the adapter stored in `directory` (PEFT format, LoRA or DoRA) to a quantised model.
+    """Attach the adapter stored in `directory` (PEFT format, LoRA or DoRA) to a model whose layers are
+    adaptable (quantize_model or adaptable_model).
     Returns the adapter parameters. Every adapted layer named in the file must exist in the model."""
     d = Path(directory)
     config = json.loads((d / CONFIG_NAME).read_text())
@@ -74,11 +75,12 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> list[nn.Para
     r, alpha, rslora = int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora", False))
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError("load_adapter: per-module rank_pattern/alpha_pattern is not supported")
-    layers = dict(nf4_layers(model))
+    layers = dict(adapted_layers(model))
     names = sorted({k[len(_PREFIX):].rpartition(".lora_")[0] for k in tensors if k.startswith(_PREFIX)})
     missing = [n for n in names if n not in layers]
     if missing:
-        raise ValueError(f"load_adapter: the model has no NF4Linear named {missing[:3]} (quantize it first)")
+        raise ValueError(f"load_adapter: the model has no adaptable layer named {missing[:3]} "
+                         "(call quantize_model or adaptable_model first)")
     params: list[nn.Parameter] = []
     for name in names:
         layer = layers[name]

@@ -1,23 +1,25 @@
-"""Dense rollout weights: every NF4Linear's merged weight W + s·B·A (DoRA: m/‖W + s·B·A‖ ⊙ it) kept
-in the model's dtype for sampling only, refreshed when the adapters change.
+"""Dense rollout weights: every adapted layer's merged weight W + s·B·A (DoRA: m/‖W + s·B·A‖ ⊙ it)
+kept in the model's dtype for sampling only, refreshed when the adapters change. The layers are
+NF4Linear (W decoded from 4 bits) or DenseLinear (W the model's 16-bit weight).
 
 Why: a decode step multiplies a few rows (one token per answer) by every weight of the model, so
 its time is the time to read the weights. From NF4 each read also decodes 4-bit codes and adds the
-adapter's two small products per projection; from a dense merged copy it is one plain GEMM per
+adapter's two small products per projection (a 16-bit base still pays those, and DoRA's scale); from a dense merged copy it is one plain GEMM per
 projection, the same work as decoding a plain bf16 model. The adapters only change at optimizer
 steps, so the merge (one pass over the weights) is paid once per step against the dozens of decode
 steps that read them. q/k/v and gate/up are stored side by side (one GEMM each per layer).
 
-What it costs: 2 bytes per base weight in bf16 (the model's dtype), on top of the NF4 copy that
-training uses: `dense_bytes(model)` says how much, `rollout_weights_for` keeps it when the setting
-asks for it (for "auto": when it is under a share of the memory free now). What it is not: a training path (the update always runs on NF4).
+What it costs: 2 bytes per base weight in bf16 (the model's dtype), on top of the copy that training
+uses (NF4, or the 16-bit weight itself): `dense_bytes(model)` says how much, `rollout_weights_for`
+keeps it when the setting asks for it (for "auto": when it is under a share of the memory free now). What it is not: a training
+path (the update always runs on the adapted layers).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from fasttrain.nn.nf4_linear import NF4Linear
+from fasttrain.nn.adapted_linear import AdaptedLinear
 
 __all__ = ["RolloutWeights", "dense_bytes", "rollout_weights_for", "use_dense", "AUTO_SHARE"]
 
@@ -29,14 +31,14 @@ AUTO_SHARE = 0.25
 _GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _nf4(model: nn.Module) -> list[NF4Linear]:
-    return [m for m in model.modules() if isinstance(m, NF4Linear)]
+def _adapted(model: nn.Module) -> list[AdaptedLinear]:
+    return [m for m in model.modules() if isinstance(m, AdaptedLinear)]
 
 
 def dense_bytes(model: nn.Module) -> int:
-    """Bytes of the dense copy of every NF4Linear weight in its layer's dtype."""
+    """Bytes of the dense copy of every adapted layer's weight in its layer's dtype."""
     return sum(m.in_features * m.out_features * torch.empty((), dtype=m.weight_dtype).element_size()
-               for m in _nf4(model))
+               for m in _adapted(model))
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -57,16 +59,16 @@ def use_dense(choice: str, dense: int, free: int) -> bool:
 def rollout_weights_for(choice: str, model: nn.Module) -> "RolloutWeights | None":
     """The dense copy `rollout.base_weights = choice` asks for, or None: "nf4", "auto" when the copy
     would take more than AUTO_SHARE of the memory free now on the model's device, or a model with
-    no NF4 layers (it is dense already)."""
-    layers = _nf4(model)
-    if not layers or not use_dense(choice, dense_bytes(model), _free_bytes(layers[0].qweight.device)):
+    no adapted layers (nothing to merge)."""
+    layers = _adapted(model)
+    if not layers or not use_dense(choice, dense_bytes(model), _free_bytes(layers[0].device)):
         return None
     return RolloutWeights(model)
 
 
-def _merged(m: NF4Linear, ct: torch.dtype) -> Tensor:
+def _merged(m: AdaptedLinear, ct: torch.dtype) -> Tensor:
     """W + s·B·A (DoRA: times m / ‖W + s·B·A‖ per row) in the compute dtype `ct`."""
-    w = m.dequantized_weight(ct)
+    w = m.base_weight(ct)
     w = w.addmm_(m.lora_B.detach().to(ct), m.lora_A.detach().to(ct), alpha=m.scale)
     if m.adapter == "dora":
         w = w.mul_((m.lora_magnitude.detach().to(ct) / w.norm(dim=1)).unsqueeze(1))
@@ -74,7 +76,7 @@ def _merged(m: NF4Linear, ct: torch.dtype) -> Tensor:
 
 
 class RolloutWeights:
-    """Merged dense weights of a model's NF4Linear layers, by module, for the rollout decoder.
+    """Merged dense weights of a model's adapted layers, by module, for the rollout decoder.
 
     `refresh()` re-merges the layers whose adapter changed since the last call (version counters
     of A, B and m) and is cheap when nothing changed; call it before each rollout. `linear(mod)`
@@ -87,17 +89,18 @@ class RolloutWeights:
         self._weight: dict[int, Tensor] = {}       # id(module) -> view into its group's buffer
         self._fused: dict[tuple[int, ...], Tensor] = {}
         self._seen: dict[int, tuple] = {}
-        layers = _nf4(model)
+        layers = _adapted(model)
         if not layers:
-            raise ValueError("RolloutWeights: the model has no NF4Linear layers (call quantize_model first)")
+            raise ValueError("RolloutWeights: the model has no adapted layers "
+                             "(call quantize_model or adaptable_model first)")
         grouped: set[int] = set()
         for parent in model.modules():
             for names in _GROUPS:
                 mods = [getattr(parent, n, None) for n in names]
-                if all(isinstance(m, NF4Linear) for m in mods) and \
-                        len({(m.in_features, m.weight_dtype, m.qweight.device) for m in mods}) == 1:
+                if all(isinstance(m, AdaptedLinear) for m in mods) and \
+                        len({(m.in_features, m.weight_dtype, m.device) for m in mods}) == 1:
                     buf = torch.empty(sum(m.out_features for m in mods), mods[0].in_features,
-                                      dtype=mods[0].weight_dtype, device=mods[0].qweight.device)
+                                      dtype=mods[0].weight_dtype, device=mods[0].device)
                     self._fused[tuple(id(m) for m in mods)] = buf
                     for m, part in zip(mods, buf.split([m.out_features for m in mods])):
                         self._weight[id(m)] = part
@@ -105,12 +108,12 @@ class RolloutWeights:
         for m in layers:
             if id(m) not in grouped:
                 self._weight[id(m)] = torch.empty(m.out_features, m.in_features, dtype=m.weight_dtype,
-                                                  device=m.qweight.device)
+                                                  device=m.device)
         self._layers = layers
         self.refresh()
 
     @staticmethod
-    def _key(m: NF4Linear) -> tuple:
+    def _key(m: AdaptedLinear) -> tuple:
         ps = m.adapter_parameters() if m.adapter is not None else []
         return (m.adapter, m.adapters_enabled, m.scale) + tuple((p._version, p.data_ptr()) for p in ps)
 
@@ -124,7 +127,7 @@ class RolloutWeights:
                 continue
             w = self._weight[id(m)]
             if m.adapter is None or not m.adapters_enabled:
-                w.copy_(m.dequantized_weight(w.dtype))
+                w.copy_(m.base_weight(w.dtype))
             else:
                 w.copy_(_merged(m, torch.float64 if w.dtype == torch.float64 else torch.float32))
             self._seen[id(m)] = key

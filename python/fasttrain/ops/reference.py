@@ -29,7 +29,7 @@ import torch
 __all__ = ["NF4_LEVELS", "fused_logprob", "policy_loss", "nf4_quantize", "nf4_dequantize", "nf4_linear",
            "nf4_dora_norm", "nf4_weight_sq_norm", "nf4_quantize_blocks", "nf4_dequantize_blocks",
            "blockwise8_quantize", "blockwise8_dequantize", "nf4_state_absmax", "nf4_decode_weight",
-           "policy_loss_terms"]
+           "policy_loss_terms", "gated_delta_rule", "gated_delta_step", "causal_conv1d", "causal_conv1d_step"]
 
 # The 16 NF4 levels of QLoRA (Dettmers et al. 2023) as bitsandbytes stores them (float32 values).
 NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -342,3 +342,77 @@ def nf4_dora_norm(qweight: torch.Tensor, state, lora_a: torch.Tensor, lora_b: to
 def nf4_weight_sq_norm(qweight: torch.Tensor, state) -> torch.Tensor:
     """‖W‖² per output row, summed in float64, returned in float32."""
     return nf4_decode_weight(qweight, state, torch.float64).square().sum(1).to(torch.float32)
+
+
+# ---- gated delta rule and causal conv (the linear-attention layers of hybrid models) ------------
+def _delta_inputs(q, k, v, g, beta, scale):
+    """Expand q/k heads to the value heads (each q/k head serves Hv/Hk consecutive value heads) and
+    cast everything to the accumulation dtype."""
+    Hk, Hv = q.shape[2], v.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"gated_delta_rule: value heads ({Hv}) must be a multiple of query/key heads ({Hk})")
+    acc = _acc(q.dtype, k.dtype, v.dtype)
+    if Hv != Hk:
+        q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return (q.to(acc) * scale, k.to(acc), v.to(acc), g.to(acc), beta.to(acc), acc)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                     scale: float | None = None, initial_state: torch.Tensor | None = None,
+                     chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, one token at a time (its definition).
+
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (log decay, <= 0) and beta (write strength) [B, T, Hv];
+    initial_state [B, Hv, Dk, Dv] or None (zeros). Per value head, with q scaled by `scale`
+    (default Dk^-1/2):  S ← exp(g_t)·S;  S ← S + k_t ⊗ β_t(v_t − Sᵀk_t);  o_t = Sᵀq_t.
+    Returns (o [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] in float32, float64 for
+    float64 inputs). chunk_size is accepted for the face's signature and not used."""
+    q, k, v, g, beta, acc = _delta_inputs(q, k, v, g, beta, scale)
+    B, T, H, Dk = k.shape
+    S = (torch.zeros(B, H, Dk, v.shape[-1], dtype=acc, device=v.device) if initial_state is None
+         else initial_state.to(acc))
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None, None]
+        kt = k[:, t]                                                          # [B, H, Dk]
+        delta = beta[:, t, :, None] * (v[:, t] - (S * kt[..., None]).sum(-2))  # [B, H, Dv]
+        S = S + kt[..., None] * delta[..., None, :]
+        outs.append((S * q[:, t, :, :, None]).sum(-2))
+    o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape, dtype=acc)
+    return o.to(v.dtype), S
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, *, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: q, k [B, Hk, Dk], v [B, Hv, Dv], g/beta [B, Hv], state [B, Hv, Dk, Dv] ->
+    (o [B, Hv, Dv], new state in the state's dtype)."""
+    o, S = gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale,
+                            initial_state=state)
+    return o[:, 0], S.to(state.dtype)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                  activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution over time: x [B, T, C], weight [C, K], state [B, K-1, C] (the
+    K-1 inputs before x; zeros when None). y_t = Σ_j weight[:, j]·x̃_{t+j} with x̃ = state ++ x, then
+    SiLU when `activation`. Returns (y [B, T, C] in x's dtype, the new state [B, K-1, C]: the last
+    K-1 rows of x̃). Computed in float32 (float64 for float64 x)."""
+    B, T, C = x.shape
+    K = weight.shape[1]
+    if state is None:
+        state = x.new_zeros(B, K - 1, C)
+    acc = _acc(x.dtype, weight.dtype)
+    xt = torch.cat([state.to(x.dtype), x], 1)                                  # [B, K-1+T, C]
+    w = weight.to(acc)
+    y = sum(xt[:, j:j + T].to(acc) * w[:, j] for j in range(K))
+    if activation:
+        y = torch.nn.functional.silu(y)
+    return y.to(x.dtype), xt[:, T:]
+
+
+def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                       activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: x [B, C], state [B, K-1, C] -> (y [B, C], new state [B, K-1, C])."""
+    y, s = causal_conv1d(x[:, None], weight, state, activation)
+    return y[:, 0], s

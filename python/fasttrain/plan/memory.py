@@ -16,18 +16,23 @@ Phases (what is live at each one's peak):
            each layer's input [N, H] is kept and the last layer is recomputed with all its
            activations; without, every layer keeps its activations; plus the fused log-prob head's
            [mb·T, H] buffers, the adapters' gradients and the AdamW moments
-Resident in every phase: the NF4 base (packed 4-bit + absmax), the unquantised parts (embeddings,
+Resident in every phase: the projections' base (NF4: packed 4-bit + absmax; policy.quantize
+"none": the model's own 16-bit weights, so the resident bytes are the model's), the unquantised parts (embeddings,
 lm_head, norms), the fp32 adapter masters, DoRA's row norms, the dense rollout weights when the
 run keeps them (rollout.base_weights: "dequantized", or "auto" when they take at most
 fasttrain.nn.rollout_weights.AUTO_SHARE of the memory left after the model), the AdamW moments (from step 2 on),
 the step's batch tensors (ids, masks, log-probs) after the rollout, and workspace: on the CPU the
 NF4 kernels' reusable dequantisation scratch (the largest projection, in the compute dtype); on
-CUDA the dequantised weight of one projection, a temporary of every call with more than 64 rows.
+CUDA the dequantised weight of one projection, a temporary of every call with more than 64 rows;
+a 16-bit base has none (DoRA's row-norm blocks are a transient at the first forward after a step).
 
 Activation sizes follow the code paths: Hugging Face's Llama-family layer (RMSNorm upcasts to fp32,
 SDPA with grouped K/V repeated when a padding mask is present), fasttrain.ops.nf4_linear (saves its
 input and x·Aᵀ, never the dequantised weight) and fasttrain.ops.fused_logprob (an [N, H] fp32
-gradient vector instead of [N, V] logits). What is not modelled: allocator fragmentation and the
+gradient vector instead of [N, V] logits). A 16-bit base (DenseLinear) runs its adapter in fp32: per
+projection it saves an fp32 copy of its input (bf16 models) and x·Aᵀ, and DoRA two fp32 outputs
+(tests/plan measures these steps on the tiny model too).
+What is not modelled: allocator fragmentation and the
 CUDA context (added by the fit check), Python objects, and the tokenizer; the compiled decode
 (rollout.compile: its cache rounded up to 64 columns, inductor's buffers); a model whose forward
 prefix_forward does not drive (attention dropout in training, a sliding window shorter than the
@@ -46,7 +51,7 @@ __all__ = ["Device", "MemoryPlan", "PARTS", "plan_memory", "update_tokens"]
 
 # Table rows, in order, with the words the table prints.
 PARTS = {
-    "nf4_base": "NF4 base (packed 4-bit weights + absmax)",
+    "nf4_base": "frozen base (NF4: 4-bit + absmax; none: 16-bit)",
     "dense_parts": "unquantised parts (embeddings, lm_head, norms)",
     "adapter_masters": "adapters: fp32 masters",
     "dora_norms": "adapters: DoRA row norms",
@@ -93,13 +98,24 @@ class MemoryPlan:
 
 
 def _compute_bytes(m: ModelShape, dev: Device) -> int:
-    """Bytes per element of nf4_linear's internal products (GEMM output z, x·Aᵀ)."""
+    """Bytes per element of nf4_linear's internal products (GEMM output z, x·Aᵀ); a 16-bit base's
+    adapter products are fp32 (fp64 for an fp64 model)."""
     w = m.w
+    if m.quantize == "none":
+        return 8 if w == 8 else 4
     if dev.kind == "cuda":
         return w
     if w == 8:
         return 8
     return 2 if (w == 2 and dev.cpu_bf16) else 4
+
+
+def _live_output_bytes(m: ModelShape, dev: Device) -> int:
+    """Bytes per element of a projection's output while a layer's other locals are live: the NF4
+    kernel's compute dtype. A 16-bit base's fp32 adapter temporaries live only inside one projection
+    call; measured on the tiny model's scoring steps (tests/plan) they never raised the no-grad peak,
+    which attention's locals set, so for it the model's dtype."""
+    return m.w if m.quantize == "none" else _compute_bytes(m, dev)
 
 
 def _distinct_prompts_per_micro_batch(s: RunShape, rows: int) -> int:
@@ -175,9 +191,23 @@ def _prefix_layer_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int
     g = m.heads // m.kv_heads
     N = _prefix_tokens(U, P, B, A)
     per_row = (4 * H + H * w) + 3 * r * c_xa + (qd * w + r * c_xa) + (4 * H + H * w) + (4 * I * w + 3 * r * c_xa)
+    if m.quantize == "none":
+        per_row += _dense_adapter_saved_per_row(m)
     prompts = U * P * ((2 * qd + 2 * kd) * w + m.heads * 4) + g * U * P * P * w
     answers = B * A * (2 * qd * w + m.heads * 4) + 2 * B * (P + A) * kd * w + g * B * A * (P + A) * w if A else 0
     return N * per_row + prompts + answers
+
+
+def _dense_adapter_saved_per_row(m: ModelShape) -> int:
+    """What DenseLinear's fp32 adapter path saves per token row beyond the NF4 op's: the fp32 copy of
+    each projection's input (none for an fp32 model: the copy is the input), and for DoRA the two
+    fp32 [out] terms its magnitude's gradient reads (the base without bias and s·x·Aᵀ·Bᵀ)."""
+    H, I, w = m.hidden, m.intermediate, m.w
+    qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    acc = 8 if w == 8 else 4
+    copies = acc * (3 * H + qd + 2 * H + I) if w != acc else 0
+    dora = 2 * acc * (qd + 2 * kd + H + 2 * I + H) if m.adapter_kind == "dora" else 0
+    return copies + dora
 
 
 def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
@@ -225,13 +255,15 @@ def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int, dense: 
     small = L * 2 * n * m.kv_heads * P * D * w
     masks = 2 * P * P + 2 * n * P * P
     prefill = small + masks + n * P * H * w + 2 * n * S * D * w + \
-        _decoder_layer_peak(m, n * P, P, n, c, dense) + n * V * (w + 4)
+        _decoder_layer_peak(m, n * P, P, n, _live_output_bytes(m, dev), dense) + n * V * (w + 4)
     # decode: [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
     sampling = B * V * (16 + (w if w != 4 else 0))
     step = B * (4 * H * w + 3 * m.intermediate * w) + B * m.heads * S * 4
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     if dense:    # the q/k/v and gate/up outputs stay whole; no NF4 decode
         step += B * (qd + kd + m.intermediate) * w
+    elif m.quantize == "none":   # the largest projection's fp32 input copy and adapter outputs
+        step += B * max(i + 3 * o for o, i in m.projections) * c
     elif dev.kind == "cpu":
         tile = max(min(o, max(8, CPU_DECODE_TILE // (i * c))) * i * c for o, i in m.projections)
         step += dev.threads * tile + 2 * B * max(o for o, _ in m.projections) * c
@@ -259,7 +291,7 @@ def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
     N = _prefix_tokens(U, P, mb, A)
     inputs = _prefix_inputs(m, U, P, mb, A)
     # the layers: the previous layer's output is the input of the one running
-    layers = inputs + _prefix_layer_live(m, U, P, mb, A, c)
+    layers = inputs + _prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev))
     # after them: the last layer's output, the hidden rows that predict the answers and their norm
     final = inputs + N * H * w + 2 * mb * T * H * w
     act = max(layers, final) + mb * S * 16                              # the micro-batch's ids and positions
@@ -285,7 +317,7 @@ def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dic
     head_in = n_tok * H * (w + 4 + w)                                     # hidden rows, the norm's fp32 input and output
     if checkpointing:
         kept = L * N * H * w
-        fwd = max(kept + _prefix_layer_live(m, U, P, mb, A, c), kept + head_in)
+        fwd = max(kept + _prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev)), kept + head_in)
         bwd = kept + layer + bwd_temps
     else:
         kept = L * (layer + N * H * w)
@@ -310,6 +342,10 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
         workspace = max(o * i for o, i in m.projections) * c
         if m.adapter_kind == "dora":
             workspace += max(o * i for o, i in m.projections) * 8   # the fp64 ‖W‖² pass at attach time
+    if m.quantize == "none":
+        # no dequantisation. DoRA's norm forms W + s·B·A in blocks of at most 2 x 16 MiB, once after
+        # each optimizer step, at the first forward (no activations live yet), then cached: not a peak
+        workspace = 0
     resident = res["nf4_base"] + res["dense_parts"] + res["adapter_masters"] + res.get("dora_norms", 0)
     dense = use_dense(s.rollout_weights, m.linear_params * m.w, dev.free - resident)
     base = {"nf4_base": res["nf4_base"], "dense_parts": res["dense_parts"],

@@ -2,8 +2,9 @@
 
 `model_config(spec)` finds the config (a bundled name such as "qwen2.5-32b", a config.json file, or
 a model folder holding one); `meta_policy(config, ...)` builds the causal LM with transformers on
-the meta device, applies fasttrain's own NF4 surgery and adapters (fasttrain.nn, the same code a
-run uses, running on shape-only tensors), and returns the shapes and resident bytes the plan
+the meta device, applies fasttrain's own surgery (NF4, or the 16-bit weights made adaptable for
+`policy.quantize = "none"`) and adapters (fasttrain.nn, the same code a run uses, running on
+shape-only tensors), and returns the shapes and resident bytes the plan
 needs, each byte counted from a real tensor's shape and dtype.
 """
 from __future__ import annotations
@@ -69,12 +70,15 @@ class ModelShape:
     tied: bool
     dtype: torch.dtype
     params: int                      # parameters of the original model (embedding counted once)
-    linear_params: int               # weights of the quantised projections
-    projections: list = field(default_factory=list)   # (out, in) of each quantised layer
+    linear_params: int               # weights of the adapted projections (NF4 or 16-bit)
+    projections: list = field(default_factory=list)   # (out, in) of each adapted layer
+    quantize: str = "nf4"            # "nf4" | "none"
     adapter_params: int = 0
     adapter_kind: str = "lora"
     rank: int = 0
-    resident: dict = field(default_factory=dict)      # part -> bytes
+    # part -> bytes; "nf4_base" is the projections' frozen base: packed NF4 + absmax, or with
+    # quantize "none" the model's own 16-bit weights (what decode reads either way)
+    resident: dict = field(default_factory=dict)
 
     @property
     def w(self) -> int:
@@ -86,12 +90,14 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat16", adapter: str = "lora",
-                rank: int = 32, alpha: float = 64.0, targets: tuple[str, ...] = (), double_quant: bool = False) -> ModelShape:
-    """Build the NF4 + adapter policy of `config` (a config dict or a transformers config) on the
-    meta device and measure it. Raises ValueError for an unsupported architecture."""
+                rank: int = 32, alpha: float = 64.0, targets: tuple[str, ...] = (), double_quant: bool = False,
+                quantize: str = "nf4") -> ModelShape:
+    """Build the NF4 (or, quantize "none", 16-bit) + adapter policy of `config` (a config dict or a
+    transformers config) on the meta device and measure it. Raises ValueError for an unsupported
+    architecture or quantize value."""
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-    from fasttrain.nn import attach_adapters, nf4_layers, quantize_model
+    from fasttrain.nn import adaptable_model, adapted_layers, attach_adapters, quantize_model
 
     if isinstance(config, PretrainedConfig):
         cfg = config
@@ -110,6 +116,8 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
     if cfg.model_type not in SUPPORTED_FAMILIES:
         raise ValueError(f"{name}: model_type {cfg.model_type!r} is not supported by fasttrain; supported: "
                          f"{', '.join(SUPPORTED_FAMILIES)}")
+    if quantize not in ("nf4", "none"):
+        raise ValueError(f"policy.quantize {quantize!r}: allowed 'nf4', 'none'")
     if dtype not in _DTYPES:
         raise ValueError(f"policy.dtype {dtype!r}: allowed {', '.join(_DTYPES)}")
     td = _DTYPES[dtype]
@@ -121,12 +129,17 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         if id(p) not in ids:
             ids.add(id(p))
             params += p.numel()
-    quantize_model(model, double_quant=double_quant)
+    if quantize == "nf4":
+        quantize_model(model, double_quant=double_quant)
+    else:
+        adaptable_model(model)
     adapters = attach_adapters(model, kind=adapter, r=rank, alpha=alpha, targets=list(targets) or None)
-    layers = list(nf4_layers(model))
+    layers = list(adapted_layers(model))
     base = wsq = 0
     counted: set[int] = set()
     for _, m in layers:
+        if quantize == "none":
+            base += _bytes(m.weight)
         for bn, b in m.named_buffers(recurse=False):
             if b is None or bn == "weight_sq_norm":
                 continue
@@ -137,7 +150,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
             base += _bytes(b)
         if m.bias is not None:
             base += _bytes(m.bias)
-        if m.weight_sq_norm is not None:
+        if getattr(m, "weight_sq_norm", None) is not None:
             wsq += _bytes(m.weight_sq_norm)
     adapter_bytes = sum(_bytes(p) for p in adapters)
     inside = {id(t) for _, m in layers for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
@@ -153,7 +166,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=head_dim, vocab=cfg.vocab_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
         dtype=td, params=params, linear_params=sum(m.in_features * m.out_features for _, m in layers),
-        projections=[(m.out_features, m.in_features) for _, m in layers],
+        projections=[(m.out_features, m.in_features) for _, m in layers], quantize=quantize,
         adapter_params=sum(p.numel() for p in adapters), adapter_kind=adapter, rank=rank,
         resident={"nf4_base": base, "dense_parts": sum(other.values()), "adapter_masters": adapter_bytes,
                   "dora_norms": wsq})

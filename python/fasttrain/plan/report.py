@@ -44,7 +44,7 @@ def make_plan(config, shape: RunShape, gpu: GPU, name: str = "model", env: str =
               decode_share: float = 1.0) -> Plan:
     """Plan `shape` for the model of `config` (dict or transformers config) on `gpu`."""
     m = meta_policy(config, name=name, dtype=shape.dtype, adapter=shape.adapter, rank=shape.rank,
-                    alpha=shape.alpha, targets=shape.targets)
+                    alpha=shape.alpha, targets=shape.targets, quantize=shape.quantize)
     dev = device_for(gpu)
     mem = plan_memory(m, shape, dev)
     ok, headroom = fits(mem.peak, gpu.memory_bytes, gpu.context_bytes)
@@ -72,7 +72,7 @@ def render(p: Plan) -> str:
         f"hidden {m.hidden}, heads {m.heads}/{m.kv_heads} kv, vocab {m.vocab}{', tied' if m.tied else ''}",
         f"run    {s.prompts} prompts x {s.group} answers = {s.rows} rows, prompt {s.prompt_tokens} + "
         f"{s.new_tokens} new tokens, micro-batch {s.micro_batch}, {s.passes} pass(es), {s.dtype}, "
-        f"{s.adapter} r={s.rank} ({m.adapter_params / 1e6:.1f} M params), gradient checkpointing "
+        f"{'NF4' if s.quantize == 'nf4' else '16-bit'} base, {s.adapter} r={s.rank} ({m.adapter_params / 1e6:.1f} M params), gradient checkpointing "
         f"{'on' if s.gradient_checkpointing else 'off'}",
         f"device {g.title}: {gib(g.memory_bytes):.1f} GiB, {g.bf16_flops / 1e12:.0f} TFLOP/s bf16, "
         f"{g.bandwidth / 1e12:.2f} TB/s ({g.source})",
@@ -128,7 +128,7 @@ def render(p: Plan) -> str:
             worst = max((ph for ph in p.memory.phases if ph != "update"), key=p.memory.total)
             if resident + g.context_bytes >= g.memory_bytes:
                 lines.append(
-                    f"  this run does not fit even at micro_batch 1: the resident parts alone (NF4 base, unquantised "
+                    f"  this run does not fit even at micro_batch 1: the resident parts alone (frozen base, unquantised "
                     f"parts, adapters and their AdamW moments) are {gib(resident):.2f} GiB of {gib(g.memory_bytes):.1f}; "
                     f"use a larger GPU or a smaller model")
             else:

@@ -22,6 +22,7 @@ class RunShape:
     need_ref: bool = True        # beta > 0: a no-grad forward with adapters off
     need_old: bool = False       # top-entropy mask: a no-grad forward before the update
     dtype: str = "bfloat16"
+    quantize: str = "nf4"        # policy.quantize: "nf4" | "none" (the model's 16-bit weights)
     adapter: str = "lora"
     rank: int = 32
     alpha: float = 64.0
@@ -54,7 +55,8 @@ def run_shape(cfg, prompt_tokens: int) -> RunShape:
         prompts=r.prompts_per_step, group=r.group_size, prompt_tokens=prompt_tokens,
         new_tokens=r.max_new_tokens, micro_batch=cfg.optim.micro_batch, passes=lo.passes,
         gradient_checkpointing=p.gradient_checkpointing, need_ref=lo.beta > 0,
-        need_old=lo.token_mask == "top_entropy", dtype=p.dtype, adapter=p.adapter, rank=p.rank,
+        need_old=lo.token_mask == "top_entropy", dtype=p.dtype, quantize=getattr(p, "quantize", "nf4"),
+        adapter=p.adapter, rank=p.rank,
         alpha=p.alpha, targets=tuple(p.targets), steps=cfg.run.steps, probe_prompts=cfg.probe.prompts,
         probe_samples=cfg.probe.samples, probe_new_tokens=cfg.probe.max_new_tokens or r.max_new_tokens,
         probe_every=cfg.probe.every, rollout_weights=getattr(r, "base_weights", "auto"))

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["top_entropy_mask"]
+__all__ = ["token_stats", "top_entropy_mask"]
+
+
+def token_stats(entropy: torch.Tensor, action_mask: torch.Tensor, loss_mask: torch.Tensor) -> list[float]:
+    """[model tokens, loss tokens, entropy summed over the model tokens] of a batch: what the
+    step's token counts, mean length and mean entropy (the REPO-R thermostat's input) are made of.
+    Both masks hold only tokens the model sampled; a multi-turn answer's tool tokens count nowhere."""
+    m = action_mask.bool()
+    return [float(m.sum()), float(loss_mask.bool().sum()), float((entropy * m).sum())]
 
 
 def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float = 0.2) -> torch.Tensor:

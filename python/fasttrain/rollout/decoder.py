@@ -10,7 +10,9 @@ Families: Llama, Mistral (no sliding window beyond the sequence), Qwen2 (q/k/v b
 projection modules), Qwen3 (per-head q_norm/k_norm before the rotary embedding).
 
 Cache layout: kv [layers, 2, B, kv_heads, S_max, head_dim], allocated once per rollout; column j
-of the cache is column j of the left-padded sequence, for every row.
+of the cache is column j of the left-padded sequence, for every row. `step_rows` (the multi-turn
+rollout) writes each row at its own column instead, so rows at different turns share the cache
+with a per-row hold: a held row writes nothing its keys will ever show and keeps its position.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class LlamaFamilyDecoder:
         return torch.empty(len(self.layers), 2, batch, self.n_kv, seq, self.head_dim,
                            dtype=self.dtype, device=self.device)
 
+    def copy_prompts(self, small: Tensor, cache: Tensor, group: int, prompt_len: int) -> None:
+        """Give each of the n prompts' cache columns [0, P) (small) to its `group` consecutive rows."""
+        cache[:, :, :, :, :prompt_len].unflatten(2, (-1, group)).copy_(small.unsqueeze(3))
+
     def rotary_table(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [B, S, head_dim] for integer `positions` [B, S]."""
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -80,9 +86,10 @@ class LlamaFamilyDecoder:
         return self.norm(x[:, -1])
 
     def decode(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
-               column: int) -> Tensor:
+               column: int, active: Tensor | None = None) -> Tensor:
         """One new token per row, `tokens` [B], written at cache `column`; key_valid bool
-        [B, column + 1]; cos/sin [B, D]. Returns the final-norm hidden state [B, H]."""
+        [B, column + 1]; cos/sin [B, D]. Returns the final-norm hidden state [B, H]. `active` [B]:
+        nothing to do here for a held row (its key, masked invalid by the caller, is its only trace)."""
         x = self.embed(tokens[:, None])  # [B, 1, H]
         x = self._layers(x, cos[:, None, None], sin[:, None, None], cache, column,
                          key_valid[:, None, None, :], decode=True)
@@ -101,10 +108,32 @@ class LlamaFamilyDecoder:
                          key_valid[:, None, None, :], decode=True)
         return self.norm(x[:, 0])
 
+    def step_rows(self, tokens: Tensor, valid: Tensor, columns: Tensor, key_valid: Tensor, cos: Tensor,
+                  sin: Tensor, cache: Tensor) -> Tensor:
+        """k new tokens per row with a per-row hold (the multi-turn rollout: rows at different
+        turns share one batch). tokens [B, k] go to per-row cache `columns` [B, k]; valid bool
+        [B, k] says which exist. A token that is not valid must have its column pointed at a scratch
+        column no row ever marks valid (the caller's last column): it writes there and nothing reads
+        it, and its row's position does not move (the caller gives cos/sin [B, k, D] from its own
+        per-row positions). key_valid bool [B, S_max]: the columns each row has written before this
+        call. Token j of row b attends the row's earlier columns and its own valid tokens j' <= j.
+        Returns the final-norm hidden states [B, k, H]; rows' invalid tokens give unused values."""
+        B, k = tokens.shape
+        S = cache.shape[4]
+        causal = torch.ones(k, k, dtype=torch.bool, device=self.device).tril_()
+        new = torch.zeros(B, k, S, dtype=torch.bool, device=self.device).scatter_(
+            2, columns[:, None, :].expand(B, k, k), causal[None] & valid[:, None, :])   # [B, k, S]
+        mask = key_valid[:, None, :] | new
+        x = self.embed(tokens)
+        x = self._layers(x, cos[:, None], sin[:, None], cache, columns, mask[:, None], decode=False)
+        return self.norm(x)
+
     def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, start: int | Tensor, mask: Tensor,
                 decode: bool) -> Tensor:
         B, S, _ = x.shape
         static = isinstance(start, Tensor)  # decode_static: write at a tensor column, read every column
+        per_row = static and start.dim() == 2   # step_rows: columns [B, S], one per row and token
+        rows = torch.arange(B, device=x.device)[:, None] if per_row else None
         end = cache[0][0].shape[2] if static else start + S
         D, G = self.head_dim, self.group
         for i, layer in enumerate(self.layers):
@@ -119,7 +148,10 @@ class LlamaFamilyDecoder:
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, D]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            if static:
+            if per_row:
+                cache[i][0].transpose(1, 2)[rows, start] = k.transpose(1, 2)   # [B, S, kv, D] at (b, col)
+                cache[i][1].transpose(1, 2)[rows, start] = v.transpose(1, 2)
+            elif static:
                 cache[i][0].index_copy_(2, start, k)
                 cache[i][1].index_copy_(2, start, v)
             else:

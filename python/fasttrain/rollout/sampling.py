@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .compiled_decode import compiled_decode
-from .decoder import LlamaFamilyDecoder
+from .families import decoder_for
 
 
 @dataclass
@@ -33,13 +33,21 @@ class Rollout:
                              # the model's forward: HF does not derive positions from the mask)
     prompt_len: int          # P
     completion_ids: Tensor   # [B, T] long, pad_token_id after EOS
-    completion_mask: Tensor  # [B, T] bool: True up to and including EOS
+    completion_mask: Tensor  # [B, T] bool: the token exists (True up to the row's end); decoding
+                             # the answer text, positions and attention read it
+    action_mask: Tensor      # [B, T] bool: the model sampled the token (False on tool-result
+                             # tokens of a multi-turn answer); every training consumer reads it.
+                             # Single-turn: the completion mask itself
     lengths: Tensor          # [B] long: completion tokens per row (incl. EOS)
     prompt_index: Tensor     # [B] long: b // group_size
     logprobs: Tensor         # [B, T] fp32: behaviour log-probs of the sampled tokens under
                              # softmax(logits / temperature) (temperature 1 when greedy); 0 off-mask
     finished: Tensor         # [B] bool: the row ended with an EOS token or a stop string
     group_size: int
+    # Multi-turn answers (fasttrain.train.tool_rollout): each row's completion as chat messages
+    # (assistant, tool, ..., assistant) and the rollout's tool counts; None for single-turn answers.
+    conversations: list | None = None
+    tool_stats: dict | None = None
 
     def completion_texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
         """Decoded completions (masked tokens only)."""
@@ -124,9 +132,13 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     data-parallel ranks split a step and still sample what one process would).
     """
     step = None
+    dec = decoder_for(model, weights)
     if compile:
+        if not hasattr(dec.layers[0], "self_attn"):
+            raise ValueError("sample: compile=True (rollout.compile) runs Llama-family models only so far; "
+                             "set rollout.compile = false for this hybrid model")
         step = compiled_decode(model, weights, compile if isinstance(compile, str) else "inductor")
-    dec = step.dec if step is not None else LlamaFamilyDecoder(model, weights)
+        dec = step.dec
     vocab = model.config.vocab_size
     _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
@@ -173,7 +185,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
                 t[:, :, :P].unflatten(0, (n, G)).copy_(small[i, j].unsqueeze(1))
                 t[:, :, P:].zero_()
     else:
-        cache[:, :, :, :, :P].unflatten(2, (n, G)).copy_(small.unsqueeze(3))
+        dec.copy_prompts(small, cache, G, P)
     del small
     logits = dec.lm_head(h_last).float().repeat_interleave(G, dim=0)  # [B, V]
     cos, sin = cos.repeat_interleave(G, 0), sin.repeat_interleave(G, 0)
@@ -229,13 +241,14 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         if t + 1 == max_new_tokens or bool(done.all()):
             break
         col = P + t
-        key_valid[:, col] = True  # finished rows keep decoding pads; their outputs are unused
+        # a finished row is held: its token's key is invalid for it and its state does not move
+        key_valid[:, col] = ~done
         if step is not None:
             column = torch.full((1,), col, dtype=torch.long, device=device)
             logits = step.step(tokens[:, t].contiguous(), key_valid, cos[:, col].contiguous(),
                                sin[:, col].contiguous(), cache, column)
         else:
-            h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col)
+            h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col, active=~done)
             logits = dec.lm_head(h).float()
 
     T = steps
@@ -252,6 +265,6 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     finished = finished | stopped
     return Rollout(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        prompt_len=P, completion_ids=completion_ids, completion_mask=completion_mask,
+        prompt_len=P, completion_ids=completion_ids, completion_mask=completion_mask, action_mask=completion_mask,
         lengths=lengths, prompt_index=torch.arange(B, device=device) // G,
         logprobs=logps[:, :T].contiguous(), finished=finished, group_size=G)

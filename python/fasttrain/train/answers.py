@@ -10,7 +10,12 @@ import torch
 from fasttrain.envs import Prompt, Score
 
 __all__ = ["answer_token_ids", "eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice",
-           "group_seeds"]
+           "group_seeds", "join_rollouts", "tool_settings"]
+
+
+def tool_settings(cfg) -> dict:
+    """The settings a multi-turn rollout with tools reads from a run's config."""
+    return {"max_tool_calls": cfg.rollout.max_tool_calls}
 
 
 def group_seeds(key: Sequence[int], start: int, stop: int) -> list[int]:
@@ -56,15 +61,21 @@ def answer_token_ids(roll) -> list[list[int]]:
 @torch.no_grad()
 def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
                    max_new_tokens: int, temperature: float, seed: int | Sequence[int], answer_prefix: str = "",
-                   stop_strings: Sequence[str] = (), weights=None, compile_decode: bool = False):
+                   stop_strings: Sequence[str] = (), weights=None, compile_decode: bool = False,
+                   tool_settings: dict | None = None):
     """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
     Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn;
     a row stops at EOS or once its text contains one of `stop_strings`. `weights`: dense rollout
     weights (fasttrain.nn.RolloutWeights), re-merged here if the adapters changed since the last
-    call; `compile_decode`: the decode step through torch.compile."""
+    call; `compile_decode`: the decode step through torch.compile. An environment with tools
+    (`env.tool_workers`) gets multi-turn answers (fasttrain.train.tool_rollout) with
+    `tool_settings` (max_tool_calls); the rollout then carries the conversations."""
     from fasttrain.models import extract_answer
     from fasttrain.rollout import sample
 
+    if getattr(env, "tool_workers", None) is not None and (answer_prefix or stop_strings):
+        raise ValueError("rollout.answer_prefix and rollout.stop_strings are single-turn settings; "
+                         "with tools a model turn ends at its end-of-turn token")
     was = model.training
     model.eval()
     cfg = getattr(model, "config", None)
@@ -74,6 +85,12 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
     if weights is not None:
         weights.refresh()
     try:
+        if getattr(env, "tool_workers", None) is not None:
+            from fasttrain.train.tool_rollout import sample_tool_answers
+            return sample_tool_answers(model, tokenizer, env, prompts, group_size=group_size,
+                                       max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                       eos_token_ids=eos_ids(model, tokenizer), weights=weights,
+                                       **(tool_settings or {}))
         roll = sample(model, prompt_token_ids(tokenizer, env, prompts, answer_prefix), group_size=group_size,
                       max_new_tokens=max_new_tokens, temperature=temperature,
                       eos_token_ids=eos_ids(model, tokenizer), seed=seed, stop_strings=stop_strings,
@@ -87,6 +104,43 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
     texts = [extract_answer(answer_prefix + tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True))
              for b in range(ids.shape[0])]
     return roll, texts
+
+
+def join_rollouts(parts: Sequence, pad_id: int):
+    """One Rollout of chunks sampled one after the other (rows in order): prompts left-padded to
+    the longest prompt, completions right-padded to the longest; the padding is masked out, so
+    every row's tokens, positions and log-probs are its chunk's."""
+    from fasttrain.rollout import Rollout
+    if len(parts) == 1:
+        return parts[0]
+    P = max(r.prompt_len for r in parts)
+    T = max(r.completion_ids.shape[1] for r in parts)
+    G = parts[0].group_size
+
+    def pad(x: torch.Tensor, left: int, right: int, value) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (left, right), value=value)
+
+    ids, att, comp, cmask, amask, logp, offset, index = [], [], [], [], [], [], 0, []
+    for r in parts:
+        left, right = P - r.prompt_len, T - r.completion_ids.shape[1]
+        ids.append(pad(r.input_ids, left, right, pad_id))
+        att.append(pad(r.attention_mask, left, right, 0))
+        comp.append(pad(r.completion_ids, 0, right, pad_id))
+        cmask.append(pad(r.completion_mask, 0, right, False))
+        amask.append(pad(r.action_mask, 0, right, False))
+        logp.append(pad(r.logprobs, 0, right, 0.0))
+        index.append(r.prompt_index + offset)
+        offset += r.completion_ids.shape[0] // G
+    attention_mask = torch.cat(att)
+    return Rollout(input_ids=torch.cat(ids), attention_mask=attention_mask,
+                   position_ids=(attention_mask.long().cumsum(-1) - 1).clamp_min(0), prompt_len=P,
+                   completion_ids=torch.cat(comp), completion_mask=torch.cat(cmask), action_mask=torch.cat(amask),
+                   lengths=torch.cat([r.lengths for r in parts]), prompt_index=torch.cat(index),
+                   logprobs=torch.cat(logp), finished=torch.cat([r.finished for r in parts]), group_size=G,
+                   conversations=(None if parts[0].conversations is None
+                                  else [c for r in parts for c in r.conversations]),
+                   tool_stats=(None if parts[0].tool_stats is None
+                               else {k: sum(r.tool_stats[k] for r in parts) for k in parts[0].tool_stats}))
 
 
 def has_slice(env, name: str) -> bool:
@@ -106,15 +160,19 @@ def _takes_record(env) -> bool:
 
 
 def score_answers(env, prompts: Sequence[Prompt], answers: Sequence[str], data_slice: str,
-                  record: bool = True, completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
+                  record: bool = True, completion_ids: Sequence[Sequence[int]] | None = None,
+                  conversations: Sequence[list] | None = None) -> list[Score]:
     """Score; `record=False` (probes, filter) keeps a stateful environment (novelty archive)
     unchanged where the environment supports it. `completion_ids` (the sampled token ids of
-    each answer) go to environments whose score_many takes them."""
+    each answer) and `conversations` (a multi-turn answer's chat messages) go to environments
+    whose score_many takes them."""
     kw = {}
     if _takes_record(env):
         kw["record"] = record
     if completion_ids is not None and _takes(env, "completion_ids"):
         kw["completion_ids"] = completion_ids
+    if conversations is not None and _takes(env, "conversations"):
+        kw["conversations"] = conversations
     return env.score_many(prompts, answers, data_slice, **kw)
 
 

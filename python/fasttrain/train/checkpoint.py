@@ -93,10 +93,10 @@ def _step_of(p: Path) -> int | None:
         return None
 
 
-def pick_checkpoint(ckpt_root: Path, step: int | None = None) -> tuple[Path, list[str]]:
-    """(the checkpoint to resume from, a note for each newer one passed over). `step`: that
-    checkpoint and no other. Raises CheckpointError naming each checkpoint and its fault when
-    none is whole."""
+def pick_checkpoint(ckpt_root: Path, step: int | None = None) -> tuple[Path | None, list[str]]:
+    """(the checkpoint to resume from, a note for each newer one passed over); None when the run
+    has no checkpoint at all (it starts again). `step`: that checkpoint and no other. Raises
+    CheckpointError naming each checkpoint and its fault when none is whole."""
     found = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
                     and _step_of(p) is not None), key=_step_of, reverse=True)
     if step is not None:
@@ -114,9 +114,9 @@ def pick_checkpoint(ckpt_root: Path, step: int | None = None) -> tuple[Path, lis
         if why is None:
             return p, notes
         notes.append(f"checkpoint {p.name} is damaged: {why}")
-    if not found:
-        raise CheckpointError(f"no complete checkpoint under {ckpt_root}: the run stopped before its first "
-                              "checkpoint; start it again")
+    if not found:                  # stopped before its first checkpoint: nothing to resume from
+        return None, [f"no checkpoint under {ckpt_root} (the run stopped before its first one): starting "
+                      "the run again from step 0 in the same folder"]
     raise CheckpointError("no checkpoint can be resumed from: " + "; ".join(notes)
                           + ". Start the run again (or restore the checkpoints folder from a copy)")
 
@@ -205,6 +205,20 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
         return None
     d = ckpt_root / json.loads(f.read_text())["dir"]
     return d if d.exists() else None
+
+
+def check_family(ckpt: Path, now: dict[str, str], run_dir: Path) -> None:
+    """Refuse to resume a checkpoint written for another model family (checkpoints before the
+    family was recorded pass)."""
+    meta = json.loads((ckpt / "trainer_state.json").read_text())
+    then = meta.get("family")
+    if then is not None and then != now["family"]:
+        from fasttrain.train.config import ConfigError
+        raise ConfigError(
+            f"--resume {run_dir}: its checkpoint {ckpt.name} holds adapters for a {then!r} model "
+            f"(model_type {meta.get('model_type')!r}), but policy.model now loads a {now['family']!r} model "
+            f"(model_type {now['model_type']!r}); adapters do not carry across families. Resume with the "
+            "run's own policy.model, or start a new run.")
 
 
 def load_checkpoint(ckpt: Path, params: dict[str, torch.nn.Parameter],

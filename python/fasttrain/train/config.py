@@ -58,7 +58,9 @@ class RunSection:
 class PolicySection:
     model: str = "smollm2-135m"             # fasttrain.models.load_policy spec, or "module:factory"
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    quantize: Literal["nf4"] = "nf4"          # fasttrain.nn adapters sit on NF4 layers
+    # The frozen base under the adapters: "nf4" (4-bit NormalFloat, QLoRA) or "none" (the model's
+    # own 16-bit weights, `dtype`; LoRA/DoRA as PEFT trains them on a 16-bit model).
+    quantize: Literal["nf4", "none"] = "nf4"
     adapter: Literal["lora", "dora"] = "lora"
     rank: int = 32
     alpha: float = 64.0
@@ -87,6 +89,15 @@ class EnvSection:
     system_prompt: str = ""                 # prepended to prompts that have no system message
     reward_timeout: float = 30.0            # seconds per reward call; past it the answers are invalid
     core: str = ""                          # reward for the floor guard, probe, selection; "" = first
+    worker_memory_mb: float = 0.0           # a reward worker (and its processes) past this resident
+                                            # memory is killed, its answers invalid; 0 = a quarter of RAM
+    skip_bad_rows: bool = False             # leave out rows that are not UTF-8, lack a column a reward
+                                            # needs or render too long (counted in the report), not stop
+    # Tools and environment classes as TRL's GRPOTrainer takes them (fasttrain.envs.tools): answers
+    # become multi-turn (model turn, tool results, model turn, ...).
+    tools: tuple[str, ...] = ()             # "module:function" or "path/file.py:function"
+    environment: str = ""                   # "module:Class" with reset(**row), tools as methods
+    tool_timeout: float = 10.0              # seconds per tool call; past it the call is an error
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for fasttrain.envs.load_env(name, ...)."""
@@ -94,7 +105,9 @@ class EnvSection:
             return {}
         return {"dataset": self.dataset, "rewards": list(self.rewards), "probe_dataset": self.probe_dataset,
                 "probe_rows": self.probe_rows, "system_prompt": self.system_prompt,
-                "reward_timeout": self.reward_timeout, "core": self.core}
+                "reward_timeout": self.reward_timeout, "core": self.core, "worker_memory_mb": self.worker_memory_mb,
+                "skip_bad_rows": self.skip_bad_rows, "tools": list(self.tools), "environment": self.environment,
+                "tool_timeout": self.tool_timeout}
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,10 @@ class RolloutSection:
     # An answer also ends once its text contains one of these (e.g. "</signal>"): the verifier
     # reads nothing after it, so neither sampling nor the update pays for trailing chatter.
     stop_strings: tuple[str, ...] = ()
+    # Longest rendered prompt (chat template, system prompt, answer prefix): a longer one is an
+    # error naming its row before training starts (or skipped: env.skip_bad_rows). 0 = the model's
+    # context (max_position_embeddings) minus max_new_tokens.
+    max_prompt_tokens: int = 0
     # The weights the rollout decodes from: "nf4" (the training layers), "dequantized" (a dense
     # merged copy in the model's dtype, 2 bytes per weight more, refreshed after each optimizer
     # step), "auto" (dequantized when that copy takes at most a quarter of the free memory).
@@ -118,6 +135,9 @@ class RolloutSection:
     # Off by default: on a CPU it measured equal to eager (bench/results, step-speed), and the
     # compile costs seconds to minutes; unmeasured on a GPU so far.
     compile: bool = False
+    # Tool-calling rounds per answer (TRL's max_tool_calling_iterations); 0: no limit but the
+    # budget, max_new_tokens, which the model's and the tools' tokens fill together.
+    max_tool_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -208,10 +228,14 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "rollout.prompts_per_step": (lambda v: v >= 1, "an integer >= 1"),
     "rollout.group_size": (lambda v: v >= 2, "an integer >= 2 (GDPO needs a group)"),
     "rollout.max_new_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "rollout.max_prompt_tokens": (lambda v: v >= 0, "an integer >= 0 (0: the model's context minus max_new_tokens)"),
     "rollout.temperature": (lambda v: v > 0, "a number > 0"),
     "rollout.stop_strings": (lambda v: all(len(x) > 0 for x in v), "a list of non-empty strings"),
     "env.probe_rows": (lambda v: v >= 0, "an integer >= 0"),
     "env.reward_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
+    "env.worker_memory_mb": (lambda v: v == 0 or 64 <= v < math.inf, "0 (a quarter of the host's memory) or a number of MB >= 64"),
+    "env.tool_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
+    "rollout.max_tool_calls": (lambda v: v >= 0, "an integer >= 0 (0: no limit but max_new_tokens)"),
     "advantages.floor": (lambda v: not math.isnan(v) and v != math.inf, "a number or -inf"),
     "advantages.warn_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "advantages.warn_steps": (lambda v: v >= 1, "an integer >= 1"),
@@ -342,7 +366,8 @@ def _build(data: dict[str, Any]) -> Config:
     return cfg
 
 
-_DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core")
+_DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core",
+                 "worker_memory_mb", "tools", "environment", "tool_timeout")
 
 
 def _near_recipe(data: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -361,12 +386,15 @@ def _near_recipe(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     for key in ("dataset", "probe_dataset"):
         if key in env:
             env[key] = near(env[key])
-    if isinstance(env.get("rewards"), list):
-        out = []
-        for spec in env["rewards"]:
-            file, sep, fn = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
-            out.append(f"{near(file)}:{fn}" if sep and file.endswith(".py") else spec)
-        env["rewards"] = out
+    def near_spec(spec: Any) -> Any:
+        file, sep, fn = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+        return f"{near(file)}:{fn}" if sep and file.endswith(".py") else spec
+
+    for key in ("rewards", "tools"):
+        if isinstance(env.get(key), list):
+            env[key] = [near_spec(spec) for spec in env[key]]
+    if "environment" in env:
+        env["environment"] = near_spec(env["environment"])
     return {**data, "env": env}
 
 

@@ -1,4 +1,4 @@
-"""Build the policy a run trains: base model (+ NF4) + adapters, and pick the device."""
+"""Build the policy a run trains: base model (NF4 or 16-bit) + adapters, and pick the device."""
 from __future__ import annotations
 
 import importlib
@@ -29,13 +29,40 @@ def _load_base(spec: str, dtype: str):
             raise ConfigError(f"policy.model: cannot load factory {spec!r}: {e}") from None
         return factory(dtype=dtype)
     from fasttrain.models import load_policy
-    return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype))
+    _check_model_folder(spec)
+    try:
+        return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype))
+    except (FileNotFoundError, ValueError, OSError, KeyError) as e:   # one paragraph, not a traceback
+        raise ConfigError(_cannot_load(spec, str(e).strip())) from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _cannot_load(spec: str, why: str) -> str:
+    from fasttrain.models.loading import SUPPORTED_FAMILIES
+    return (f"policy.model = {spec!r}: fasttrain cannot load it: {why} fasttrain trains "
+            f"{', '.join(SUPPORTED_FAMILIES)} models from a Hugging Face folder (config.json, *.safetensors "
+            f"weights, tokenizer files) or a .gguf file, or the bundled 'smollm2-135m'; set policy.model to one "
+            f"of those, or to 'module:factory' returning (model, tokenizer).")
+
+
+def _check_model_folder(spec: str) -> None:
+    """A folder without weights or without a tokenizer fails before anything loads."""
+    path = Path(spec).expanduser() if spec else None
+    if path is None or not path.is_dir() or not (path / "config.json").is_file():
+        return
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError(_cannot_load(spec, "the folder has no *.safetensors weights (pickled .bin files are "
+                                             "never loaded)."))
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ConfigError(_cannot_load(spec, f"the folder has no tokenizer ({', '.join(_TOKENIZER_FILES)})."))
 
 
 def build_policy(cfg: Config, device: torch.device):
     """(model, tokenizer, adapter params by name). The base is frozen; only adapters train."""
     from fasttrain.models import set_template_kwargs
-    from fasttrain.nn import attach_adapters, quantize_model
+    from fasttrain.nn import adaptable_model, attach_adapters, quantize_model
 
     p = cfg.policy
     model, tokenizer = _load_base(p.model, p.dtype)
@@ -44,8 +71,12 @@ def build_policy(cfg: Config, device: torch.device):
     _use_gpu_packages(model, p, device)
     for prm in model.parameters():
         prm.requires_grad_(False)
+    from fasttrain.models.families import adapter_targets, nf4_targets
     if p.quantize == "nf4":
-        quantize_model(model)
+        quantize_model(model, targets=nf4_targets(model))
+    kept_16bit = tuple(t for t in adapter_targets(model) if p.quantize == "none" or t not in nf4_targets(model))
+    if kept_16bit:                                        # "none", or a family's 16-bit projections under NF4
+        adaptable_model(model, targets=kept_16bit)
     torch.manual_seed(cfg.run.seed)                       # adapter init is part of the run's seed
     params = attach_adapters(model, kind=p.adapter, r=p.rank, alpha=p.alpha, rslora=p.rslora,
                              targets=list(p.targets) or None)
@@ -91,6 +122,6 @@ def adapter_parameters(model: torch.nn.Module, params) -> dict[str, torch.nn.Par
 
 def rollout_weights(cfg: Config, model):
     """The rollout's dense weights (fasttrain.nn.RolloutWeights) per `rollout.base_weights`, or None
-    when the rollout decodes from the NF4 layers."""
+    when the rollout decodes from the adapted layers themselves."""
     from fasttrain.nn.rollout_weights import rollout_weights_for
     return rollout_weights_for(cfg.rollout.base_weights, model)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from fasttrain.rollout.decoder import LlamaFamilyDecoder, _rotate_half
 
-__all__ = ["shared_prefix_hidden"]
+__all__ = ["shared_prefix_hidden", "prompt_groups", "prefix_masks"]
 
 
 def _family(model) -> LlamaFamilyDecoder | None:
@@ -45,6 +45,56 @@ def _family(model) -> LlamaFamilyDecoder | None:
     return dec
 
 
+def _family_piece(model):
+    """The shared-prefix forward of a family other than Llama's (train/prefix_forward_hybrid.py for
+    Qwen3.5 hybrids), or None for the Llama family run below."""
+    from fasttrain.models.families import family_of
+    try:
+        name = family_of(model).name
+    except ValueError:
+        return None
+    if name == "qwen3_5":
+        from fasttrain.train.prefix_forward_hybrid import shared_prefix_hidden_hybrid
+        return shared_prefix_hidden_hybrid
+    return None
+
+
+def prompt_groups(input_ids: Tensor, attention_mask: Tensor, P: int,
+                  prompt_index: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(inverse [B]: each row's distinct prompt in 0..U-1, first [U]: one row of each distinct prompt).
+    Groups are the rollout's `prompt_index`, or else rows with equal prompt tokens and mask."""
+    B, device = input_ids.shape[0], input_ids.device
+    if prompt_index is not None:
+        _, inverse = torch.unique(prompt_index, return_inverse=True)
+    else:
+        key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
+        _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    U = int(inverse.max()) + 1
+    # one row per distinct prompt (any row of its group: their prompt tokens are equal)
+    first = torch.zeros(U, dtype=torch.long, device=device).scatter_(0, inverse, torch.arange(B, device=device))
+    return inverse, first
+
+
+def prefix_masks(attention_mask: Tensor, first: Tensor, P: int, A: int) -> tuple[Tensor, Tensor | None]:
+    """Attention masks (True = may attend) of the U distinct prompts among themselves [U, 1, P, P]
+    and of the B rows' A answer inputs over their prompt's P keys then their own answers
+    [B, 1, A, P+A] (None when A = 0)."""
+    device = attention_mask.device
+    prompt_valid = attention_mask[first, :P].bool()                     # [U, P]
+    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril_()
+    eye = torch.eye(P, dtype=torch.bool, device=device)
+    # A pad query of the prompt sees itself only (no NaN); no real token reads its output.
+    prompt_mask = ((causal & prompt_valid[:, None, :]) | eye)[:, None]
+    if A == 0:
+        return prompt_mask, None
+    B = attention_mask.shape[0]
+    ans_valid = attention_mask[:, P:P + A].bool()                       # [B, A]
+    keys_of_prompt = attention_mask[:, :P].bool()[:, None, :].expand(B, A, P)
+    ans_causal = torch.ones(A, A, dtype=torch.bool, device=device).tril_() & ans_valid[:, None, :]
+    # every answer query sees its prompt's real tokens, so no query row is all-masked
+    return prompt_mask, torch.cat([keys_of_prompt, ans_causal], dim=2)[:, None]
+
+
 def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
                          prompt_len: int, T: int, prompt_index: Tensor | None = None) -> Tensor | None:
     """Final-norm hidden states [B, T, H] whose row b, column t predicts answer token t of row b
@@ -54,6 +104,9 @@ def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, posit
     `prompt_index` [B]: the rollout's group of each row (rows of one group share their prompt);
     without it, rows whose prompt tokens and mask are equal are grouped. Returns None when the
     model is not one this forward drives (the caller runs the model's own forward)."""
+    piece = _family_piece(model)
+    if piece is not None:
+        return piece(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index)
     dec = _family(model)
     if dec is None:
         return None
@@ -62,34 +115,18 @@ def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, posit
         return None
     B = input_ids.shape[0]
     device = input_ids.device
-    if prompt_index is not None:
-        _, inverse = torch.unique(prompt_index, return_inverse=True)    # [B] -> its prompt in 0..U-1
-    else:
-        key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
-        _, inverse = torch.unique(key, dim=0, return_inverse=True)
-    U = int(inverse.max()) + 1
-    # one row per distinct prompt (any row of its group: their prompt tokens are equal)
-    first = torch.zeros(U, dtype=torch.long, device=device).scatter_(
-        0, inverse, torch.arange(B, device=device))
+    inverse, first = prompt_groups(input_ids, attention_mask, P, prompt_index)
+    U = first.shape[0]
 
-    prompt_valid = attention_mask[first, :P].bool()                     # [U, P]
     A = T - 1                                                           # answer tokens that are inputs
-    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril_()
-    eye = torch.eye(P, dtype=torch.bool, device=device)
-    # A pad query of the prompt sees itself only (no NaN); no real token reads its output.
-    prompt_mask = ((causal & prompt_valid[:, None, :]) | eye)[:, None]  # [U, 1, P, P]
+    prompt_mask, answer_mask = prefix_masks(attention_mask, first, P, A)
     cos_p, sin_p = dec.rotary_table(position_ids[first, :P])           # [U, P, D]
     x_p = dec.embed(input_ids[first, :P])                              # [U, P, H]
     if A > 0:
-        ans_valid = attention_mask[:, P:P + A].bool()                   # [B, A]
-        keys_of_prompt = attention_mask[:, :P].bool()[:, None, :].expand(B, A, P)
-        ans_causal = torch.ones(A, A, dtype=torch.bool, device=device).tril_() & ans_valid[:, None, :]
-        # every answer query sees its prompt's real tokens, so no query row is all-masked
-        answer_mask = torch.cat([keys_of_prompt, ans_causal], dim=2)[:, None]   # [B, 1, A, P+A]
         cos_a, sin_a = dec.rotary_table(position_ids[:, P:P + A])      # [B, A, D]
         x_a = dec.embed(input_ids[:, P:P + A])                         # [B, A, H]
     else:
-        answer_mask = cos_a = sin_a = None
+        cos_a = sin_a = None
         x_a = x_p.new_empty(B, 0, x_p.shape[-1])
 
     G = dec.group

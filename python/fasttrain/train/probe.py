@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 from fasttrain.envs import Prompt
 from fasttrain.train import distributed
-from fasttrain.train.answers import answer_token_ids, group_seeds, has_slice, sample_answers, score_answers
+from fasttrain.train.answers import (answer_token_ids, group_seeds, has_slice, sample_answers, score_answers,
+                                    tool_settings)
 from fasttrain.train.config import Config
 
 __all__ = ["run_probe", "select_shipped"]
@@ -42,16 +43,17 @@ def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, ste
                                      max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
                                      temperature=cfg.probe.temperature, seed=group_seeds([cfg.probe.seed], lo, hi),
                                      answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings,
-                                     weights=weights)
+                                     weights=weights, tool_settings=tool_settings(cfg))
         rep = [p for p in prompts[lo:hi] for _ in range(G)]
-        ids = answer_token_ids(roll)
-        train = score_answers(env, rep, texts, cfg.env.train_slice, record=False, completion_ids=ids)
-        hold = score_answers(env, rep, texts, cfg.env.holdout_slice, record=False, completion_ids=ids) \
-            if holdout else [None] * len(texts)
+        kw = dict(record=False, completion_ids=answer_token_ids(roll), conversations=roll.conversations)
+        train = score_answers(env, rep, texts, cfg.env.train_slice, **kw)
+        hold = score_answers(env, rep, texts, cfg.env.holdout_slice, **kw) if holdout else [None] * len(texts)
     every = distributed.gather_list(list(zip(texts, train, hold)))      # all prompts, in order
     texts, train, hold = [x[0] for x in every], [x[1] for x in every], [x[2] for x in every]
     out: dict[str, Any] = {"step": step, "prompts": len(prompts), "samples": G}
     out.update(_summary(train, "train"))
+    for c in (train[0].channels if train else {}):         # each reward channel's mean on the probe
+        out[f"train_reward_{c}"] = sum(s.channels[c] for s in train) / len(train)
     if holdout:
         out.update(_summary(hold, "holdout"))
     else:

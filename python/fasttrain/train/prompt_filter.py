@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fasttrain.train.answers import answer_token_ids, sample_answers, score_answers
+from fasttrain.train.answers import answer_token_ids, sample_answers, score_answers, tool_settings
 from fasttrain.train.config import Config
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device
@@ -41,10 +41,10 @@ def filter_prompts(cfg: Config, out: str | Path | None = None, env=None, progres
                                      max_new_tokens=cfg.rollout.max_new_tokens,
                                      temperature=cfg.rollout.temperature, seed=cfg.run.seed * 7919 + i,
                                      answer_prefix=cfg.rollout.answer_prefix,
-                                     stop_strings=cfg.rollout.stop_strings)
+                                     stop_strings=cfg.rollout.stop_strings, tool_settings=tool_settings(cfg))
         rep = [p for p in part for _ in range(k)]
         scores = score_answers(env, rep, texts, cfg.env.train_slice, record=False,
-                               completion_ids=answer_token_ids(roll))
+                               completion_ids=answer_token_ids(roll), conversations=roll.conversations)
         for j, p in enumerate(part):
             rates[p.id] = sum(s.success for s in scores[j * k:(j + 1) * k]) / k
         if progress:

@@ -57,6 +57,7 @@ def write_outputs(trainer, shipped: dict[str, Any] | None, interrupted: bool = F
         "start_probe": start,
         "holdout_change": _diff(shipped["holdout_core"], start["holdout_core"]) if shipped and start else None,
         "warnings": trainer.warnings,
+        "skipped_rows": {"count": len(trainer.skipped_rows), "reasons": trainer.skipped_rows[:100]},
     }
     write_json(d / "export.json", export)
     plots = write_plots(d, metrics, probes)
@@ -101,6 +102,10 @@ def write_report(d: Path, export: dict[str, Any], plots: list[str]) -> None:
                      f"{_fmt(p['holdout_core'])} | {_fmt(p['holdout_valid'], '.0%')} | {mark} |")
     if export["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- step {w['step']}: {w['message']}" for w in export["warnings"]]
+    skipped = export.get("skipped_rows") or {"count": 0, "reasons": []}
+    if skipped["count"]:
+        lines += ["", f"## Rows left out (env.skip_bad_rows): {skipped['count']}", ""] + \
+                 [f"- {r}" for r in skipped["reasons"]]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     write_text(d / "report.md", "\n".join(lines) + "\n")

@@ -13,8 +13,8 @@ What is sent, per optimizer step (the tracker's step = the trainer's step):
   as 0/1); non-finite values stay in metrics.jsonl only (some trackers refuse them).
 - `rewards/<channel>/mean` and `rewards/<channel>/std` over the step's answers (TRL's names).
 - `probe/<key>` for every number of a probe (at the probe's step).
-- a table `completions` (step, prompt id, prompt, completion, valid, core, one column per
-  reward channel): a W&B / Trackio table, a TensorBoard text (markdown table), an MLflow JSON artifact
+- a table `completions` (step, prompt id, prompt, completion (every turn of a multi-turn answer),
+  valid, core, one column per reward channel): a W&B / Trackio table, a TensorBoard text (markdown table), an MLflow JSON artifact
   `completions/step_NNNNNN.json`. Reward columns are `reward_<channel>`, as in metrics.jsonl.
 
 Where it goes: TensorBoard event files in <run>/tensorboard; W&B, MLflow and Trackio where their
@@ -97,13 +97,30 @@ def completions_table(samples: dict[str, Any], prompt_texts: dict[str, Any]) -> 
     G = max(1, len(answers) // max(1, len(ids)))
     rewards = samples.get("rewards") or {}
     columns = ["step", "prompt_id", "prompt", "completion", "valid", "core", *(f"reward_{c}" for c in rewards)]
+    turns = samples.get("conversations")
     rows = []
     for b, text in enumerate(answers):
+        if turns is not None:                       # a multi-turn answer shows every turn
+            text = turns_text(turns[b])
         pid = ids[min(b // G, len(ids) - 1)]
         rows.append([samples["step"], pid, _text(prompt_texts.get(pid, ""))[:MAX_TABLE_TEXT], text[:MAX_TABLE_TEXT],
                      bool(samples["valid"][b]), float(samples["core"][b]),
                      *[float(v[b]) for v in rewards.values()]])
     return columns, rows
+
+
+def turns_text(messages: list[dict[str, Any]]) -> str:
+    """A conversation as text, one block per turn: "assistant: ...", "[tool name] ...", with an
+    assistant turn's calls as name(arguments)."""
+    out = []
+    for m in messages:
+        if m.get("role") == "tool":
+            out.append(f"[tool {m.get('name', '')}] {m.get('content', '')}")
+            continue
+        calls = "".join(f" -> {c.get('function', c).get('name')}({c.get('function', c).get('arguments')})"
+                        for c in m.get("tool_calls") or [] if isinstance(c, dict))
+        out.append(f"{m.get('role', 'assistant')}: {m.get('content', '')}{calls}")
+    return "\n".join(out)
 
 
 def _markdown(columns: list[str], rows: list[list[Any]]) -> str:

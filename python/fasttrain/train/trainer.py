@@ -31,10 +31,12 @@ import numpy as np
 import torch
 
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
+from fasttrain.rl.masks import token_stats
 from fasttrain.train import distributed
-from fasttrain.train.answers import answer_token_ids, group_seeds, is_stateful, sample_answers, score_answers
-from fasttrain.train.checkpoint import (load_checkpoint, newest_checkpoint_name, pick_checkpoint, rng_state,
-                                        save_checkpoint, set_rng_state)
+from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, join_rollouts, sample_answers,
+                                     score_answers, tool_settings)
+from fasttrain.train.checkpoint import (check_family, load_checkpoint, newest_checkpoint_name, pick_checkpoint,
+                                        rng_state, save_checkpoint, set_rng_state)
 from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
                                     resume_changes)
 from fasttrain.train.environment import load_run_env
@@ -87,6 +89,8 @@ class Trainer:
         self._check_channels()
         self.train_prompts = self._train_prompts()
         self.probe_prompts = self.env.prompts("probe")[: cfg.probe.prompts]
+        # rows left out by env.skip_bad_rows, with the reason (export.json and report.md count them)
+        self.skipped_rows: list[str] = list(getattr(self.env, "skipped_rows", []))
         self.step = 0
         self.probes: list[dict[str, Any]] = []
         self.warnings: list[dict[str, Any]] = []
@@ -96,6 +100,10 @@ class Trainer:
         self.trackers = Trackers([], print)       # started by train() from run.report_to
         self._setup_done = False
         self._stop: StopSignals | None = None     # while train() runs: SIGTERM / SIGUSR1
+        # each phase's batch, halved on out-of-memory (saved in checkpoints)
+        self.sizes: dict[str, int | None] = {"rollout": None, "scores": cfg.optim.micro_batch,
+                                             "update": cfg.optim.micro_batch}
+        self._oom_retries = 0
         self._checkpointed_step = -1
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -137,6 +145,13 @@ class Trainer:
             return
         cfg = self.cfg
         self.model, self.tokenizer, self.named_params = build_policy(cfg, self.device)
+        from fasttrain.train.prompt_length import check_prompt_lengths
+        kept = check_prompt_lengths(cfg, self.tokenizer, self.env, self.model,
+                                    {"train": self.train_prompts, "probe": self.probe_prompts}, self.skipped_rows)
+        self.train_prompts, self.probe_prompts = kept["train"], kept["probe"]
+        if self.skipped_rows:
+            self._warn(0, f"env.skip_bad_rows: {len(self.skipped_rows)} row(s) left out; the first: "
+                          f"{self.skipped_rows[0]}")
         self.params = list(self.named_params.values())
         distributed.broadcast_parameters(self.params)          # every rank starts from rank 0's adapters
         self.rollout_weights = rollout_weights(cfg, self.model)
@@ -199,16 +214,14 @@ class Trainer:
         torch.manual_seed(step_seed(cfg.run.seed, step, 1))
         prompts = self._prompts_for_step(step)
         lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
+        self._oom_retries = 0
         # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
         with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
-            roll, texts = sample_answers(self.model, self.tokenizer, self.env, prompts[lo:hi],
-                                         group_size=R.group_size, max_new_tokens=R.max_new_tokens,
-                                         temperature=R.temperature, seed=group_seeds([cfg.run.seed, step], lo, hi),
-                                         answer_prefix=R.answer_prefix, stop_strings=R.stop_strings,
-                                         weights=self.rollout_weights, compile_decode=R.compile)
+            roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
-        scores, texts = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll))  # whole step, every rank
+        scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
+                                                roll.conversations)       # whole step, every rank
         times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         adv, adv_info = self._advantages(scores)
@@ -220,9 +233,9 @@ class Trainer:
         top_entropy = L.token_mask == "top_entropy"
         # the entropy mask needs the entropies before the update; otherwise pass 1 of the update
         # gives the old log-probs and entropy from its own forward (one forward less per step)
-        batch = score_batch(self.model, roll, cfg.optim.micro_batch, R.temperature, need_ref=L.beta > 0,
-                            need_old=top_entropy)
-        mask = roll.completion_mask.bool()
+        batch = self._with_oom_retry(step, "scores", lambda mb: score_batch(
+            self.model, roll, mb, R.temperature, need_ref=L.beta > 0, need_old=top_entropy))
+        mask = roll.action_mask.bool()          # the model's own tokens: every consumer below reads it
         loss_mask = mask
         if top_entropy:                                        # over every rank's answer tokens
             loss_mask = distributed.top_entropy_mask(batch.entropy, mask, L.rho)
@@ -232,8 +245,9 @@ class Trainer:
         zeta = float(self.thermostat.zeta) if L.repo_r else 0.0
         skipped = False
         try:
-            result = update_policy(self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L,
-                                   zeta, cfg.optim.micro_batch, cfg.optim.grad_clip, R.temperature)
+            result = self._with_oom_retry(step, "update", lambda mb: update_policy(
+                self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
+                cfg.optim.grad_clip, R.temperature), undo=self._undo_update())
             self.nonfinite_in_row = 0
         except NonFiniteLoss as e:
             skipped, result = True, e.result
@@ -241,9 +255,9 @@ class Trainer:
             self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
         passes = result.passes
+        gap = self._logprob_gap(roll, result, mask)
         # entropy of the pre-update policy (scored before the update, or by its first pass), all ranks
-        n_tok, n_loss, ent_sum = distributed.sum_values(
-            [float(mask.sum()), float(loss_mask.sum()), float((result.entropy * mask).sum())])
+        n_tok, n_loss, ent_sum = distributed.sum_values(token_stats(result.entropy, mask, loss_mask))
         n_tok, n_loss = int(n_tok), int(n_loss)
         mean_entropy = ent_sum / max(1, n_tok)
         # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy, over every
@@ -274,12 +288,17 @@ class Trainer:
             "clip_high_frac": last.get("clip_high_frac", math.nan),
             "cap_frac": last.get("cap_frac", math.nan),
             "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
+            **gap,
             "tokens": n_tok, "loss_tokens": n_loss,
             "mean_length": n_tok / len(scores), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
+            # out-of-memory retries of this step, and the sizes the phases now run with
+            "oom_retries": self._oom_retries, "rollout_chunk_prompts": self.sizes["rollout"] or len(prompts),
+            "scores_micro_batch": self.sizes["scores"], "update_micro_batch": self.sizes["update"],
             # a plug-in's batch verifier that raised or returned the wrong length (run total)
             "verifier_batch_failures": 0,
             **_env_counters(self.env),                        # the environment's run totals
+            **self._tool_metrics(roll, len(scores)),
             **{f"seconds_{k}": v for k, v in times.items()},
         }
         row["seconds_step"] = sum(times.values())
@@ -288,24 +307,126 @@ class Trainer:
                    "core": [s.core for s in scores], "valid": [s.valid for s in scores],
                    "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names},
                    "reasons": [s.reason for s in scores]}
+        if turns is not None:
+            samples["conversations"] = turns               # each answer's turns (assistant, tool, ...)
         self._check_share(step, adv_info["nonzero_adv_share"])
         return row, samples
 
-    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]]):
-        """(scores, answer texts) of the whole step in the one-process order, on every rank. A
-        stateful environment scores every answer on every rank, in that order, so its state stays
-        the one-process state; a stateless one scores each rank's answers where they are."""
+    @staticmethod
+    def _logprob_gap(roll, result, mask) -> dict[str, float]:
+        """rollout_logprob_gap (mean) and rollout_logprob_gap_max: |Δ log p| of the sampled tokens
+        between the rollout's decode and the update's forward on the pre-update policy, every rank's tokens."""
+        from fasttrain.rl.logprob_gap import logprob_gap_parts
+        if result is None or result.old_logp is None:
+            return {"rollout_logprob_gap": math.nan, "rollout_logprob_gap_max": math.nan}
+        total, top, n = logprob_gap_parts(roll.logprobs, result.old_logp, mask)
+        total, n = distributed.sum_values([total, float(n)])
+        return {"rollout_logprob_gap": total / max(n, 1.0),
+                "rollout_logprob_gap_max": max(distributed.gather_list([top]))}
+
+    # ---- out of memory ------------------------------------------------------------------------
+    def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None):
+        """This rank's answers, sampled `per_chunk` prompts at a time (each group's generator is
+        seeded by its place in the step, so chunks draw the answers of one batch)."""
+        R, mine = self.cfg.rollout, prompts[lo:hi]
+        seeds = group_seeds([self.cfg.run.seed, step], lo, hi)
+        n = per_chunk or len(mine)
+        parts, texts = [], []
+        for a in range(0, len(mine), n):
+            roll, tx = sample_answers(self.model, self.tokenizer, self.env, mine[a:a + n], group_size=R.group_size,
+                                      max_new_tokens=R.max_new_tokens, temperature=R.temperature,
+                                      seed=seeds[a:a + n], answer_prefix=R.answer_prefix,
+                                      stop_strings=R.stop_strings, weights=self.rollout_weights,
+                                      compile_decode=R.compile,
+                                      tool_settings={**tool_settings(self.cfg), "first_slot": a * R.group_size})
+            parts.append(roll)
+            texts += tx
+        pad = getattr(self.model.config, "pad_token_id", None)
+        return join_rollouts(parts, pad if isinstance(pad, int) else 0), texts
+
+    def _undo_update(self):
+        """A function that puts the adapters and AdamW back as they are now (before an update
+        that may run out of memory part-way, after some passes stepped)."""
+        params = [p.detach().clone() for p in self.params]
+        state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                 for p, st in self.optimizer.state.items()}
+        training = self.model.training
+
+        def undo() -> None:
+            with torch.no_grad():
+                for p, v in zip(self.params, params):
+                    p.copy_(v)
+                    p.grad = None
+            self.optimizer.state.clear()
+            for p, st in state.items():
+                self.optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+            self.model.train(training)
+        return undo
+
+    def _with_oom_retry(self, step: int, phase: str, run, undo=None):
+        """run(size) with the phase's size (rollout: prompts per chunk, None = all; scores and
+        update: answers per micro-batch). torch.OutOfMemoryError halves the size (kept for the rest
+        of the run) and runs the phase again, down to one; the step's other phases are not redone."""
+        training = self.model.training
+        while True:
+            size = self.sizes[phase]
+            try:
+                return run(size)
+            except torch.OutOfMemoryError as e:
+                now = size or (self.cfg.rollout.prompts_per_step // distributed.world_size())
+                what = {"rollout": "prompts per rollout chunk", "scores": "answers per scoring micro-batch",
+                        "update": "answers per update micro-batch"}[phase]
+                if now <= 1 or (phase == "update" and distributed.world_size() > 1):
+                    why = ("with one row" if now <= 1 else
+                           "in the update under torchrun (the ranks' collectives cannot redo one rank's update)")
+                    raise TrainingStopped(
+                        f"step {step}: out of memory {why} ({phase}: {str(e).strip()[:200]}). Lower "
+                        f"rollout.max_new_tokens or rollout.group_size, or see `fasttrain plan`; the last "
+                        f"checkpoint is {newest_checkpoint_name(self.dir / 'checkpoints')}.") from None
+                self.sizes[phase] = now // 2
+                self._oom_retries += 1
+                self._warn(step, f"out of memory in the {phase} of step {step} with {now} {what}: "
+                                 f"retrying with {now // 2} (kept for the rest of the run)")
+                del e
+                if undo is not None:
+                    undo()
+                self.model.train(training)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+
+    def _tool_metrics(self, roll, answers: int) -> dict[str, float]:
+        """Per step, over every rank: tool calls, the calls that ended in an error message (or
+        could not be read), and model turns per answer; nothing for single-turn answers."""
+        if roll.tool_stats is None:
+            return {}
+        st = roll.tool_stats
+        calls, errors, turns, dropped = distributed.sum_values(
+            [float(st["tool_calls"]), float(st["tool_errors"]), float(st["turns"]), float(st["tool_results_dropped"])])
+        return {"tool_calls": int(calls), "tool_errors": int(errors), "turns": turns / max(1, answers),
+                "tool_results_dropped": int(dropped)}
+
+    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]],
+                    turns: list | None = None):
+        """(scores, answer texts, conversations or None) of the whole step in the one-process
+        order, on every rank. A stateful environment scores every answer on every rank, in that
+        order, so its state stays the one-process state; a stateless one scores each rank's
+        answers where they are."""
         G = self.cfg.rollout.group_size
+        turns = turns if turns is not None else [None] * len(texts)
         if is_stateful(self.env) or distributed.world_size() == 1:
-            both = distributed.gather_list(list(zip(texts, ids)))
-            texts, ids = [tx for tx, _ in both], [i for _, i in both]
+            both = distributed.gather_list(list(zip(texts, ids, turns)))
+            texts, ids, turns = [x[0] for x in both], [x[1] for x in both], [x[2] for x in both]
             rep = [p for p in prompts for _ in range(G)]
+            conv = turns if turns and turns[0] is not None else None
             return score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True,
-                                 completion_ids=ids), texts
+                                 completion_ids=ids, conversations=conv), texts, conv
         rep = [p for p in prompts[lo:hi] for _ in range(G)]
-        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids)
-        both = distributed.gather_list(list(zip(mine, texts)))
-        return [sc for sc, _ in both], [tx for _, tx in both]
+        conv = turns if turns and turns[0] is not None else None
+        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids,
+                             conversations=conv)
+        both = distributed.gather_list(list(zip(mine, texts, turns)))
+        conv = [x[2] for x in both]
+        return [x[0] for x in both], [x[1] for x in both], conv if conv and conv[0] is not None else None
 
     def _say(self, msg: str) -> None:
         """A line on the console (every rank under torchrun: a stop concerns each)."""
@@ -344,10 +465,20 @@ class Trainer:
             self.trackers.log_probe(res)
         return res
 
+    def _family(self) -> dict[str, str]:
+        """The policy's model family and model_type, kept in checkpoints so a resume on another
+        family's model is refused by name (its adapters would not fit)."""
+        from fasttrain.models.families import family_of
+        model_type = str(getattr(getattr(self.model, "config", None), "model_type", "unknown"))
+        try:
+            return {"family": family_of(self.model).name, "model_type": model_type}
+        except ValueError:
+            return {"family": model_type, "model_type": model_type}
+
     def _state(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
+        return {"run_id": self.run_id, **self._family(), "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
-                "warnings": self.warnings, "zeta_log": self.zeta_log,
+                "warnings": self.warnings, "zeta_log": self.zeta_log, "sizes": self.sizes,
                 # the environment's counters and state (plug-in wrapper, dataset rewards), if any
                 "env": self.env.state_dict() if callable(getattr(self.env, "state_dict", None)) else None}
 
@@ -409,9 +540,13 @@ class Trainer:
         tr = cls(cfg, run_dir, **kw)
         tr._resume_from, tr._resume_notes = ckpt, notes
         tr._resume_changes = changes
+        if ckpt is None:                       # no checkpoint yet: the run starts again, said once
+            for note in notes:
+                tr._warn(0, note)
         return tr
 
     def _restore(self, ckpt: Path) -> None:
+        check_family(ckpt, self._family(), self.dir)
         meta = load_checkpoint(ckpt, self.named_params, self.optimizer)
         self.step = self._checkpointed_step = int(meta["step"])
         self.thermostat.load_state_dict(meta["thermostat"])
@@ -419,6 +554,7 @@ class Trainer:
         self.low_share_in_row = meta["low_share_in_row"]
         self.warnings = list(meta["warnings"])
         self.zeta_log = list(meta["zeta_log"])
+        self.sizes.update(meta.get("sizes", {}))
         set_rng_state(meta["rng"])
         for note in getattr(self, "_resume_notes", []):
             self._warn(self.step, f"{note}; resuming from {ckpt.name}")

@@ -1,0 +1,113 @@
+"""DenseLinear: a frozen 16-bit base weight (the model's own dtype) with an optional LoRA or DoRA
+adapter in fp32 masters: `policy.quantize = "none"`.
+
+Forward, in PEFT's arrangement of the same math y = g ⊙ (x·Wᵀ + s·x·Aᵀ·Bᵀ) + bias:
+  base = x·Wᵀ + bias                     the layer's own F.linear in the model's dtype
+  LoRA:  y = base + s·(x·Aᵀ)·Bᵀ
+  DoRA:  y = base + (g − 1)·(base − bias) + g·s·(x·Aᵀ)·Bᵀ,   g = m / ‖W + s·B·A‖_row (detached)
+the adapter terms and the sum in fp32 (fp64 for an fp64 model), rounded once to the model's dtype.
+The base term is bit for bit the original nn.Linear's (so adapters off is the model itself), and a
+fresh adapter (B = 0, and for DoRA m = the same row norms the first ‖·‖ gives, so g = 1 exactly)
+adds exact zeros: the output is unchanged bit for bit. DoRA's row norm is formed explicitly,
+W + s·B·A in fp32 a block of rows at a time (bounded scratch), and cached until A or B change.
+What it is not: a quantized layer (NF4Linear) or a kernel of its own; every product is ATen's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fasttrain.nn.adapted_linear import AdaptedLinear
+
+__all__ = ["DenseLinear", "dense_linear", "dense_dora_norm", "NORM_BLOCK_ELEMENTS"]
+
+# Rows of W + s·B·A formed at once for DoRA's norm: 2^22 fp32 elements = 16 MiB of scratch.
+NORM_BLOCK_ELEMENTS = 1 << 22
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.no_grad()
+def dense_dora_norm(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """‖W + scale·B·A‖ per output row [out] in fp32 (fp64 for an fp64 weight), W + scale·B·A formed
+    NORM_BLOCK_ELEMENTS at a time. weight [out, in], lora_a [r, in], lora_b [out, r]."""
+    ct = _compute_dtype(weight.dtype)
+    a = lora_a.detach().to(ct)
+    out, k = weight.shape
+    step = max(1, NORM_BLOCK_ELEMENTS // max(1, k))
+    w, b = weight.detach(), lora_b.detach()
+    return torch.cat([torch.addmm(w[i:i + step].to(ct), b[i:i + step].to(ct), a, alpha=scale).norm(dim=1)
+                      for i in range(0, out, step)])
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None, scale: float = 1.0,
+                 dora_m: torch.Tensor | None = None, dora_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x.dtype: F.linear(x, weight, bias) plus the LoRA/DoRA terms (see
+    the module header). lora_a [r, in], lora_b [out, r] (both or neither); dora_m [out] DoRA's
+    magnitude; dora_norm [out] ‖W + s·B·A‖ when the caller has it (else formed here), detached.
+    Autograd: x, lora_a, lora_b, dora_m."""
+    if (lora_a is None) != (lora_b is None) or (dora_m is not None and lora_a is None):
+        raise ValueError("dense_linear: lora_a and lora_b go together, and dora_m needs them")
+    base = F.linear(x, weight, bias)
+    if lora_a is None:
+        return base
+    ct = _compute_dtype(x.dtype)
+    lora = F.linear(F.linear(x.to(ct), lora_a.to(ct)), lora_b.to(ct)) * scale
+    if dora_m is None:
+        return (base.to(ct) + lora).to(x.dtype)
+    norm = dense_dora_norm(weight, lora_a, lora_b, scale) if dora_norm is None else dora_norm.detach()
+    g = dora_m.to(ct) / norm.to(ct)
+    base_c = base.to(ct)
+    no_bias = base_c if bias is None else base_c - bias.to(ct)
+    return (base_c + (g - 1) * no_bias + g * lora).to(x.dtype)
+
+
+class DenseLinear(AdaptedLinear):
+    """y = g ⊙ (x·Wᵀ + s·x·Aᵀ·Bᵀ) + bias, W the frozen 16-bit weight [out, in]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if weight.dim() != 2:
+            raise ValueError(f"DenseLinear: weight must be [out_features, in_features], got {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.weight_dtype = weight.dtype
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "DenseLinear":
+        """The same weight and bias tensors (no copy), frozen."""
+        return cls(linear.weight, linear.bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.weight.detach().to(dtype or self.weight_dtype, copy=True)   # callers may write into it
+
+    # ---- DoRA's row norm -----------------------------------------------------------------------
+    def _initial_magnitude(self) -> torch.Tensor:
+        # the same function as every later norm, with B = 0: g = m / ‖·‖ is exactly 1 at start
+        return dense_dora_norm(self.weight, self.lora_A, torch.zeros_like(self.lora_B), self.scale).float()
+
+    def dora_norm(self) -> torch.Tensor:
+        return dense_dora_norm(self.weight, self.lora_A, self.lora_B, self.scale)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.adapter is None or not self.adapters_enabled:
+            return dense_linear(x, self.weight, self.bias)
+        if self.adapter == "lora":
+            return dense_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale)
+        # the norm is detached and changes only with A and B: cached across forwards (versions)
+        return dense_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, self.lora_magnitude,
+                            self._cached_dora_norm())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"dtype={self.weight_dtype}{self._adapter_repr()}")

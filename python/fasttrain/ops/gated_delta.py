@@ -1,0 +1,211 @@
+"""The gated delta rule and the causal depthwise conv of Gated DeltaNet layers (hybrid models).
+
+    o, S = gated_delta_rule(q, k, v, g, beta, initial_state=S0)   # a sequence, chunked
+    o1, S = gated_delta_step(q1, k1, v1, g1, beta1, S)             # one token (decode)
+    y, c = causal_conv1d(x, weight, state)                         # y: SiLU(conv), c: last K-1 inputs
+
+Shapes: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv] (Hv a multiple of Hk: q/k head h serves value heads
+h·Hv/Hk ...); g (log decay, <= 0) and beta [B, T, Hv]; state [B, Hv, Dk, Dv]. The definition is
+fasttrain.ops.reference.gated_delta_rule (one token at a time); this face computes the same thing.
+
+Which implementation runs: the reference when the kernels are set to "reference"; on CUDA,
+flash-linear-attention's chunked kernel when the package is installed (`fasttrain[gpu]`);
+otherwise the chunked form below in plain PyTorch, whose backward (including the gradient of the
+initial state) is autograd's. There is no fused CPU kernel yet: measured on the benchmark hybrid,
+the delta rule and the conv are ~45% of the update's forward+backward and ~23% of a step on a CPU,
+nothing in the decode (bench/results/hybrid_step_profile.md), so a kernel could gain at most ~1.3x.
+
+The chunked form (the WY representation of DeltaNet, Yang et al. 2024, as flash-linear-attention
+computes it). Within a chunk of C tokens let Γ_t = Σ_{s<=t} g_s (so e^{Γ_t − Γ_s} <= 1 for s <= t)
+and write the state after token t as S_t = e^{Γ_t} S_0 + Σ_{s<=t} e^{Γ_t − Γ_s} k_s w_sᵀ. Putting
+the recurrence in gives the lower-triangular system (I + L) W = βV − (β e^Γ K) S_0 with
+L_{sr} = β_s e^{Γ_s − Γ_r} k_sᵀk_r (r < s), so W = U − Wk·S_0 with U = (I + L)⁻¹βV and
+Wk = (I + L)⁻¹(β e^Γ K), both independent of S_0 (one batched triangular solve for all chunks).
+Then O = (e^Γ Q) S_0 + (QKᵀ ⊙ e^{Γ_t − Γ_s})_{s<=t} W and S_C = e^{Γ_C} S_0 + (K ⊙ e^{Γ_C − Γ})ᵀ W:
+the only sequential part is a loop over chunks carrying S. Every exponent is <= 0 (masked before
+the exp), so nothing overflows. The sequence is padded to a multiple of C with g = β = 0 (the state
+passes through unchanged). Computed in float32 for bf16/fp16/fp32 inputs, float64 for float64.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from fasttrain.ops import reference as _reference
+from fasttrain.ops.kernels import use_reference as _use_reference
+
+__all__ = ["gated_delta_rule", "gated_delta_step", "causal_conv1d", "causal_conv1d_step", "gated_delta_backend"]
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def gated_delta_backend(device: torch.device | str) -> str:
+    """What gated_delta_rule runs on `device` now: "reference", "fla" or "torch"."""
+    if _use_reference():
+        return "reference"
+    if torch.device(device).type == "cuda" and _installed("fla"):
+        return "fla"
+    return "torch"
+
+
+def _check(q, k, v, g, beta, initial_state) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"gated_delta_rule: q, k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv]; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if Hv % Hk:
+        raise ValueError(f"gated_delta_rule: value heads ({Hv}) must be a multiple of query/key heads ({Hk})")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, Hv):
+            raise ValueError(f"gated_delta_rule: {name} must be [B, T, Hv] = {(B, T, Hv)}, got {tuple(t.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, Hv, Dk, Dv):
+        raise ValueError(f"gated_delta_rule: initial_state must be [B, Hv, Dk, Dv] = {(B, Hv, Dk, Dv)}, "
+                         f"got {tuple(initial_state.shape)}")
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                     scale: float | None = None, initial_state: torch.Tensor | None = None,
+                     chunk_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32, float64 for float64 inputs).
+    Autograd: q, k, v, g, beta, initial_state. scale defaults to Dk^-1/2. chunk_size: the torch
+    path's chunk (32 measured fastest forward+backward at head dim 128 on a CPU, against 16 and 64;
+    flash-linear-attention picks its own)."""
+    _check(q, k, v, g, beta, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"gated_delta_rule: chunk_size must be >= 1, got {chunk_size}")
+    backend = gated_delta_backend(q.device)
+    if backend == "reference":
+        return _reference.gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    if backend == "fla" and q.dtype != torch.float64:
+        return _fla(q, k, v, g, beta, scale, initial_state)
+    return _chunked(q, k, v, g, beta, scale, initial_state, chunk_size)
+
+
+def _fla(q, k, v, g, beta, scale, initial_state):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    Hk, Hv = q.shape[2], v.shape[2]
+    if Hv != Hk:
+        q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+    s0 = None if initial_state is None else initial_state.float()
+    o, S = chunk_gated_delta_rule(q, k, v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
+                                  initial_state=s0, output_final_state=True)
+    return o.to(v.dtype), S.float()
+
+
+def _chunked(q, k, v, g, beta, scale, initial_state, C: int):
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
+    scale = Dk ** -0.5 if scale is None else scale
+    rep = Hv // Hk
+    if T == 0:                                                # nothing to run: the state passes through
+        S0 = (torch.zeros(B, Hv, Dk, Dv, dtype=acc, device=q.device) if initial_state is None
+              else initial_state.to(acc))
+        return v.new_zeros(B, 0, Hv, Dv), S0
+
+    def heads(x: torch.Tensor) -> torch.Tensor:   # [B, T, H(, D)] -> [B, Hv, N, C(, D)] in acc, padded
+        if rep > 1 and x.dim() == 4 and x.shape[2] == Hk:
+            x = x.repeat_interleave(rep, dim=2)
+        x = x.to(acc).transpose(1, 2)
+        pad = (-T) % C
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
+        return x.unflatten(2, (-1, C))
+
+    Q, K, V = heads(q) * scale, heads(k), heads(v)           # [B, H, N, C, D]
+    G, Bt = heads(g), heads(beta)                             # [B, H, N, C]
+    N = Q.shape[2]
+    gam = G.cumsum(-1)                                        # Γ within each chunk
+    diff = gam[..., :, None] - gam[..., None, :]              # Γ_t − Γ_s  [B, H, N, C, C]
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay_incl = diff.masked_fill(~lower, float("-inf")).exp()             # s <= t
+    decay_strict = diff.masked_fill(~lower.tril(-1), float("-inf")).exp()  # s < t
+    eye = torch.eye(C, dtype=acc, device=q.device)
+    system = eye + Bt[..., None] * (K @ K.transpose(-1, -2)) * decay_strict
+    rhs = torch.cat([Bt[..., None] * V, (Bt * gam.exp())[..., None] * K], dim=-1)
+    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    U, Wk = sol[..., :Dv], sol[..., Dv:]                      # [.., C, Dv], [.., C, Dk]
+    attn = (Q @ K.transpose(-1, -2)) * decay_incl             # [.., C, C]
+    Qd = Q * gam.exp()[..., None]
+    Kd = K * (gam[..., -1:] - gam).exp()[..., None]
+    last = gam[..., -1].exp()[..., None, None]                # [B, H, N, 1, 1]
+    S = (torch.zeros(B, Hv, Dk, Dv, dtype=acc, device=q.device) if initial_state is None
+         else initial_state.to(acc))
+    outs = []
+    for n in range(N):
+        W = U[:, :, n] - Wk[:, :, n] @ S                      # [B, H, C, Dv]
+        outs.append(Qd[:, :, n] @ S + attn[:, :, n] @ W)
+        S = last[:, :, n] * S + Kd[:, :, n].transpose(-1, -2) @ W
+    o = torch.stack(outs, 2).flatten(2, 3)[:, :, :T]          # [B, H, T, Dv]
+    return o.transpose(1, 2).to(v.dtype), S
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, *, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: q, k [B, Hk, Dk], v [B, Hv, Dv], g/beta [B, Hv], state [B, Hv, Dk, Dv]
+    (float32 in a rollout whatever the model dtype). Returns (o [B, Hv, Dv] in v's dtype, the new
+    state in the state's dtype), computed in the state's dtype."""
+    if _use_reference():
+        return _reference.gated_delta_step(q, k, v, g, beta, state, scale=scale)
+    Hk, Hv = q.shape[1], v.shape[1]
+    acc = state.dtype
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if Hv != Hk:
+        q, k = q.repeat_interleave(Hv // Hk, dim=1), k.repeat_interleave(Hv // Hk, dim=1)
+    qa, ka, va = q.to(acc) * scale, k.to(acc), v.to(acc)
+    S = state * g.to(acc).exp()[..., None, None]
+    recalled = (ka[:, :, None, :] @ S)[:, :, 0]                    # Sᵀk  [B, H, Dv]
+    delta = beta.to(acc)[..., None] * (va - recalled)
+    S = S + ka[..., :, None] * delta[..., None, :]
+    o = (qa[:, :, None, :] @ S)[:, :, 0]                           # Sᵀq
+    return o.to(v.dtype), S
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                  activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over time with SiLU: x [B, T, C], weight [C, K], state [B, K-1, C] (the
+    inputs before x, zeros when None). Returns (y [B, T, C] in x's dtype, new state [B, K-1, C]).
+    Computed in float32 (float64 for float64 x); on CUDA by causal-conv1d when installed and no state
+    is passed in."""
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+        raise ValueError(f"causal_conv1d: x must be [B, T, C] and weight [C, K]; got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if _use_reference():
+        return _reference.causal_conv1d(x, weight, state, activation)
+    B, T, Cn = x.shape
+    K = weight.shape[1]
+    if state is None:
+        state = x.new_zeros(B, K - 1, Cn)
+    xt = torch.cat([state.to(x.dtype), x], 1)                 # [B, K-1+T, C]
+    if x.is_cuda and x.dtype != torch.float64 and _installed("causal_conv1d") and not state.any():
+        from causal_conv1d import causal_conv1d_fn
+        y = causal_conv1d_fn(x.transpose(1, 2), weight.to(x.dtype), None, activation="silu" if activation else None)
+        return y.transpose(1, 2), xt[:, T:]
+    # K shifted multiply-adds over [B, T, C] (channels last, as the projections give them): on the
+    # CPU this is several times faster than F.conv1d's depthwise path on the transposed layout
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xa, w = xt.to(acc), weight.to(acc)
+    y = xa[:, :T] * w[:, 0]
+    for j in range(1, K):
+        y = y + xa[:, j:j + T] * w[:, j]
+    if activation:
+        y = F.silu(y)
+    return y.to(x.dtype), xt[:, T:]
+
+
+def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                       activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: x [B, C], state [B, K-1, C] -> (y [B, C], new state [B, K-1, C])."""
+    if _use_reference():
+        return _reference.causal_conv1d_step(x, weight, state, activation)
+    window = torch.cat([state.to(x.dtype), x[:, None]], 1)    # [B, K, C]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = (window.to(acc) * weight.to(acc).T).sum(1)
+    if activation:
+        y = F.silu(y)
+    return y.to(x.dtype), window[:, 1:]

@@ -1,0 +1,236 @@
+"""The decode path of Qwen3.5 hybrids (Gated DeltaNet + gated full attention) on a static cache,
+driving the model's own modules (projections, norms, rotary embedding), one step per layer kind.
+
+Per layer kind, what the cache holds for each row:
+  linear_attention (Gated DeltaNet): the conv state, the last K-1 pre-conv inputs [B, K-1, C] in the
+    model's dtype (the inputs are in it already, so nothing is rounded), and the recurrent state
+    [B, Hv, Dk, Dv] in float32 whatever the model's dtype (float64 for a float64 model): a bf16
+    state drifts from the training forward's over long answers.
+  full_attention: keys and values [B, kv_heads, S_max, head_dim] as the Llama-family decoder.
+The shapes are fixed when the cache is made, and a step writes in place.
+
+The same computation as transformers' Qwen3_5ForCausalLM: in a Gated DeltaNet layer, in_proj_qkv →
+causal depthwise conv (K taps, SiLU) → q, k (L2-normalised in float32), v; beta = sigmoid(b);
+g = −exp(A_log)·softplus(a + dt_bias); the gated delta rule (fasttrain.ops); the gated RMSNorm with
+silu(z); out_proj. In a full-attention layer, q_proj gives the query and an output gate interleaved
+per head, q_norm/k_norm per head, the rotary embedding on the first partial_rotary_factor·head_dim
+dims, grouped-query attention, o_proj(attn · sigmoid(gate)). The zero-centred RMSNorms are the
+model's modules.
+
+Left padding: a padded position's normed input is zeroed before the projections (as transformers
+does), so its q, k, v, z are 0: the recurrent state stays exactly 0 and the conv window sees the
+zeros a causal conv pads with; the keys are masked in full attention. A left-padded row therefore
+computes what the unpadded prompt computes.
+
+Holding a row: `decode(..., active=...)` with active[b] False leaves row b's conv and recurrent
+states as they were (its new key/value column is written, and the caller masks it invalid for the
+row, as for the Llama family); its output is not meaningful. A row may be held any number of steps
+and resumes where it was (its position is the caller's: the rotary tables are per row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fasttrain.ops.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_rule, gated_delta_step
+
+from .decoder import LlamaFamilyDecoder, _rotate_half
+
+__all__ = ["HybridCache", "HybridDecoder"]
+
+
+@dataclass
+class HybridCache:
+    """Per-layer state of a batch of rows (None in the slots of the other layer kind)."""
+
+    kv: list[tuple[Tensor, Tensor] | None]   # full attention: (keys, values) [B, kv, S_max, D]
+    conv: list[Tensor | None]                # Gated DeltaNet: [B, K-1, C] model dtype
+    rec: list[Tensor | None]                 # Gated DeltaNet: [B, Hv, Dk, Dv] float32 (float64 model: float64)
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class HybridDecoder(LlamaFamilyDecoder):
+    """Forward passes of a Qwen3_5ForCausalLM (or a PEFT wrapper of one) on a HybridCache."""
+
+    def __init__(self, model, weights=None):
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        base = getattr(model, "model", None)
+        cfg = model.config
+        if base is None or not hasattr(cfg, "layer_types") or not hasattr(model, "lm_head"):
+            raise ValueError(f"sample: model {type(model).__name__} is not a Qwen3.5 hybrid causal LM")
+        self.model = model
+        self.embed, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
+        self.rotary, self.lm_head = base.rotary_emb, model.lm_head
+        self.kinds = list(cfg.layer_types)
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.group = self.n_heads // self.n_kv
+        self.scaling = self.head_dim ** -0.5
+        self.sliding_window = None
+        self.qk_norm = True
+        self.Hk, self.Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.Dk, self.Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.conv_k = cfg.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.Hk * self.Dk + self.Hv * self.Dv
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        self.state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.weights = weights
+
+    # ---- the cache ---------------------------------------------------------------------------
+    def new_cache(self, batch: int, seq: int) -> HybridCache:
+        kv, conv, rec = [], [], []
+        for kind in self.kinds:
+            full = kind == "full_attention"
+            kv.append(tuple(torch.zeros(batch, self.n_kv, seq, self.head_dim, dtype=self.dtype, device=self.device)
+                            for _ in range(2)) if full else None)
+            conv.append(None if full else torch.zeros(batch, self.conv_k - 1, self.conv_dim, dtype=self.dtype,
+                                                      device=self.device))
+            rec.append(None if full else torch.zeros(batch, self.Hv, self.Dk, self.Dv, dtype=self.state_dtype,
+                                                     device=self.device))
+        return HybridCache(kv, conv, rec)
+
+    def copy_prompts(self, small: HybridCache, cache: HybridCache, group: int, prompt_len: int) -> None:
+        """Give each of the n prompts' cache (small, n rows) to its `group` consecutive rows of cache."""
+        for i in range(len(self.kinds)):
+            if small.kv[i] is not None:
+                for src, dst in zip(small.kv[i], cache.kv[i]):
+                    dst[:, :, :prompt_len].unflatten(0, (-1, group)).copy_(src[:, :, :prompt_len].unsqueeze(1))
+            else:
+                cache.conv[i].unflatten(0, (-1, group)).copy_(small.conv[i].unsqueeze(1))
+                cache.rec[i].unflatten(0, (-1, group)).copy_(small.rec[i].unsqueeze(1))
+
+    # ---- forward -----------------------------------------------------------------------------
+    def prefill(self, input_ids: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: HybridCache) -> Tensor:
+        """Left-padded prompts [n, P] (key_valid bool [n, P]; cos/sin [n, P, rotary dims]) from empty
+        states; fills cache columns [0, P) and the states. Returns the last column's final-norm hidden [n, H]."""
+        n, P = input_ids.shape
+        causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril_()
+        eye = torch.eye(P, dtype=torch.bool, device=self.device)
+        mask = ((causal & key_valid[:, None, :]) | eye)[:, None]   # a pad query sees itself (no NaN)
+        x = self.embed(input_ids)
+        x = self._run(x, cos[:, None], sin[:, None], cache, 0, mask, key_valid, None)
+        return self.norm(x[:, -1])
+
+    def decode(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: HybridCache,
+               column: int | Tensor, active: Tensor | None = None) -> Tensor:
+        """One token per row `tokens` [B] at cache `column` (an int: key_valid [B, column + 1]; a
+        one-element tensor: key_valid [B, S_max], fixed shapes for torch.compile); cos/sin [B, rotary
+        dims]; active bool [B] or None (all). Returns the final-norm hidden state [B, H]."""
+        x = self.embed(tokens[:, None])
+        x = self._run(x, cos[:, None, None], sin[:, None, None], cache, column, key_valid[:, None, None, :],
+                      None, active)
+        return self.norm(x[:, 0])
+
+    decode_static = decode
+
+    def _run(self, x: Tensor, cos: Tensor, sin: Tensor, cache: HybridCache, start, mask: Tensor,
+             valid: Tensor | None, active: Tensor | None) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            if self.kinds[i] == "full_attention":
+                x = x + self._attention(layer.self_attn, h, cos, sin, cache.kv[i], start, mask)
+            else:
+                y, cache.conv[i], cache.rec[i] = self._delta(layer.linear_attn, h, cache.conv[i], cache.rec[i],
+                                                             valid, active)
+                x = x + y
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
+        return x
+
+    def attention_inputs(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """h [B, S, H] -> q [B, nh, S, D], k, v [B, kv, S, D] (normed, rotated) and the output gate
+        [B, S, nh·D] (q_proj's output holds query and gate interleaved per head)."""
+        B, S, _ = h.shape
+        D = self.head_dim
+        qg, k, v = self._project(h, (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, gate = qg.view(B, S, self.n_heads, 2 * D).chunk(2, dim=-1)
+        q = attn.q_norm(q).transpose(1, 2)
+        k = attn.k_norm(k.view(B, S, self.n_kv, D)).transpose(1, 2)
+        v = v.view(B, S, self.n_kv, D).transpose(1, 2)
+        return rotate_partial(q, cos, sin), rotate_partial(k, cos, sin), v, gate.reshape(B, S, self.n_heads * D)
+
+    def _attention(self, attn, h: Tensor, cos: Tensor, sin: Tensor, kv, start, mask: Tensor) -> Tensor:
+        B, S, _ = h.shape
+        D, G = self.head_dim, self.group
+        q, k, v, gate = self.attention_inputs(attn, h, cos, sin)
+        static = isinstance(start, Tensor)
+        end = kv[0].shape[2] if static else start + S
+        if static:
+            kv[0].index_copy_(2, start, k)
+            kv[1].index_copy_(2, start, v)
+        else:
+            kv[0][:, :, start:end] = k
+            kv[1][:, :, start:end] = v
+        keys, values = kv[0][:, :, :end], kv[1][:, :, :end]
+        if S == 1:   # the G query heads of a KV head as G query rows of it (no repeat of K/V)
+            o = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), keys, values, attn_mask=mask,
+                                               scale=self.scaling).reshape(B, 1, self.n_heads * D)
+        else:
+            if G > 1:
+                keys, values = keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+            o = o.transpose(1, 2).reshape(B, S, self.n_heads * D)
+        o = o * torch.sigmoid(gate)
+        return self._project(o, (attn.o_proj,))[0]
+
+    def _delta(self, la, h: Tensor, conv: Tensor, rec: Tensor, valid: Tensor | None,
+               active: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        B, S, _ = h.shape
+        qkv, z, beta, g = self.delta_inputs(la, h, valid)
+        w = la.conv1d.weight[:, 0]                                           # [C, K]
+        if S == 1 and valid is None:
+            y, conv_new = causal_conv1d_step(qkv[:, 0], w, conv)
+            q, k, v = self.split_qkv(y[:, None])
+            o, rec_new = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0].to(rec.dtype), beta[:, 0], rec)
+            o = o[:, None]
+            if active is not None:
+                keep = active.view(B, 1, 1)
+                conv_new = torch.where(keep, conv_new, conv)
+                rec_new = torch.where(keep.view(B, 1, 1, 1), rec_new, rec)
+        else:
+            y, conv_new = causal_conv1d(qkv, w, conv)
+            q, k, v = self.split_qkv(y)
+            o, rec_new = gated_delta_rule(q, k, v, g.to(rec.dtype), beta, initial_state=rec)
+            rec_new = rec_new.to(rec.dtype)
+        return self.delta_output(la, o, z), conv_new, rec_new
+
+    def delta_inputs(self, la, h: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """h [B, S, H] (valid bool [B, S] zeroes padded positions first, as transformers does) ->
+        qkv [B, S, C] before the conv, z [B, S, Hv·Dv], beta and g [B, S, Hv] (g float32)."""
+        if valid is not None:
+            h = h * valid[..., None].to(h.dtype)
+        qkv, z, b, a = self._project(h, (la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a))
+        g = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
+        return qkv, z, b.sigmoid(), g
+
+    def delta_output(self, la, o: Tensor, z: Tensor) -> Tensor:
+        """The gated RMSNorm of the delta rule's output o [B, S, Hv, Dv] with silu(z), then out_proj."""
+        B, S = o.shape[:2]
+        o = la.norm(o.reshape(-1, self.Dv), z.reshape(-1, self.Dv)).reshape(B, S, -1)
+        return self._project(o, (la.out_proj,))[0]
+
+    def split_qkv(self, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Conv output [B, S, C] -> q, k [B, S, Hk, Dk] L2-normalised in float32 (float64 for a
+        float64 model), v [B, S, Hv, Dv] in the model's dtype."""
+        B, S, _ = y.shape
+        kd = self.Hk * self.Dk
+        q, k, v = y.split([kd, kd, self.Hv * self.Dv], dim=-1)
+        q = _l2norm(q.to(self.state_dtype).view(B, S, self.Hk, self.Dk))
+        k = _l2norm(k.to(self.state_dtype).view(B, S, self.Hk, self.Dk))
+        return q, k, v.reshape(B, S, self.Hv, self.Dv)
+
+
+def rotate_partial(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotary embedding on the first cos.shape[-1] dims of x (the rest pass through)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    xr, xp = x[..., :r], x[..., r:]
+    return torch.cat([xr * cos + _rotate_half(xr) * sin, xp], dim=-1)

@@ -1,0 +1,188 @@
+"""`fasttrain selftest` cases of the linear-attention ops: gated_delta_rule (chunked, forward and
+backward, from an initial state), gated_delta_step and causal_conv1d, each through its face in
+fasttrain.ops (whatever runs on the device: flash-linear-attention, causal-conv1d or the torch
+chunked form) against fasttrain.ops.reference in float64 on the same (rounded) inputs.
+
+Tolerances (derived; the selftest module's header states the shared conventions u_d, u_a):
+  The recurrence is non-expansive: with ‖k‖ = 1 and 0 <= β <= 1, I − βkkᵀ has norm <= 1 and the
+  decay e^g <= 1, so every value column of the state obeys ‖S_t[:, j]‖ <= ‖S_0[:, j]‖ + Σ_t β_t|v_tj|
+  =: S_max, and |o_tj| <= scale·‖q_t‖·S_max =: O_max. A rounding error made anywhere is carried
+  forward without growth, so the error of a computation in precision u is at most the sum of its
+  roundings: the chunked form adds, per token, a state update and a read-out of L = T(1 + Dk/C) +
+  C + Dk terms in all (the chunk's triangular solve and products, and the chunks carried), each
+  bounded by the magnitudes above. Hence
+      tol(o) = 2·err_plain + (4·L·u_a + 4·(C + Dk)·u_c)·O_max + u_d·|o_ref|
+      tol(S) = 2·err_plain + (4·L·u_a + 4·(C + Dk)·u_c)·S_max
+  where err_plain is the worst error of the plain one-token recurrence computed in the case's
+  accumulation dtype (fasttrain.ops.reference with the same inputs not promoted to float64: the
+  flash-attention criterion, at most twice what a plain computation loses), and u_c = u_d for
+  bf16/fp16 inputs (a kernel may keep intermediates in them, as flash-linear-attention does), 0
+  otherwise (the torch chunked form keeps them in float32). The backward: the same form with the magnitudes replaced by the largest reference
+  gradient of each input times the largest |o| cotangent path, err_plain taken from the plain
+  recurrence's own backward. causal_conv1d: K products summed per output: (K + 2)·u_a·Σ_j|w_j||x_j|
+  before the SiLU (Lipschitz 1.1), plus the output's rounding; the state is copied exactly.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fasttrain import selftest as _selftest
+from fasttrain.selftest import DT_NAME, U, _Check, _gen, _leaf, _rounding, _timed, _u_acc
+
+__all__ = ["gated_delta_cases", "conv_cases"]
+
+
+def _inputs(dev, B, T, Hk, Hv, Dk, Dv, dtype, seed, state: bool):
+    g = _gen(seed)
+    q = torch.randn(B, T, Hk, Dk, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(B, T, Hk, Dk, generator=g), dim=-1)
+    v = torch.randn(B, T, Hv, Dv, generator=g)
+    gl = -torch.rand(B, T, Hv, generator=g) * 1.5                      # decay e^g in (0.22, 1]
+    beta = torch.rand(B, T, Hv, generator=g)
+    s0 = torch.randn(B, Hv, Dk, Dv, generator=g) if state else None
+    do = torch.randn(B, T, Hv, Dv, generator=g)
+    dS = torch.randn(B, Hv, Dk, Dv, generator=g)
+    cast = [t.to(dtype) for t in (q, k, v, gl, beta)]
+    return [t.to(dev) for t in cast], (None if s0 is None else s0.to(dev)), do.to(dtype).to(dev), dS.to(dev)
+
+
+def _bounds(q, k, v, beta, s0, scale):
+    """(S_max, O_max) of the derivation above, from float64 inputs."""
+    Hk, Hv = q.shape[2], v.shape[2]
+    b = beta.double()
+    col = (b[..., None] * v.double().abs()).sum(1)                       # [B, Hv, Dv]
+    if s0 is not None:
+        col = col + s0.double().norm(dim=2)
+    s_max = float(col.max())
+    qn = q.double().norm(dim=-1).max()
+    return s_max, float(scale * qn * s_max)
+
+
+def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0) -> tuple[str, Callable]:
+    name = f"B={B} T={T} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} {DT_NAME[dtype]} chunk={chunk}{' state' if state else ''}"
+    scale = Dk ** -0.5
+
+    def run(check: _Check):
+        from fasttrain.ops import reference as R
+        ins, s0, do, dS = _inputs(dev, B, T, Hk, Hv, Dk, Dv, dtype, seed, state)
+        kin = [_leaf(t, dev) for t in ins]
+        ks0 = _leaf(s0, dev, torch.float32 if dtype != torch.float64 else torch.float64)
+        rin = [_leaf(t, dev, torch.float64) for t in ins]
+        rs0 = _leaf(s0, dev, torch.float64)
+        pin = [_leaf(t, dev) for t in ins]                               # the plain recurrence, acc dtype
+        ps0 = _leaf(s0, dev, torch.float32 if dtype != torch.float64 else torch.float64)
+
+        def go(fn, xs, s, sdt):
+            o, S = fn(*xs, scale=scale, initial_state=s, chunk_size=chunk)
+            (o.to(sdt) * do.to(sdt)).sum().add((S.to(sdt) * dS.to(sdt)).sum()).backward()
+            return o, S
+
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        (ok, Sk), tk = _timed(lambda: go(_selftest.KERNELS["gated_delta_rule"], kin, ks0, acc), dev)
+        (orf, Sr), tr = _timed(lambda: go(R.gated_delta_rule, rin, rs0, torch.float64), dev)
+        op, Sp = go(R.gated_delta_rule, pin, ps0, acc)
+        from fasttrain.ops.gated_delta import gated_delta_backend
+        ua = _u_acc(dtype)
+        low = dtype in (torch.bfloat16, torch.float16)
+        uc = U[dtype] if low and gated_delta_backend(dev) == "fla" else 0.0
+        L = T * (1 + Dk / chunk) + chunk + Dk
+        f = 4 * L * ua + 4 * (chunk + Dk) * uc
+        s_max, o_max = _bounds(*ins[:3], ins[4], s0, scale)
+
+        def plain_err(a, b):
+            return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
+
+        with torch.no_grad():
+            check.close("o", ok, orf, 2 * plain_err(op, orf) + f * o_max + _rounding(orf, dtype), dtype)
+            check.close("state", Sk, Sr, 2 * plain_err(Sp, Sr) + f * s_max, acc)
+            grads = [("dq", kin[0], rin[0], pin[0]), ("dk", kin[1], rin[1], pin[1]), ("dv", kin[2], rin[2], pin[2]),
+                     ("dg", kin[3], rin[3], pin[3]), ("dbeta", kin[4], rin[4], pin[4])]
+            if state:
+                grads.append(("dstate", ks0, rs0, ps0))
+            for nm, gk, gr, gp in grads:
+                mag = float(gr.grad.abs().max())
+                check.close(nm, gk.grad, gr.grad, 2 * plain_err(gp.grad, gr.grad) + f * mag + _rounding(gr.grad, gk.dtype),
+                            gk.dtype)
+        return tk, tr
+
+    return name, run
+
+
+def _step_case(dev, B, Hk, Hv, Dk, Dv, dtype, seed=0) -> tuple[str, Callable]:
+    name = f"step B={B} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} {DT_NAME[dtype]} fp32 state"
+
+    def run(check: _Check):
+        from fasttrain.ops import reference as R
+        ins, s0, _, _ = _inputs(dev, B, 1, Hk, Hv, Dk, Dv, dtype, seed, True)
+        one = [t[:, 0] for t in ins]
+        sdt = torch.float64 if dtype == torch.float64 else torch.float32
+        (ok, Sk), tk = _timed(lambda: _selftest.KERNELS["gated_delta_step"](*one, s0.to(sdt)), dev)
+        (orf, Sr), tr = _timed(lambda: R.gated_delta_step(*[t.double() for t in one], s0.double()), dev)
+        ua = _u_acc(dtype)
+        s_max, o_max = _bounds(*ins[:3], ins[4], s0, Dk ** -0.5)
+        f = 4 * (2 * Dk + 4) * ua
+        check.close("o", ok, orf, f * o_max + _rounding(orf, dtype), dtype)
+        check.close("state", Sk, Sr, f * s_max, sdt)
+        return tk, tr
+
+    return name, run
+
+
+def gated_delta_cases(dev, quick: bool):
+    if quick:
+        return [_delta_case(dev, 2, 37, 2, 6, 16, 8, torch.float32, 16, seed=1),
+                _step_case(dev, 3, 2, 4, 16, 8, torch.bfloat16, seed=2)]
+    out = [_delta_case(dev, 2, 37, 2, 6, 16, 8, torch.float32, 16, seed=1),
+           _delta_case(dev, 1, 130, 3, 3, 32, 16, torch.float32, 64, seed=2),
+           _delta_case(dev, 2, 70, 1, 3, 16, 16, torch.bfloat16, 64, state=False, seed=3),
+           _delta_case(dev, 2, 33, 2, 2, 8, 8, torch.float16, 8, seed=4),
+           _delta_case(dev, 1, 1, 2, 4, 8, 8, torch.float32, 64, seed=5),
+           _step_case(dev, 3, 2, 4, 16, 8, torch.bfloat16, seed=6),
+           _step_case(dev, 3, 2, 2, 16, 8, torch.float32, seed=7)]
+    if dev.type == "cpu":
+        out += [_delta_case(dev, 2, 45, 2, 4, 8, 8, torch.float64, 16, seed=8),
+                _step_case(dev, 2, 1, 3, 8, 8, torch.float64, seed=9)]
+    return out
+
+
+def _conv_case(dev, B, T, C, K, dtype, state, step=False, seed=0) -> tuple[str, Callable]:
+    name = f"{'step ' if step else ''}B={B} T={T} C={C} K={K} {DT_NAME[dtype]}{' state' if state else ''}"
+
+    def run(check: _Check):
+        from fasttrain.ops import reference as R
+        g = _gen(seed)
+        x = torch.randn(B, T, C, generator=g).to(dtype).to(dev)
+        w = torch.randn(C, K, generator=g).to(dtype).to(dev)
+        s = torch.randn(B, K - 1, C, generator=g).to(dtype).to(dev) if state else None
+        if step:
+            (yk, sk), tk = _timed(lambda: _selftest.KERNELS["causal_conv1d_step"](x[:, 0], w, s), dev)
+            (yr, sr), tr = _timed(lambda: R.causal_conv1d_step(x[:, 0].double(), w.double(), s.double()), dev)
+            xs = torch.cat([s, x[:, :1]], 1).double()
+        else:
+            (yk, sk), tk = _timed(lambda: _selftest.KERNELS["causal_conv1d"](x, w, s), dev)
+            (yr, sr), tr = _timed(lambda: R.causal_conv1d(x.double(), w.double(), None if s is None else s.double()), dev)
+            xs = torch.cat([s if s is not None else x.new_zeros(B, K - 1, C), x], 1).double()
+        n = 1 if step else yr.shape[1]
+        mag = sum(xs[:, j:j + n].abs() * w.double().abs()[:, j] for j in range(K))
+        if step:
+            mag = mag[:, 0]
+        check.close("y", yk, yr, 1.1 * (K + 2) * _u_acc(dtype) * mag + _rounding(yr, dtype), dtype)
+        check.exact("state", sk, sr.to(sk.dtype))
+        return tk, tr
+
+    return name, run
+
+
+def conv_cases(dev, quick: bool):
+    if quick:
+        return [_conv_case(dev, 2, 9, 24, 4, torch.bfloat16, True, seed=1)]
+    out = [_conv_case(dev, 2, 9, 24, 4, torch.bfloat16, True, seed=1),
+           _conv_case(dev, 3, 2, 17, 4, torch.float32, False, seed=2),
+           _conv_case(dev, 2, 33, 40, 3, torch.float16, True, seed=3),
+           _conv_case(dev, 4, 1, 24, 4, torch.float32, True, step=True, seed=4),
+           _conv_case(dev, 4, 1, 24, 4, torch.bfloat16, True, step=True, seed=5)]
+    if dev.type == "cpu":
+        out.append(_conv_case(dev, 2, 9, 24, 4, torch.float64, True, seed=6))
+    return out

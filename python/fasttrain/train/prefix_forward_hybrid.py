@@ -1,0 +1,151 @@
+"""The update's shared-prefix forward for Qwen3.5 hybrids: each distinct prompt runs once per
+micro-batch, and its answers continue from what the prompt left, per layer kind:
+  full attention: the prompt's keys and values (gathered by row, as for the Llama family);
+  Gated DeltaNet: the prompt's conv state (its last K-1 pre-conv inputs) and its final recurrent
+    state, gathered by row and used as the initial states of the answers' conv and chunked delta
+    rule (fasttrain.ops.gated_delta_rule from an initial state: its backward carries each answer's
+    gradient into the prompt's state, and the gather's backward sums a group's into its one prompt).
+Projections, norms and the MLP run over the U·P prompt tokens and the B·(T-1) answer tokens
+together, one matmul each. Under gradient checkpointing each decoder layer is one checkpointed
+function of (prompt hidden states, answer hidden states), with the model's own checkpoint function.
+
+The layer math is the hybrid decoder's (fasttrain.rollout.hybrid_decoder: the same module calls),
+so the rollout and the update are one implementation of the model apart from how the sequence is
+cut. What this is not: a packed or variable-length kernel path; padded prompt positions are zeroed
+before the Gated DeltaNet projections (so the state stays 0) and masked in attention.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fasttrain.ops.gated_delta import causal_conv1d, gated_delta_rule
+from fasttrain.rollout.hybrid_decoder import HybridDecoder, rotate_partial
+from fasttrain.train.prefix_forward import prefix_masks, prompt_groups
+
+__all__ = ["shared_prefix_hidden_hybrid"]
+
+
+def shared_prefix_hidden_hybrid(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                                prompt_len: int, T: int, prompt_index: Tensor | None = None) -> Tensor | None:
+    """As fasttrain.train.prefix_forward.shared_prefix_hidden: final-norm hidden states [B, T, H]
+    predicting each row's answer tokens, every distinct prompt run once."""
+    dec = HybridDecoder(model)
+    if dec.model.training and float(getattr(dec.model.config, "attention_dropout", 0.0) or 0.0) > 0:
+        return None
+    P, A = prompt_len, T - 1
+    B = input_ids.shape[0]
+    inverse, first = prompt_groups(input_ids, attention_mask, P, prompt_index)
+    prompt_mask, answer_mask = prefix_masks(attention_mask, first, P, A)
+    valid_p = attention_mask[first, :P].bool()
+    valid_a = attention_mask[:, P:P + A].bool()
+    cos_p, sin_p = dec.rotary_table(position_ids[first, :P])
+    x_p = dec.embed(input_ids[first, :P])
+    cos_a, sin_a = dec.rotary_table(position_ids[:, P:P + A])
+    x_a = dec.embed(input_ids[:, P:P + A])
+    ctx = _Context(dec, inverse, cos_p[:, None], sin_p[:, None], cos_a[:, None], sin_a[:, None], prompt_mask,
+                   answer_mask, valid_p, valid_a)
+    checkpointing = dec.model.training and torch.is_grad_enabled()
+    for i, layer in enumerate(dec.layers):
+        run = functools.partial(_layer, ctx, i, layer)
+        if checkpointing and getattr(layer, "gradient_checkpointing", False):
+            ckpt = getattr(layer, "_gradient_checkpointing_func", None) or functools.partial(
+                torch.utils.checkpoint.checkpoint, use_reentrant=False)
+            x_p, x_a = ckpt(run, x_p, x_a)
+        else:
+            x_p, x_a = run(x_p, x_a)
+    return dec.norm(torch.cat([x_p[inverse, P - 1:P], x_a], dim=1))
+
+
+class _Context:
+    """What every layer of one forward reads (positions, masks, groups)."""
+
+    def __init__(self, dec, inverse, cos_p, sin_p, cos_a, sin_a, prompt_mask, answer_mask, valid_p, valid_a):
+        self.dec, self.inverse = dec, inverse
+        self.cos_p, self.sin_p, self.cos_a, self.sin_a = cos_p, sin_p, cos_a, sin_a
+        self.prompt_mask, self.answer_mask = prompt_mask, answer_mask
+        self.valid_p, self.valid_a = valid_p, valid_a
+
+
+def _layer(c: _Context, i: int, layer, x_p: Tensor, x_a: Tensor) -> tuple[Tensor, Tensor]:
+    """Decoder layer i over the U prompts x_p [U, P, H] and the B answers x_a [B, A, H]."""
+    U, P, H = x_p.shape
+    B, A, _ = x_a.shape
+    h_p, h_a = layer.input_layernorm(x_p), layer.input_layernorm(x_a)
+    if c.dec.kinds[i] == "full_attention":
+        y_p, y_a = _attention(c, layer.self_attn, h_p, h_a)
+    else:
+        y_p, y_a = _delta(c, layer.linear_attn, h_p, h_a)
+    x = torch.cat([(x_p + y_p).reshape(U * P, H), (x_a + y_a).reshape(B * A, H)])
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x[:U * P].view(U, P, H), x[U * P:].view(B, A, H)
+
+
+def _stack(t_p: Tensor, t_a: Tensor) -> Tensor:
+    """[U, P, ...] and [B, A, ...] -> one [1, U·P + B·A, ...] batch (one matmul per projection)."""
+    return torch.cat([t_p.flatten(0, 1), t_a.flatten(0, 1)])[None]
+
+
+def _unstack(t: Tensor, U: int, P: int, B: int, A: int) -> tuple[Tensor, Tensor]:
+    return t[0, :U * P].unflatten(0, (U, P)), t[0, U * P:].unflatten(0, (B, A))
+
+
+def _attention(c: _Context, attn, h_p: Tensor, h_a: Tensor) -> tuple[Tensor, Tensor]:
+    dec = c.dec
+    U, P = h_p.shape[:2]
+    B, A = h_a.shape[:2]
+    qg, k, v = dec._project(_stack(h_p, h_a), (attn.q_proj, attn.k_proj, attn.v_proj))
+    (qg_p, qg_a), (k_p, k_a), (v_p, v_a) = (_unstack(t, U, P, B, A) for t in (qg, k, v))
+    q_p, k_p, v_p, gate_p = _heads(dec, attn, qg_p, k_p, v_p, c.cos_p, c.sin_p)
+    o_p = _attend(dec, q_p, k_p, v_p, c.prompt_mask) * torch.sigmoid(gate_p)
+    if A > 0:
+        q_a, k_a, v_a, gate_a = _heads(dec, attn, qg_a, k_a, v_a, c.cos_a, c.sin_a)
+        keys = torch.cat([k_p[c.inverse], k_a], dim=2)                  # [B, kv, P+A, D]
+        values = torch.cat([v_p[c.inverse], v_a], dim=2)
+        o_a = _attend(dec, q_a, keys, values, c.answer_mask) * torch.sigmoid(gate_a)
+    else:
+        o_a = o_p.new_empty(B, 0, o_p.shape[-1])
+    return _unstack(dec._project(_stack(o_p, o_a), (attn.o_proj,))[0], U, P, B, A)
+
+
+def _heads(dec: HybridDecoder, attn, qg: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor):
+    """Projections [n, s, ·] -> q [n, nh, s, D], k, v [n, kv, s, D] normed and rotated, gate [n, s, nh·D]."""
+    n, s_ = qg.shape[:2]
+    D = dec.head_dim
+    q, gate = qg.view(n, s_, dec.n_heads, 2 * D).chunk(2, dim=-1)
+    q = attn.q_norm(q).transpose(1, 2)
+    k = attn.k_norm(k.view(n, s_, dec.n_kv, D)).transpose(1, 2)
+    v = v.view(n, s_, dec.n_kv, D).transpose(1, 2)
+    return rotate_partial(q, cos, sin), rotate_partial(k, cos, sin), v, gate.reshape(n, s_, dec.n_heads * D)
+
+
+def _attend(dec: HybridDecoder, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """q [n, nh, s, D] over keys/values [n, kv, L, D] -> [n, s, nh·D] (grouped-query: K/V repeated)."""
+    G = dec.group
+    if G > 1:
+        keys, values = keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=dec.scaling)
+    n, nh, s_, D = o.shape
+    return o.transpose(1, 2).reshape(n, s_, nh * D)
+
+
+def _delta(c: _Context, la, h_p: Tensor, h_a: Tensor) -> tuple[Tensor, Tensor]:
+    dec = c.dec
+    U, P = h_p.shape[:2]
+    B, A = h_a.shape[:2]
+    qkv, z, beta, g = dec.delta_inputs(la, _stack(h_p, h_a), _stack(c.valid_p, c.valid_a))
+    (qkv_p, qkv_a), (beta_p, beta_a), (g_p, g_a) = (_unstack(t, U, P, B, A) for t in (qkv, beta, g))
+    w = la.conv1d.weight[:, 0]
+    y_p, conv_p = causal_conv1d(qkv_p, w)                               # prompts from zero state
+    q, k, v = dec.split_qkv(y_p)
+    o_p, S_p = gated_delta_rule(q, k, v, g_p.to(dec.state_dtype), beta_p)
+    if A > 0:
+        y_a, _ = causal_conv1d(qkv_a, w, conv_p[c.inverse])            # answers continue each prompt
+        q, k, v = dec.split_qkv(y_a)
+        o_a, _ = gated_delta_rule(q, k, v, g_a.to(dec.state_dtype), beta_a, initial_state=S_p[c.inverse])
+    else:
+        o_a = o_p.new_empty(B, 0, *o_p.shape[2:])
+    return _unstack(dec.delta_output(la, _stack(o_p, o_a), z), U, P, B, A)

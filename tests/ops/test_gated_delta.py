@@ -1,0 +1,154 @@
+"""fasttrain.ops.gated_delta_rule / gated_delta_step / causal_conv1d against their definitions in
+fasttrain.ops.reference, in float64 (so the only differences are float64 roundings, bounded by
+the derivation in fasttrain/selftest_gated_delta.py with u = 2^-53), plus the properties the
+rollout and the update rely on: any chunk size gives the same result, a sequence split anywhere
+and continued from the carried state equals the whole, the one-token step repeated equals the
+sequence, and the initial state receives the gradient the one-token recurrence gives it."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fasttrain.ops as F
+from fasttrain.ops import reference as R
+
+SETTINGS = settings(max_examples=15, deadline=None, print_blob=True)
+U64 = 2.0 ** -53
+
+
+def _inputs(B, T, Hk, rep, Dk, Dv, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    Hv = Hk * rep
+    q = torch.randn(B, T, Hk, Dk, generator=g, dtype=dtype)
+    k = torch.nn.functional.normalize(torch.randn(B, T, Hk, Dk, generator=g, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, Hv, Dv, generator=g, dtype=dtype)
+    gl = -torch.rand(B, T, Hv, generator=g, dtype=dtype) * 3
+    beta = torch.rand(B, T, Hv, generator=g, dtype=dtype)
+    s0 = torch.randn(B, Hv, Dk, Dv, generator=g, dtype=dtype)
+    return q, k, v, gl, beta, s0
+
+
+def _tol(T, C, Dk, q, v, beta, s0):
+    """(4·L·u)·O_max with L = T(1 + Dk/C) + C + Dk (the selftest's bound, float64, err_plain = 0)."""
+    col = (beta[..., None] * v.abs()).sum(1) + s0.norm(dim=2)
+    s_max = float(col.max())
+    L = T * (1 + Dk / C) + C + Dk
+    return 4 * L * U64 * s_max * float(q.norm(dim=-1).max()) * Dk ** -0.5, 4 * L * U64 * s_max
+
+
+shapes = st.tuples(st.integers(1, 2), st.integers(1, 40), st.integers(1, 3), st.sampled_from([1, 3]),
+                   st.sampled_from([4, 8, 16]), st.sampled_from([4, 8]))
+
+
+@SETTINGS
+@given(shape=shapes, chunk=st.sampled_from([1, 2, 5, 16, 64]), seed=st.integers(0, 10**6))
+def test_chunked_equals_the_recurrence_for_any_chunk_size(shape, chunk, seed):
+    B, T, Hk, rep, Dk, Dv = shape
+    q, k, v, gl, beta, s0 = _inputs(B, T, Hk, rep, Dk, Dv, seed)
+    o_ref, S_ref = R.gated_delta_rule(q, k, v, gl, beta, initial_state=s0)
+    o, S = F.gated_delta_rule(q, k, v, gl, beta, initial_state=s0, chunk_size=chunk)
+    to, ts = _tol(T, chunk, Dk, q, v, beta, s0)
+    assert o.dtype == torch.float64 and S.dtype == torch.float64
+    assert (o - o_ref).abs().max() <= to and (S - S_ref).abs().max() <= ts
+
+
+@SETTINGS
+@given(shape=shapes, split=st.integers(0, 40), seed=st.integers(0, 10**6))
+def test_a_split_sequence_continued_from_its_state_equals_the_whole(shape, split, seed):
+    B, T, Hk, rep, Dk, Dv = shape
+    s = min(split, T)
+    q, k, v, gl, beta, s0 = _inputs(B, T, Hk, rep, Dk, Dv, seed)
+    o, S = F.gated_delta_rule(q, k, v, gl, beta, initial_state=s0, chunk_size=8)
+    a = [t[:, :s] for t in (q, k, v, gl, beta)]
+    b = [t[:, s:] for t in (q, k, v, gl, beta)]
+    o1, S1 = F.gated_delta_rule(*a, initial_state=s0, chunk_size=8)
+    o2, S2 = F.gated_delta_rule(*b, initial_state=S1, chunk_size=8)
+    to, ts = _tol(T, 8, Dk, q, v, beta, s0)
+    assert (torch.cat([o1, o2], 1) - o).abs().max() <= 2 * to and (S2 - S).abs().max() <= 2 * ts
+
+
+@pytest.mark.parametrize("rep", [1, 3])
+def test_the_one_token_step_repeated_equals_the_sequence(rep):
+    q, k, v, gl, beta, s0 = _inputs(2, 13, 2, rep, 8, 4, seed=3)
+    o_seq, S_seq = F.gated_delta_rule(q, k, v, gl, beta, initial_state=s0, chunk_size=4)
+    S, outs = s0, []
+    for t in range(13):
+        o, S = F.gated_delta_step(q[:, t], k[:, t], v[:, t], gl[:, t], beta[:, t], S)
+        outs.append(o)
+    to, ts = _tol(13, 4, 8, q, v, beta, s0)
+    assert (torch.stack(outs, 1) - o_seq).abs().max() <= to and (S - S_seq).abs().max() <= ts
+
+
+def test_gradients_including_the_initial_state_equal_the_recurrence():
+    ins = _inputs(2, 21, 2, 3, 8, 4, seed=5)
+    g = torch.Generator().manual_seed(9)
+    do = torch.randn(2, 21, 6, 4, generator=g, dtype=torch.float64)
+    dS = torch.randn(2, 6, 8, 4, generator=g, dtype=torch.float64)
+
+    def grads(fn, **kw):
+        xs = [t.clone().requires_grad_() for t in ins]
+        o, S = fn(*xs[:5], initial_state=xs[5], **kw)
+        ((o * do).sum() + (S * dS).sum()).backward()
+        return [x.grad for x in xs]
+
+    want = grads(R.gated_delta_rule)
+    got = grads(F.gated_delta_rule, chunk_size=8)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+        # the same L·u form as the values, relative to each gradient's own largest entry
+        assert (a - b).abs().max() <= 4 * (21 * 2 + 16) * U64 * 50 * b.abs().max(), name
+    assert want[5].abs().max() > 0.1          # the initial state does receive a gradient
+
+
+def test_hf_torch_recurrence_agrees_in_float32():
+    """A peer's implementation (transformers' torch fallback, float32 inside) against our float64
+    definition: within float32 roundings of the same bound (u = 2^-24)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    q, k, v, gl, beta, s0 = _inputs(2, 19, 2, 3, 8, 4, seed=7)
+    o_hf, S_hf = torch_chunk_gated_delta_rule(q, k, v, gl, beta, initial_state=s0, output_final_state=True,
+                                              chunk_size=8)
+    o, S = R.gated_delta_rule(q, k, v, gl, beta, initial_state=s0)
+    to, ts = _tol(19, 8, 8, q, v, beta, s0)
+    assert (o_hf - o).abs().max() <= to * 2.0**29 and (S_hf - S).abs().max() <= ts * 2.0**29
+
+
+@pytest.mark.parametrize("K", [2, 4])
+def test_conv_prefill_then_steps_equals_the_whole_sequence(K):
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(3, 11, 10, generator=g, dtype=torch.float64)
+    w = torch.randn(10, K, generator=g, dtype=torch.float64)
+    y_all, s_all = F.causal_conv1d(x, w)
+    y_ref, s_ref = R.causal_conv1d(x, w)
+    assert torch.allclose(y_all, y_ref, rtol=0, atol=(K + 2) * U64 * 1.1 * float(x.abs().max() * w.abs().sum(1).max()))
+    y5, s = F.causal_conv1d(x[:, :5], w)
+    ys = [y5]
+    for t in range(5, 11):
+        y, s = F.causal_conv1d_step(x[:, t], w, s)
+        ys.append(y[:, None])
+    assert torch.equal(s, s_all) and torch.equal(s_all, s_ref)
+    assert (torch.cat(ys, 1) - y_all).abs().max() <= (K + 2) * U64 * 1.1 * float(x.abs().max() * w.abs().sum(1).max())
+    # a state equal to zeros is the same as left zero padding
+    y0, _ = F.causal_conv1d(x, w, torch.zeros(3, K - 1, 10, dtype=torch.float64))
+    assert torch.equal(y0, y_all)
+
+
+def test_shape_errors_name_the_argument():
+    q, k, v, gl, beta, s0 = _inputs(1, 4, 2, 3, 8, 4, seed=1)
+    with pytest.raises(ValueError, match="beta"):
+        F.gated_delta_rule(q, k, v, gl, beta[:, :, :2])
+    with pytest.raises(ValueError, match="initial_state"):
+        F.gated_delta_rule(q, k, v, gl, beta, initial_state=s0[:, :2])
+    with pytest.raises(ValueError, match="multiple"):
+        F.gated_delta_rule(q, k, v[:, :, :5], gl[:, :, :5], beta[:, :, :5])
+
+
+@pytest.mark.cuda
+def test_cuda_path_matches_the_float64_reference():
+    from fasttrain.selftest_gated_delta import gated_delta_cases
+    from fasttrain import selftest
+    from fasttrain.ops.kernels import fused_only
+    for name, run in gated_delta_cases(torch.device("cuda"), quick=False):
+        chk = selftest._Check()
+        with fused_only():
+            run(chk)
+        row = chk.row("gated_delta_rule", name, 0, 0)
+        assert row.passed, (name, row)
