@@ -304,7 +304,7 @@ def plot(results: dict, base_mean: float, scores, path: Path, title: str) -> Non
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
     for key, runs in results.items():
         k = min(len(r["adapters"]) for r in runs)
         xs = [0.0] + [statistics.fmean(r["adapters"][i]["seconds"] for r in runs) for i in range(k)]
@@ -421,7 +421,8 @@ def run_all(a) -> int:
     lines = claim(results, base_scores, scores, a, busy)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    title = f"{stem}: starter arithmetic, SmolLM2-135M 16-bit base, {len(a.seeds)} seeds, {a.steps} steps"
+    title = (f"{stem}\nstarter arithmetic, SmolLM2-135M, fasttrain base {a.quantize} / TRL bf16, "
+             f"{len(a.seeds)} seed(s), {a.steps} steps" + ("\ntimings NOT reportable (busy machine)" if busy else ""))
     plot(results, statistics.fmean(base_scores), scores, out / f"{stem}.png", title)
     v = versions()
     md = [f"# Learning benchmark: fasttrain vs TRL GRPOTrainer ({stem})", "",

@@ -52,7 +52,11 @@ def doc_commands(text: str, name: str) -> list[list[DocCommand]]:
             while line.rstrip().endswith("\\") and i + 1 < len(lines):
                 i += 1
                 line = line.rstrip()[:-1] + " " + lines[i].strip()
-            words = shlex.split(line.strip().removeprefix("$ "), comments=True)
+            text = line.strip().removeprefix("$ ")
+            if not (text.startswith("fasttrain ") or text == "fasttrain" or "-m fasttrain" in text):
+                i += 1                    # not a command line (code, TOML, output): never parsed
+                continue
+            words = shlex.split(text, comments=True)     # a broken quote in a command fails the test
             if words and words[0] == "fasttrain":
                 block.append(DocCommand(f"{name}:{start + 1}", tuple(words[1:])))
             elif "-m" in words and words.index("-m") + 1 < len(words) and words[words.index("-m") + 1] == "fasttrain":
