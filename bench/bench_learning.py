@@ -327,12 +327,14 @@ def machine_busy(threshold: float = 0.5) -> str | None:
 
 
 def estimate(a, sec_per_step: dict[str, float] | None = None) -> str:
-    """Minutes the full run takes: steps x seeds x pairs x (fasttrain + TRL step) + evaluation."""
-    ft, trl = (sec_per_step or {}).get("fasttrain", 6.0), (sec_per_step or {}).get("trl", 25.0)
+    """Minutes the full run takes on a quiet 2-core CPU: steps x seeds x pairs x (fasttrain + TRL
+    step) + loading + evaluation. The rates are guesses from a busy machine (one thread, load ~9:
+    fasttrain 13-34 s and TRL 40-150 s per step, 0.47 s per evaluated answer) divided by about 3."""
+    ft, trl = (sec_per_step or {}).get("fasttrain", 6.0), (sec_per_step or {}).get("trl", 20.0)
     runs = len(a.seeds) * len(a.pairs)
     train = runs * a.steps * (ft + trl) + runs * 2 * 60            # + model loading, probes, saving
     n_adapters = 1 + 2 * runs * len(_save_steps(a))
-    evals = n_adapters * a.eval_rows * a.eval_samples * 0.4       # about 0.4 s per answer on 2 CPU cores
+    evals = n_adapters * a.eval_rows * a.eval_samples * 0.15      # seconds per evaluated answer
     return f"about {(train + evals) / 60:.0f} min ({train / 60:.0f} training, {evals / 60:.0f} evaluation)"
 
 
