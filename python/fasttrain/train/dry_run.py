@@ -46,8 +46,10 @@ def dry_run(cfg: Config) -> list[str]:
 def _reward_check(trainer) -> str:
     """Score one empty answer of the first train prompt: a reward function that cannot be called
     (wrong signature, missing column) shows its reason here instead of at step 1."""
+    from fasttrain.train.answers import score_answers
     p = trainer.train_prompts[0]
-    (s,) = trainer.env.score_many([p], [trainer.cfg.rollout.answer_prefix], "train")
+    (s,) = score_answers(trainer.env, [p], [trainer.cfg.rollout.answer_prefix], "train", record=False,
+                         completion_ids=[[]])            # an empty answer: no tokens
     verdict = "scored" if s.valid else f"invalid ({s.reason})"
     return f"reward check on an empty answer to {p.id}: {verdict}; " + \
         ", ".join(f"{k} {v:+.3g}" for k, v in s.channels.items())
