@@ -44,7 +44,13 @@ Distance to the machine's limit (fasttrain side, printed after the table):
              the floor of reading those weights and the mean KV cache once at the read bandwidth
              measured in the same process (a sum over 512 MiB).
 
-Run: python bench/bench_step.py [--quick] [--device cpu|cuda] [--csv PATH]
+Models (--model): the bundled SmolLM2-135M-Instruct (default), or `qwen3.5-bench-100m`, the pinned
+random Qwen3.5-shaped hybrid (fasttrain.models.bench_model: 16 layers in the 27B's 3:1 Gated
+DeltaNet / gated attention layout, hidden 512, 109 M parameters, SmolLM2's tokenizer); TRL runs the
+same model through transformers' own Qwen3.5 code (its torch fallbacks where flash-linear-attention
+and causal-conv1d are not installed), with LoRA on the same twelve projections.
+
+Run: python bench/bench_step.py [--quick] [--device cpu|cuda] [--model smollm2-135m|qwen3.5-bench-100m] [--csv PATH]
 """
 from __future__ import annotations
 
@@ -63,6 +69,22 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODELS = ("smollm2-135m", "qwen3.5-bench-100m")
+BENCH_FACTORY = "fasttrain.models.bench_model:qwen3_5_bench"
+
+
+def load_model(a, dtype):
+    """(model, tokenizer) of --model in `dtype`: the bundled SmolLM2 or the pinned hybrid."""
+    if a.model == "qwen3.5-bench-100m":
+        from fasttrain.models.bench_model import qwen3_5_bench
+        return qwen3_5_bench(dtype)
+    from fasttrain.models import load_policy
+    return load_policy(None, dtype=dtype)
+
+
+def lora_targets(a) -> list[str]:
+    from fasttrain.models.families import QWEN3_5
+    return list(QWEN3_5.projections if a.model == "qwen3.5-bench-100m" else TARGETS)
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -107,7 +129,8 @@ def fasttrain_config(a, out_dir: str, selection: str):
         "run": {"name": "bench_step", "seed": a.seed, "steps": a.warmup + a.steps, "out": out_dir,
                 "device": a.device},
         "policy": {"dtype": "float32" if a.fasttrain_dtype == "fp32" else "bfloat16", "rank": a.rank,
-                   "alpha": float(a.alpha), "quantize": a.quantize},
+                   "alpha": float(a.alpha), "quantize": a.quantize,
+                   **({"model": BENCH_FACTORY} if a.model == "qwen3.5-bench-100m" else {})},
         "env": {"name": "signal-a", "prompts": selection},
         "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new,
                     "temperature": 1.0},
@@ -181,13 +204,21 @@ def capture_rollout_shapes() -> list[dict]:
 
 
 def _dims(model) -> dict:
+    """Sizes the FLOP and bandwidth counts need. proj: the weights of the adapted projections (the
+    family's, as built); L: the layers with attention over the context (a hybrid's full-attention
+    ones; its Gated DeltaNet state math is not counted: a few % of the projections at this shape)."""
+    from fasttrain.models.families import adapter_targets
     c = model.config
     nh = c.num_attention_heads
     D = getattr(c, "head_dim", None) or c.hidden_size // nh
     nkv = getattr(c, "num_key_value_heads", None) or nh
-    H, I, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-    proj = L * (H * nh * D + 2 * H * nkv * D + nh * D * H + 3 * H * I)   # weights of the 7 projections
-    return {"H": H, "L": L, "nh": nh, "nkv": nkv, "D": D, "V": c.vocab_size, "proj": proj}
+    H = c.hidden_size
+    kinds = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    names = set(adapter_targets(model))
+    proj = sum(m.in_features * m.out_features for n, m in model.named_modules()
+               if n.rpartition(".")[2] in names and hasattr(m, "in_features"))
+    return {"H": H, "L": sum(k == "full_attention" for k in kinds), "nh": nh, "nkv": nkv, "D": D,
+            "V": c.vocab_size, "proj": proj}
 
 
 def update_flops(model, shape: dict, a) -> float:
@@ -249,6 +280,8 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
     weight_bytes += d["H"] * d["V"] * esz                                   # lm_head
     B, P = a.prompts * a.group, max(map(len, ids))
     kv_bytes = d["L"] * 2 * B * d["nkv"] * d["D"] * (P + T / 2) * esz      # the mean context's cache
+    from fasttrain.plan.meta_model import hybrid_state
+    kv_bytes += 2 * B * hybrid_state(tr.model.config, dt).get("state_bytes", 0)   # a hybrid's state: read + written
     floor = (weight_bytes + kv_bytes) / (gbps * 1e9)
     return {"matmul_gflops": gflops, "read_gbps": gbps, "decode_step_s": decode_s, "decode_floor_s": floor,
             "decode_weight_mib": weight_bytes / 2**20, "decode_kv_mib": kv_bytes / 2**20,
@@ -262,7 +295,7 @@ def worker_trl(a) -> dict:
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from fasttrain.models import chat_prompt_ids, extract_answer, load_policy
+    from fasttrain.models import chat_prompt_ids, extract_answer
     from fasttrain.train.trainer import Trainer
     base = _status_kib("VmRSS")
     env, prompts = step_prompts(a)
@@ -273,7 +306,7 @@ def worker_trl(a) -> dict:
         ordered = [p for s in range(1, a.warmup + a.steps + 1) for p in ft._prompts_for_step(s)]
     by_id = {p.id: p for p in ordered}
     weights_dtype = torch.float32 if a.trl_precision in ("fp32", "bf16-autocast") else torch.bfloat16
-    model, tok = load_policy(None, dtype=weights_dtype)
+    model, tok = load_model(a, weights_dtype)
     tok.padding_side = "left"
     texts = [tok.decode(chat_prompt_ids(tok, p.spec, env.answer_format)) for p in ordered]
     data = Dataset.from_dict({"prompt": texts, "prompt_id": [p.id for p in ordered]})
@@ -296,7 +329,7 @@ def worker_trl(a) -> dict:
         max_grad_norm=1.0, max_steps=a.warmup + a.steps, shuffle_dataset=False, seed=a.seed,
         logging_steps=10_000, save_strategy="no", report_to="none", disable_tqdm=True,
         gradient_checkpointing=True, dataloader_num_workers=0)
-    lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=list(TARGETS), lora_dropout=0.0,
+    lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=lora_targets(a), lora_dropout=0.0,
                       task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=signal_reward, args=cfg, train_dataset=data,
                           processing_class=tok, peft_config=lora)
@@ -347,10 +380,10 @@ def worker_trl(a) -> dict:
 def worker_rollout(a) -> dict:
     import torch
     from fasttrain.envs import load_env
-    from fasttrain.models import chat_prompt_ids, load_policy
+    from fasttrain.models import chat_prompt_ids
     from fasttrain.rollout import sample
     dtype = torch.bfloat16 if a.rollout_dtype == "bf16" else torch.float32
-    model, tok = load_policy(None, dtype=dtype)
+    model, tok = load_model(a, dtype)
     model.to(a.device)
     env = load_env("signal-a")
     prompts = [chat_prompt_ids(tok, p.spec, env.answer_format) for p in env.prompts("train")[:a.prompts]]
@@ -415,6 +448,8 @@ def med(steps: list[dict], key: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--model", choices=MODELS, default="smollm2-135m",
+                    help="the bundled SmolLM2-135M, or the pinned random Qwen3.5-shaped hybrid")
     ap.add_argument("--quick", action="store_true",
                     help="smoke config (gpu_check): 1 prompt x 4 answers, 8 new tokens, 1 warm-up + 1 measured step")
     # Defaults: the study's shape. On a shared 2-core box each TRL step of it takes minutes.
@@ -470,8 +505,10 @@ def main() -> int:
     only = {s.strip() for s in a.only.split(",") if s.strip()}
     B = a.prompts * a.group
     load = os.getloadavg()[0]
-    print(f"bench_step: SmolLM2-135M-Instruct, signal-a, {a.prompts} prompts x {a.group} answers = {B} rows, "
-          f"<= {a.new} new tokens, micro-batch {a.micro_batch}, LoRA r={a.rank} alpha={a.alpha} on the 7 "
+    model_name = ("the random 109 M Qwen3.5-shaped hybrid (qwen3.5-bench-100m)" if a.model == "qwen3.5-bench-100m"
+                  else "SmolLM2-135M-Instruct")
+    print(f"bench_step: {model_name}, signal-a, {a.prompts} prompts x {a.group} answers = {B} rows, "
+          f"<= {a.new} new tokens, micro-batch {a.micro_batch}, LoRA r={a.rank} alpha={a.alpha} on the {len(lora_targets(a))} "
           f"projections, CISPO cap {a.cap}, beta {a.beta}, lr {a.lr}; {a.warmup} warm-up + {a.steps} measured "
           f"steps per side, medians; device {a.device}, {torch.get_num_threads()} threads, {machine_name()}; "
           f"load average {load:.1f} at start (the machine is shared: ratios side by side are what count)")

@@ -80,12 +80,11 @@ def write_csv(rows: list[dict], path: Path) -> None:
         w.writerows(rows)
 
 
-# ---- the host's limits ------------------------------------------------------------------------
+# ---- the host's limits (measured by the package: fasttrain.host_rates, which `fasttrain plan` uses) ----
 def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
     """GFLOP/s of an n x n x n matmul in `dtype` on the CPU, current thread count, median of reps."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    return 2 * n ** 3 / time_it(lambda: a @ b, warmup=1, reps=reps) / 1e9
+    from fasttrain.host_rates import matmul_gflops as measure
+    return measure(dtype, n=n, reps=reps)
 
 
 def host_precision() -> tuple[str, str]:
@@ -107,5 +106,5 @@ def host_precision() -> tuple[str, str]:
 
 def memory_gbps(mib: int = 512, reps: int = 5) -> float:
     """Read bandwidth in GB/s: a sum over a `mib` MiB fp32 tensor (larger than any cache)."""
-    x = torch.ones(mib * 2**20 // 4)
-    return x.numel() * 4 / time_it(lambda: x.sum(), warmup=1, reps=reps) / 1e9
+    from fasttrain.host_rates import memory_gbps as measure
+    return measure(mib=mib, reps=reps)

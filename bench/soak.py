@@ -203,10 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not a.no_record:
         sys.path.insert(0, str(Path(__file__).parent))
-        from harness import RESULTS, machine_name
         import datetime as dt
+
+        from harness import RESULTS, machine_name, versions
         f = RESULTS / f"{machine_name()}-{dt.date.today().isoformat()}-soak.md"
-        f.write_text(text + f"\nMachine: {machine_name()}; seed {a.seed}; workdir {work}\n")
+        v = ", ".join(f"{k} {x}" for k, x in versions().items())
+        f.write_text(text + f"\nMachine: {machine_name()} (2 cores shared with other jobs); kill seed {a.seed}; {v}\n")
         print(f"wrote {f}")
     return 0 if ok else 1
 

@@ -283,7 +283,11 @@ def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path 
          set_: list[str] = typer.Option([], "--set", help=SET_HELP),
          model: Optional[str] = typer.Option(None, "--model", help="bundled config name (e.g. qwen2.5-32b), "
                                              "a config.json, or a model folder (default: the recipe's policy.model)"),
-         gpu: str = typer.Option("h100-sxm-80gb", "--gpu", help="h100-sxm-80gb | h200-141gb | a100-80gb | l40s-48gb | cpu"),
+         gpu: str = typer.Option("h100-sxm-80gb", "--gpu", help="h100-sxm-80gb | h200-141gb | a100-80gb | l40s-48gb | "
+                                 "cpu (this host's CPU) | cuda (this host's CUDA card)"),
+         rates: str = typer.Option("measured", "--rates", help="measured: time cpu/cuda from rates measured on this "
+                                   "host (once, then cached); datasheet: the table's rates and --mfu"),
+         remeasure: bool = typer.Option(False, "--remeasure", help="measure this host's rates again (with --rates measured)"),
          prompt_tokens: int = typer.Option(
              360, "--prompt-tokens", help="tokens of the longest prompt, chat template included (signal-a: 344-362 "
              "with SmolLM2's tokenizer)"),
@@ -296,17 +300,29 @@ def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path 
     """Will RECIPE fit a GPU, and how long will a step take? On paper: the model is built from its config.json
     on the meta device (no weights are read)."""
     from fasttrain.plan import gpu_spec, model_config, run_shape
+    from fasttrain.plan.gpus import gpu_for_device, measured
     from fasttrain.plan.report import as_json, make_plan, render
     from fasttrain.train import ConfigError, load_config
 
     try:
+        if rates not in ("measured", "datasheet"):
+            raise ValueError(f"--rates {rates!r}: allowed values are measured, datasheet")
+        if gpu.strip().lower() == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError("--gpu cuda: no CUDA card is visible on this host; name one of the table's GPUs")
+            device = gpu_for_device("cuda")
+        else:
+            device = gpu_spec(gpu)
+        if rates == "measured" and gpu.strip().lower() in ("cpu", "cuda"):
+            device = measured(device, gpu.strip().lower(), refresh=remeasure)
         cfg = load_config(recipe, set_)
         spec = model or (cfg.policy.model if cfg.policy.model not in ("", "default") else "smollm2-135m")
         if ":" in spec and not Path(spec).exists():
             raise ConfigError(f"policy.model {spec!r} is a factory; pass --model with its config.json")
         if spec.lower().endswith(".gguf"):
             raise ConfigError(f"policy.model {spec!r} is a GGUF file; pass --model with a config.json")
-        p = make_plan(model_config(spec), run_shape(cfg, prompt_tokens), gpu_spec(gpu),
+        p = make_plan(model_config(spec), run_shape(cfg, prompt_tokens), device,
                       name=Path(spec).stem if Path(spec).suffix == ".json" else Path(spec).name or spec,
                       env=cfg.env.name, mfu=mfu, decode_share=decode_share,
                       verifier_answers_per_s=verifier_rate)

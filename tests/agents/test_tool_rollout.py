@@ -102,6 +102,16 @@ def test_errors_are_rendered_and_the_answer_goes_on(policy, env):
 
 def test_a_10_mb_result_is_dropped_without_tokenising_it(policy, env):
     huge = '<tool_call>\n{"name": "huge", "arguments": {"x": 1}}\n</tool_call><|im_end|>'
-    roll, _ = _run(policy, env, [[huge, FINAL]], max_new=4000)
+    roll, _ = _run(policy, env, [[huge, FINAL]], max_new=3000)
     assert [m["role"] for m in roll.conversations[0]] == ["assistant"]
     assert roll.tool_stats["tool_results_dropped"] == 1
+
+
+def test_the_plan_and_the_length_check_count_the_tool_schemas(policy, env):
+    from fasttrain.train.answers import prompt_token_ids
+    model, tok = policy
+    prompts = env.prompts("train")[:2]
+    ids = prompt_token_ids(tok, env, prompts)
+    roll, _ = _run(policy, env, [[FINAL]])
+    assert ids[0] == roll.input_ids[0, :roll.prompt_len][roll.attention_mask[0, :roll.prompt_len].bool()].tolist()
+    assert '"name": "add"' in tok.decode(ids[0])

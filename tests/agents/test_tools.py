@@ -76,7 +76,7 @@ def test_prints_go_to_stderr_and_a_10_mb_result_is_cut_in_the_worker(box, capfd)
 
 def test_a_tool_that_kills_its_worker_is_an_error_and_the_next_call_works(box):
     out = box.call({0: [ToolCall("die", {"x": 1}), ToolCall("add", {"a": 5, "b": 5})]})
-    assert _contents(out) == {0: ["{'error': 'its worker process exited'}", "10"]}
+    assert _contents(out) == {0: ["{'error': 'crashed (its worker process exited with code 3)'}", "10"]}
 
 
 def test_bad_specs_are_errors_that_name_the_key(tmp_path):

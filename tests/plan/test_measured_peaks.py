@@ -98,7 +98,7 @@ def test_smollm2_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, smol
     from fasttrain.train import Trainer, load_config
 
     model, tok = smollm2_fp32
-    monkeypatch.setattr(policy, "_load_base", lambda spec, dtype: (copy.deepcopy(model), tok))
+    monkeypatch.setattr(policy, "_load_base", lambda spec, dtype, quantize: (copy.deepcopy(model), tok))
     r = tiny_recipe(tmp_path, n, G, T, mb)
     r["policy"]["model"] = "smollm2-135m"
     got = _compare(Trainer(load_config(r), progress=False), monkeypatch)

@@ -166,3 +166,41 @@ def test_compile_is_refused_clearly_for_hybrids():
     model = tiny_qwen3_5(vocab_size=97)
     with pytest.raises(ValueError, match="rollout.compile"):
         sample(model, PROMPTS, group_size=1, max_new_tokens=2, eos_token_ids=[], seed=0, compile="aot_eager")
+
+
+def test_the_decode_step_compiles_to_one_graph_with_fixed_shapes():
+    """decode with a tensor column and a full-width key mask has the same shapes every step (the
+    states are written in place of fixed buffers), so torch.compile traces it once; aot_eager runs
+    the traced graph without code generation and gives eager's values bit for bit."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    model = tiny_qwen3_5(vocab_size=97, seed=5)
+    dec = HybridDecoder(model)
+    n, P, S = 2, 5, 12
+    ids = torch.randint(3, 97, (n, P), generator=torch.Generator().manual_seed(0))
+    valid = torch.ones(n, P, dtype=torch.bool)
+    cos, sin = dec.rotary_table(torch.arange(S)[None].expand(n, S))
+
+    def run(step):
+        cache = dec.new_cache(n, S)
+        with torch.no_grad():
+            dec.prefill(ids, valid, cos[:, :P], sin[:, :P], cache)
+            kv = torch.zeros(n, S, dtype=torch.bool)
+            kv[:, :P] = True
+            tok, outs = torch.tensor([5, 6]), []
+            for t in range(5):
+                col = P + t
+                active = torch.tensor([True, t not in (1, 2)])       # row 1 held for two steps
+                kv[:, col] = active
+                h = step(tok, kv, cos[:, col].contiguous(), sin[:, col].contiguous(), cache, torch.tensor([col]),
+                         active)
+                outs.append(h.clone())
+                tok = dec.lm_head(h).argmax(-1)
+        return torch.stack(outs)
+
+    eager = run(dec.decode)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = run(torch.compile(dec.decode, backend="aot_eager", dynamic=False))
+    assert torch.equal(eager, compiled)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -116,3 +116,10 @@ def test_a_row_does_not_depend_on_its_neighbours_turns(model):
     n = int(alone.lengths[0])
     assert torch.equal(alone.completion_ids[0, :n], mixed.completion_ids[0, :n])
     assert torch.equal(alone.action_mask[0, :n], mixed.action_mask[0, :n])
+
+
+def test_a_hybrid_model_is_refused_with_a_reason_not_a_wrong_answer():
+    from fasttrain.models import tiny_qwen3_5
+    with pytest.raises(ValueError, match="Llama-family models only so far"):
+        sample_turns(tiny_qwen3_5(), [[1, 2, 3]], group_size=2, max_new_tokens=4, temperature=1.0,
+                     eos_token_ids=EOS, seed=0, end_of_turn=lambda rows, spans, room: [None] * len(rows))

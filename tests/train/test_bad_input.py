@@ -88,12 +88,12 @@ def test_a_prompt_over_max_prompt_tokens_names_its_row_or_is_counted(tiny, tiny_
     assert "## Rows left out (env.skip_bad_rows): 1" in (tr.dir / "report.md").read_text()
 
 
-@pytest.mark.parametrize("case", ["family", "no_weights", "no_tokenizer"])
+@pytest.mark.parametrize("case", ["family", "no_weights", "no_tokenizer", "bad_weights"])
 def test_a_model_fasttrain_cannot_load_is_one_paragraph(case, tmp_path, monkeypatch):
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5" if case == "family" else "llama"}))
-    if case != "no_weights":
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2" if case == "family" else "llama"}))
+    if case != "no_weights":                   # 16 zero bytes: a file whose header cannot be read
         (folder / "model.safetensors").write_bytes(b"\0" * 16)
     if case != "no_tokenizer":
         (folder / "tokenizer.json").write_text("{}")
@@ -103,5 +103,24 @@ def test_a_model_fasttrain_cannot_load_is_one_paragraph(case, tmp_path, monkeypa
     out = " ".join(res.output.split())
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert f"policy.model = '{folder}': fasttrain cannot load it:" in out
-    assert {"family": "qwen3_5", "no_weights": "no *.safetensors weights", "no_tokenizer": "has no tokenizer"}[case] in out
-    assert "fasttrain trains llama, qwen2, qwen3, mistral models" in out
+    assert {"family": "model_type 'gpt2' is not supported", "no_weights": "no *.safetensors weights",
+            "no_tokenizer": "has no tokenizer", "bad_weights": "header"}[case] in out
+    assert "fasttrain trains llama, qwen2, qwen3, mistral" in out and "or a .gguf file" in out
+
+
+def test_an_environment_with_tools_counts_the_tool_schemas(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "agents"))
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(app, ["init", "calc", "--tools"]).exit_code == 0
+    from agent_files import tiny_tool_policy
+    from fasttrain.models import chat_messages_ids
+    from fasttrain.train.prompt_length import _rendered_lengths
+    cfg = load_config(str(tmp_path / "calc" / "recipe.toml"), ["policy.model=agent_files:tiny_tool_policy"])
+    tr = Trainer(cfg, progress=False)
+    _, tok = tiny_tool_policy()
+    prompts = tr.train_prompts[:3]
+    with_tools = _rendered_lengths(tok, tr.env, prompts, "")
+    plain = [len(chat_messages_ids(tok, tr.env.chat_messages(p))) for p in prompts]     # without the schemas
+    schema = json.dumps(tr.env.tool_workers.schemas[0])
+    assert all(w > p + len(tok(schema)["input_ids"]) // 2 for w, p in zip(with_tools, plain)), (with_tools, plain)
+    tr.env.close()

@@ -20,7 +20,7 @@ def test_filter_keeps_mixed_prompts_or_closest_to_half(tiny, tiny_recipe, monkey
 
     # Score with a fake verdict per prompt so the rule is checked exactly: prompt i succeeds
     # on the first i answers of 4 (rates 0, .25, .5, .75, 1, 1, ...).
-    def fake_score(env, prompts, answers, data_slice, record=True, completion_ids=None, **kw):
+    def fake_score(env, prompts, answers, data_slice, record=True, completion_ids=None, conversations=None):
         from fasttrain.envs import Score
         out = []
         for j, p in enumerate(prompts):

@@ -50,7 +50,7 @@ def _resolve(spec: str | os.PathLike | None) -> Path:
 
 
 def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu"):
+                device: str | torch.device = "cpu", quantize: bool | str = False):
     """Load `(model, tokenizer)`.
 
     spec: None or "smollm2-135m" for the bundled SmolLM2-135M-Instruct (converted from the
@@ -58,17 +58,29 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
     Face directory (Llama, Qwen2, Qwen3, Mistral; Qwen3.5 hybrids, text tower only); or a .gguf file (converted and cached
     the same way). The model is returned in eval mode on `device`; its tokenizer carries the
     chat template, and a pad token (the EOS token when the model defines none).
+    quantize: "nf4" (or True) reads the checkpoint tensor by tensor and turns each projection into
+    an NF4Linear as it arrives (fasttrain.models.stream_load: the 16-bit model is never whole in
+    memory; same bytes as loading and then fasttrain.nn.quantize_model); "none" (or False) loads
+    the model in `dtype`.
     """
     _offline()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = _resolve(spec)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    family_of_type(config.model_type, f"load_policy(spec={str(spec)!r})")
-    # a vision-language checkpoint (qwen3_5) loads its text tower only: the causal LM of its
-    # text config, whose weight names transformers maps from the checkpoint's (vision weights skipped)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, config=text_config(config), local_files_only=True, dtype=dtype, use_safetensors=True)
+    family = family_of_type(config.model_type, f"load_policy(spec={str(spec)!r})")
+    from .stream_load import load_streamed, wants_nf4
+    if wants_nf4(quantize) and text_config(config) is config:
+        # tensor by tensor, each of the family's NF4 projections quantized as it arrives
+        model = load_streamed(path, dtype, quantize="nf4",
+                              targets=tuple(t for t in family.projections if t not in family.keep_16bit))
+    else:
+        # a vision-language checkpoint (qwen3_5) loads its text tower only: the causal LM of its
+        # text config, whose weight names transformers maps from the checkpoint's (vision weights
+        # skipped). Its names differ from the text model's, so it is not streamed: it loads whole in
+        # `dtype` and build_policy quantizes it afterwards (the peak is the 16-bit text tower).
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=text_config(config), local_files_only=True, dtype=dtype, use_safetensors=True)
     model.to(device).eval()
     return model, _tokenizer(path)
 

@@ -7,13 +7,15 @@ Numbers are the vendors' datasheet values (dense, i.e. without 2:4 sparsity):
   NVIDIA L40S datasheet (48 GB GDDR6: 362 TFLOP/s bf16 dense (733 with sparsity), 864 GB/s).
 Memory is the datasheet capacity in GB (10^9 bytes); the driver and the CUDA context take part of it,
 which the plan counts separately. The `cpu` entry is this host: its memory is read from /proc/meminfo
-and its rates are order-of-magnitude values for a 2-core server slice (not a datasheet).
+and its table rates are order-of-magnitude values for a 2-core server slice; `measured` replaces
+them by the rates measured on this host's CPU, or on its CUDA card (fasttrain.host_rates), which
+`fasttrain plan` then times every phase with.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["GPU", "GPUS", "gpu_spec", "gpu_for_device"]
+__all__ = ["GPU", "GPUS", "gpu_spec", "gpu_for_device", "measured"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class GPU:
     bandwidth: float          # bytes/s
     source: str
     context_bytes: int = 600 * 2**20   # CUDA context + cuBLAS workspace: assumed, not allocated by torch
+    rates: object = None               # fasttrain.host_rates.HostRates when measured on this host
 
 
 GPUS: dict[str, GPU] = {g.name: g for g in (
@@ -66,3 +69,15 @@ def gpu_for_device(device) -> GPU:
     known = any(k in name for k in ("h100", "h200", "a100", "l40s"))
     title = props.name if known else f"{props.name} (rates assumed: {base.title})"
     return replace(base, name=base.name if known else "cuda", title=title, memory_bytes=int(props.total_memory))
+
+
+def measured(g: GPU, device: str, refresh: bool = False, cached_only: bool = False) -> GPU:
+    """`g` (this host's CPU, or the card gpu_for_device found) with the rates measured on `device`
+    ("cpu" or "cuda", fasttrain.host_rates: from the cache, else measured now and cached).
+    cached_only: never measure; `g` unchanged when nothing is cached."""
+    from fasttrain.host_rates import cached_rates, host_rates
+    r = cached_rates(device) if cached_only else host_rates(device, refresh=refresh)
+    if r is None:
+        return g
+    return replace(g, bf16_flops=r.matmul_bf16, bandwidth=r.bandwidth, rates=r,
+                   source=f"rates measured on {r.device}, {r.threads} thread(s), {r.measured_at}")

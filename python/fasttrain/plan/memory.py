@@ -1,6 +1,7 @@
 """Memory of one training step on paper: every buffer the trainer allocates, by part and phase.
 
 Phases (what is live at each one's peak):
+  load     the model being read and quantized tensor by tensor (fasttrain.plan.load)
   rollout  resident + KV cache [L, 2, B, kv_heads, P+T, head_dim] + prefill of the n distinct
            prompts (their own cache, the masks, one layer's activations) or a decode step's
            sampling buffers ([B, V] fp32 logits, log-probs, Gumbel noise, their difference), whichever
@@ -44,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 
 from fasttrain.nn.rollout_weights import use_dense
+from fasttrain.plan.load import load_phase
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
 
@@ -64,6 +66,7 @@ PARTS = {
     "activations": "activations",
     "logprob_head": "log-prob head (fused: N x H buffers)",
     "sampling": "sampling buffers ([B, V] logits)",
+    "load_transient": "loading: one tensor as read, cast and quantized",
 }
 
 CPU_DECODE_TILE = 512 * 1024          # csrc/cpu/nf4_linear.cpp: decode tiles of W, per thread
@@ -248,7 +251,8 @@ def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int, dense: 
     w, L, H, V, D = m.w, m.layers, m.hidden, m.vocab, m.head_dim
     c = _compute_bytes(m, dev)
     B, S = n * G, P + T
-    kv = L * 2 * B * m.kv_heads * S * D * w
+    L = m.kv_layers                   # a hybrid's KV lives in its full-attention layers only
+    kv = L * 2 * B * m.kv_heads * S * D * w + (B + n) * m.state_bytes   # + the fixed per-row state
     book = B * S + B * T * (8 + 4 + 1) + n * S * 8 + 2 * n * P
     rope_b = 2 * B * S * D * w
     # prefill: the prompts' own cache, masks [n, P, P] and [P, P], the residual, one layer
@@ -355,6 +359,7 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
     B, S, T = s.rows, s.seq, s.new_tokens
     batch = B * S * 24 + B * T * (8 + 1 + 4) + B * (8 * 2 + 1 + 4)
     plan = MemoryPlan()
+    plan.phases["load"] = load_phase(m)                 # before the first step (fasttrain.plan.load)
     plan.phases["rollout"] = {**base, **_rollout(m, dev, s.prompts, s.group, s.prompt_tokens, T, dense)}
     plan.phases["probe"] = {**base, **_rollout(m, dev, s.probe_prompts, s.probe_samples, s.prompt_tokens,
                                                 s.probe_new_tokens, dense)}

@@ -18,7 +18,7 @@ import torch
 
 from fasttrain.models import SUPPORTED_FAMILIES
 
-__all__ = ["ModelShape", "bundled_configs", "model_config", "meta_policy"]
+__all__ = ["ModelShape", "bundled_configs", "model_config", "meta_policy", "hybrid_state"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
            "float64": torch.float64}
@@ -79,6 +79,17 @@ class ModelShape:
     # part -> bytes; "nf4_base" is the projections' frozen base: packed NF4 + absmax, or with
     # quantize "none" the model's own 16-bit weights (what decode reads either way)
     resident: dict = field(default_factory=dict)
+    stored_w: int = 0                # bytes per element in the checkpoint (config.json's dtype); 0: unknown
+    # hybrids (Gated DeltaNet + full attention): the layers that hold a KV cache (None: all), the
+    # fixed per-sequence state of the others (conv window in the model's dtype + float32 recurrent
+    # state, bytes per row), and the state math per token (FLOPs, outside the projections)
+    full_layers: int | None = None
+    state_bytes: int = 0
+    state_flops: float = 0.0
+
+    @property
+    def kv_layers(self) -> int:
+        return self.layers if self.full_layers is None else self.full_layers
 
     @property
     def w(self) -> int:
@@ -98,9 +109,12 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
     from fasttrain.nn import adaptable_model, adapted_layers, attach_adapters, quantize_model
+    from fasttrain.nn.nf4_linear import NF4Linear
 
+    from fasttrain.models.families import text_config
     if isinstance(config, PretrainedConfig):
-        cfg = config
+        cfg = text_config(config)
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     else:
         data = dict(config)
         mt = data.pop("model_type", None)
@@ -110,9 +124,9 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
             if not isinstance(data.get(key), int) or data[key] <= 0:
                 raise ValueError(f"{name}: config.json needs a positive integer {key!r}")
+        stored = data.pop("dtype", None) or data.pop("torch_dtype", None)
         data.pop("torch_dtype", None)
-        data.pop("dtype", None)
-        cfg = AutoConfig.for_model(mt, **data)
+        cfg = text_config(AutoConfig.for_model(mt, **data))
     if cfg.model_type not in SUPPORTED_FAMILIES:
         raise ValueError(f"{name}: model_type {cfg.model_type!r} is not supported by fasttrain; supported: "
                          f"{', '.join(SUPPORTED_FAMILIES)}")
@@ -129,16 +143,18 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         if id(p) not in ids:
             ids.add(id(p))
             params += p.numel()
+    from fasttrain.models.families import adapter_targets, nf4_targets
     if quantize == "nf4":
-        quantize_model(model, double_quant=double_quant)
-    else:
-        adaptable_model(model)
+        quantize_model(model, targets=nf4_targets(model), double_quant=double_quant)
+    kept = tuple(t for t in adapter_targets(model) if quantize == "none" or t not in nf4_targets(model))
+    if kept:                          # "none", or a family's 16-bit projections under NF4 (as build_policy)
+        adaptable_model(model, targets=kept)
     adapters = attach_adapters(model, kind=adapter, r=rank, alpha=alpha, targets=list(targets) or None)
     layers = list(adapted_layers(model))
     base = wsq = 0
     counted: set[int] = set()
     for _, m in layers:
-        if quantize == "none":
+        if not isinstance(m, NF4Linear):      # 16-bit (quantize "none", or a family's kept projections)
             base += _bytes(m.weight)
         for bn, b in m.named_buffers(recurse=False):
             if b is None or bn == "weight_sq_norm":
@@ -160,7 +176,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
             continue
         other[id(t)] = _bytes(t)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelShape(
+    return ModelShape(**hybrid_state(cfg, td),
         name=name, model_type=cfg.model_type, architecture=type(model).__name__,
         layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
         heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
@@ -169,4 +185,31 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         projections=[(m.out_features, m.in_features) for _, m in layers], quantize=quantize,
         adapter_params=sum(p.numel() for p in adapters), adapter_kind=adapter, rank=rank,
         resident={"nf4_base": base, "dense_parts": sum(other.values()), "adapter_masters": adapter_bytes,
-                  "dora_norms": wsq})
+                  "dora_norms": wsq}, stored_w=_stored_w(stored))
+
+
+def hybrid_state(cfg, dtype: torch.dtype) -> dict:
+    """full_layers, state_bytes, state_flops of a hybrid's config (nothing for a plain transformer).
+    Per Gated DeltaNet layer and sequence: the conv window (K-1 inputs of the 2·Hk·Dk + Hv·Dv conv
+    channels, model dtype) and the recurrent state [Hv, Dk, Dv] in float32 (float64 for a float64
+    model). Per token and layer the recurrence reads and writes the state: decay, Sᵀk, the rank-1
+    write and Sᵀq, about 8·Hv·Dk·Dv FLOPs; the conv 2·K per channel."""
+    kinds = getattr(cfg, "layer_types", None)
+    if not kinds or "linear_attention" not in kinds:
+        return {}
+    n_lin = sum(k == "linear_attention" for k in kinds)
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    w = torch.empty((), dtype=dtype).element_size()
+    channels = 2 * Hk * Dk + Hv * Dv
+    state = (K - 1) * channels * w + Hv * Dk * Dv * (8 if dtype == torch.float64 else 4)
+    return {"full_layers": len(kinds) - n_lin, "state_bytes": n_lin * state,
+            "state_flops": n_lin * (8.0 * Hv * Dk * Dv + 2.0 * K * channels)}
+
+
+def _stored_w(dtype) -> int:
+    """Bytes per element of config.json's dtype (a name or a torch.dtype); 0 when not given."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    t = _DTYPES.get(str(dtype).removeprefix("torch.")) if dtype else None
+    return t.itemsize if t is not None else 0

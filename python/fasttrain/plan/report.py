@@ -48,10 +48,20 @@ def make_plan(config, shape: RunShape, gpu: GPU, name: str = "model", env: str =
     dev = device_for(gpu)
     mem = plan_memory(m, shape, dev)
     ok, headroom = fits(mem.peak, gpu.memory_bytes, gpu.context_bytes)
+    # what the projections compute in: the model's dtype on CUDA; on a CPU bf16 where it has
+    # avx512_bf16 (fasttrain.ops.nf4_linear), else fp32
+    compute = shape.dtype if dev.kind == "cuda" else (
+        "bfloat16" if shape.dtype == "bfloat16" and dev.cpu_bf16 else "float32")
     t = plan_time(m, shape, gpu, env=env, mfu=mfu, verifier_answers_per_s=verifier_answers_per_s,
-                  decode_share=decode_share)
+                  decode_share=decode_share, compute_dtype=compute,
+                  dense_rollout=mem.phases["rollout"].get("rollout_weights", 0) > 0)
     lim = largest_settings(m, shape, gpu, dev) if with_limits else {}
     return Plan(m, shape, gpu, mem, t, ok, headroom, lim)
+
+
+def _per_s(v: float, unit: str) -> str:
+    """A rate in T or G units: datasheet GPUs in TFLOP/s and TB/s, a CPU's measured rates in G."""
+    return f"{v / 1e12:.2f} T{unit}/s" if v >= 1e12 else f"{v / 1e9:.1f} G{unit}/s"
 
 
 def _g(b: float) -> str:
@@ -74,8 +84,9 @@ def render(p: Plan) -> str:
         f"{s.new_tokens} new tokens, micro-batch {s.micro_batch}, {s.passes} pass(es), {s.dtype}, "
         f"{'NF4' if s.quantize == 'nf4' else '16-bit'} base, {s.adapter} r={s.rank} ({m.adapter_params / 1e6:.1f} M params), gradient checkpointing "
         f"{'on' if s.gradient_checkpointing else 'off'}",
-        f"device {g.title}: {gib(g.memory_bytes):.1f} GiB, {g.bf16_flops / 1e12:.0f} TFLOP/s bf16, "
-        f"{g.bandwidth / 1e12:.2f} TB/s ({g.source})",
+        f"device {g.title}: {gib(g.memory_bytes):.1f} GiB, {_per_s(g.bf16_flops, 'FLOP')} bf16, "
+        f"{_per_s(g.bandwidth, 'B')} ({g.source}"
+        + (", this host's own: --remeasure measures again)" if g.rates is not None else ")"),
         "",
         "memory by part and phase (GiB)",
     ]
@@ -157,14 +168,18 @@ def as_json(p: Plan) -> dict:
 def plan_for_run(cfg, model_config, prompt_tokens: int, device, world: int = 1) -> tuple[str, bool]:
     """(one-line summary, fits) for a run about to start on `device` (the trainer's faces); with
     `world` data-parallel ranks, each rank holds prompts_per_step / world prompts and its share
-    of the probe."""
-    from fasttrain.plan.gpus import gpu_for_device
+    of the probe. Times come from this host's measured rates when `fasttrain plan` has cached
+    them (the trainer never stops to measure)."""
+    import torch
+
+    from fasttrain.plan.gpus import gpu_for_device, measured
     from fasttrain.plan.run_shape import run_shape
 
     shape = run_shape(cfg, prompt_tokens)
     if world > 1:
         shape = shape.with_(prompts=max(1, shape.prompts // world),
                             probe_prompts=max(1, -(-shape.probe_prompts // world)))
-    p = make_plan(model_config, shape, gpu_for_device(device),
+    kind = torch.device(device).type
+    p = make_plan(model_config, shape, measured(gpu_for_device(device), kind, cached_only=True),
                   name=str(cfg.policy.model), env=cfg.env.name, with_limits=False)
     return summary_line(p), p.fits

@@ -14,6 +14,8 @@
             log-prob head (forward 2·N·H·V, its gradient vector formed in the same pass 2·N·H·V),
             over the same tokens as the scores (the shared prefix runs with or without checkpointing)
 The FLOP share `mfu` is an assumption printed with the result (no GPU run has measured it yet).
+When the plan is for a device of this host whose rates were measured (fasttrain.host_rates),
+fasttrain.plan.host_speed times every phase from those rates instead.
 """
 from __future__ import annotations
 
@@ -58,15 +60,38 @@ def prompt_runs(s: RunShape) -> int:
 
 
 def _forward_flops(m: ModelShape, tokens: int, keys_per_token: float) -> float:
-    attn = 4.0 * m.layers * m.heads * m.head_dim * keys_per_token * tokens
-    return 2.0 * m.linear_params * tokens + attn + _lora_flops(m, tokens)
+    attn = 4.0 * m.kv_layers * m.heads * m.head_dim * keys_per_token * tokens
+    return 2.0 * m.linear_params * tokens + attn + m.state_flops * tokens + _lora_flops(m, tokens)
+
+
+def _verify(s: RunShape, env: str, rate: float | None, t: "StepTime") -> None:
+    rate = rate or VERIFIER_ANSWERS_PER_S.get(env)
+    if rate:
+        t.seconds["verify"] = s.rows / rate
+        t.assumptions.append(f"verifier: {rate:g} answers/s (measured by the environment's benchmark)")
+    else:
+        t.seconds["verify"] = 0.0
+        t.assumptions.append(f"verifier time not counted: no measured rate for environment {env!r} "
+                             "(pass --verifier-answers-per-s)")
 
 
 def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 0.4,
-              verifier_answers_per_s: float | None = None, decode_share: float = 1.0) -> StepTime:
-    """decode_share: the share of the bandwidth floor a measured decode reached (1.0 = the floor)."""
+              verifier_answers_per_s: float | None = None, decode_share: float = 1.0,
+              compute_dtype: str = "bfloat16", dense_rollout: bool = True) -> StepTime:
+    """decode_share: the share of the bandwidth floor a measured decode reached (1.0 = the floor).
+    With rates measured on the device (gpu.rates) every phase is timed from them
+    (fasttrain.plan.host_speed: compute_dtype and dense_rollout say how the run computes) and
+    mfu / decode_share are not used."""
     if not (0 < mfu <= 1) or not (0 < decode_share <= 1):
         raise ValueError(f"mfu and decode share must be in (0, 1], got {mfu} and {decode_share}")
+    if gpu.rates is not None:
+        from fasttrain.plan.host_speed import measured_step_time
+        t = StepTime()
+        phases, t.assumptions = measured_step_time(m, s, gpu.rates, compute_dtype, gpu.name == "cpu", dense_rollout)
+        t.seconds["rollout"] = phases["rollout"]
+        _verify(s, env, verifier_answers_per_s, t)
+        t.seconds["scores"], t.seconds["update"] = phases["scores"], phases["update"]
+        return t
     flops = gpu.bf16_flops * mfu
     bw = gpu.bandwidth * decode_share
     n, B, P, T, S = s.prompts, s.rows, s.prompt_tokens, s.new_tokens, s.seq
@@ -83,21 +108,14 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
     prefill = _forward_flops(m, n * P, P) + 2.0 * H * V * n
     weights = m.resident["nf4_base"] + m.resident["adapter_masters"] + V * H * w
     decode = 0.0
-    kv_row_col = m.layers * 2 * m.kv_heads * m.head_dim * w
+    kv_row_col = m.kv_layers * 2 * m.kv_heads * m.head_dim * w
     for step in range(T):
-        bytes_read = weights + B * kv_row_col * (P + step + 1)
-        step_flops = 2.0 * (m.linear_params + V * H) * B + _lora_flops(m, B)
+        # a hybrid's rows read and write their fixed state every step
+        bytes_read = weights + B * kv_row_col * (P + step + 1) + 2 * B * m.state_bytes
+        step_flops = 2.0 * (m.linear_params + V * H) * B + _lora_flops(m, B) + m.state_flops * B
         decode += max(bytes_read / bw, step_flops / flops)
     t.seconds["rollout"] = prefill / flops + decode
-    # verifier
-    rate = verifier_answers_per_s or VERIFIER_ANSWERS_PER_S.get(env)
-    if rate:
-        t.seconds["verify"] = B / rate
-        t.assumptions.append(f"verifier: {rate:g} answers/s (measured by the environment's benchmark)")
-    else:
-        t.seconds["verify"] = 0.0
-        t.assumptions.append(f"verifier time not counted: no measured rate for environment {env!r} "
-                             "(pass --verifier-answers-per-s)")
+    _verify(s, env, verifier_answers_per_s, t)
     # no-grad scores over the whole batch, shared prefix
     head_fwd = 2.0 * B * T * H * V
     shared_tokens = prompt_runs(s) * P + B * T

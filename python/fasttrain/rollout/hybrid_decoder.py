@@ -138,8 +138,9 @@ class HybridDecoder(LlamaFamilyDecoder):
             if self.kinds[i] == "full_attention":
                 x = x + self._attention(layer.self_attn, h, cos, sin, cache.kv[i], start, mask)
             else:
-                y, cache.conv[i], cache.rec[i] = self._delta(layer.linear_attn, h, cache.conv[i], cache.rec[i],
-                                                             valid, active)
+                y, conv, rec = self._delta(layer.linear_attn, h, cache.conv[i], cache.rec[i], valid, active)
+                cache.conv[i].copy_(conv)           # in place: the buffers keep their address and strides
+                cache.rec[i].copy_(rec)
                 x = x + y
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .decoder import LlamaFamilyDecoder
+from .families import decoder_for
 from .sampling import Rollout, _check, _default_pad, _exponential_noise
 
 # end_of_turn(rows, turn_ids, room) -> one entry per row: context token ids to append, or None
@@ -58,7 +59,10 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
     replay: per row, the token ids its model turns emit, in order, instead of sampled ones (a row
     whose list runs out samples again); their log-probs are still the model's. It drives the same
     model turns through this rollout and another trainer's loop, for comparisons and tests."""
-    dec = LlamaFamilyDecoder(model, weights)
+    dec = decoder_for(model, weights)
+    if type(dec) is not LlamaFamilyDecoder:     # the per-row step (step_rows) is the Llama decoder's only
+        raise ValueError(f"sample_turns: multi-turn answers (tools) run Llama-family models only so far; "
+                         f"{type(dec).__name__} has no per-row step (step_rows) yet")
     vocab = model.config.vocab_size
     _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])

@@ -42,10 +42,14 @@ def eos_ids(model, tokenizer) -> list[int]:
 def prompt_token_ids(tokenizer, env, prompts: Sequence[Prompt], answer_prefix: str = "") -> list[list[int]]:
     """Chat-turn token ids of each prompt; `answer_prefix` is written at the start of the
     assistant's turn (prefilled: part of the prompt, never trained on, prepended to the answer
-    text the verifier scores)."""
+    text the verifier scores). With tools the prompt carries their schemas, rendered as the tool
+    rollout renders it (fasttrain.train.tool_rollout; an environment's reset text comes on top)."""
     from fasttrain.models import chat_messages_ids, chat_prompt_ids
     tail = list(tokenizer(answer_prefix, add_special_tokens=False)["input_ids"]) if answer_prefix else []
     messages = getattr(env, "chat_messages", None)    # environments whose prompts are chats
+    if getattr(env, "tool_workers", None) is not None:
+        from fasttrain.train.tool_rollout import tool_prompts
+        return [ids + tail for ids in tool_prompts(tokenizer, env, [messages(p) for p in prompts])]
     if messages is not None:
         return [list(chat_messages_ids(tokenizer, messages(p))) + tail for p in prompts]
     return [list(chat_prompt_ids(tokenizer, p.spec, env.answer_format)) + tail for p in prompts]

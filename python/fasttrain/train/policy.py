@@ -19,8 +19,9 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def _load_base(spec: str, dtype: str):
-    """`module:factory` (a user hook returning (model, tokenizer)) or a fasttrain.models spec."""
+def _load_base(spec: str, dtype: str, quantize: str = "none"):
+    """`module:factory` (a user hook returning (model, tokenizer)) or a fasttrain.models spec, which
+    loads with its projections already in NF4 when `quantize` is "nf4" (layer by layer)."""
     if ":" in spec and not Path(spec).exists() and "/" not in spec.split(":")[0]:
         mod, _, fn = spec.partition(":")
         try:
@@ -28,12 +29,15 @@ def _load_base(spec: str, dtype: str):
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"policy.model: cannot load factory {spec!r}: {e}") from None
         return factory(dtype=dtype)
+    from safetensors import SafetensorError
+
     from fasttrain.models import load_policy
     _check_model_folder(spec)
     try:
-        return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype))
-    except (FileNotFoundError, ValueError, OSError, KeyError) as e:   # one paragraph, not a traceback
-        raise ConfigError(_cannot_load(spec, str(e).strip())) from None
+        return load_policy(None if spec in ("", "default") else spec, dtype=getattr(torch, dtype),
+                           quantize=quantize)
+    except (FileNotFoundError, ValueError, OSError, KeyError, SafetensorError) as e:   # one paragraph
+        raise ConfigError(_cannot_load(spec, f"{str(e).strip().rstrip('.')}.")) from None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -62,17 +66,17 @@ def _check_model_folder(spec: str) -> None:
 def build_policy(cfg: Config, device: torch.device):
     """(model, tokenizer, adapter params by name). The base is frozen; only adapters train."""
     from fasttrain.models import set_template_kwargs
-    from fasttrain.nn import adaptable_model, attach_adapters, quantize_model
+    from fasttrain.nn import adaptable_model, attach_adapters, nf4_layers, quantize_model
 
     p = cfg.policy
-    model, tokenizer = _load_base(p.model, p.dtype)
+    model, tokenizer = _load_base(p.model, p.dtype, p.quantize)
     set_template_kwargs(tokenizer, p.chat_template_kwargs)   # the one reader: every prompt renders with them
     model.to(device)
     _use_gpu_packages(model, p, device)
     for prm in model.parameters():
         prm.requires_grad_(False)
     from fasttrain.models.families import adapter_targets, nf4_targets
-    if p.quantize == "nf4":
+    if p.quantize == "nf4" and next(nf4_layers(model), None) is None:   # not streamed: quantize here
         quantize_model(model, targets=nf4_targets(model))
     kept_16bit = tuple(t for t in adapter_targets(model) if p.quantize == "none" or t not in nf4_targets(model))
     if kept_16bit:                                        # "none", or a family's 16-bit projections under NF4

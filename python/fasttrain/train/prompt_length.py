@@ -1,6 +1,7 @@
 """rollout.max_prompt_tokens: every prompt of the run, rendered as the rollout renders it (chat
-template, system prompt, answer prefix), measured once the tokenizer is loaded and before the
-first step. A longer prompt is a ConfigError naming its row and the fix, or, with
+template, system prompt, answer prefix, and the tools' schemas for an environment with tools),
+measured once the tokenizer is loaded and before the first step. (An environment class's first
+observation joins the prompt only when the rollout resets it; it is not counted here.) A longer prompt is a ConfigError naming its row and the fix, or, with
 env.skip_bad_rows, left out of the run with its reason kept for the report.
 
 Why before the first step: an over-long prompt otherwise fails deep in the rollout (positions
@@ -25,6 +26,12 @@ def prompt_limit(cfg: Config, model) -> int:
     return int(context) - cfg.rollout.max_new_tokens if context else 0
 
 
+def _rendered_lengths(tokenizer, env, prompts: Sequence[Prompt], answer_prefix: str) -> list[int]:
+    # prompt_token_ids renders a tool environment's prompts with the tools' schemas, as the tool
+    # rollout does: one renderer for the check and the run
+    return [len(ids) for ids in prompt_token_ids(tokenizer, env, prompts, answer_prefix)]
+
+
 def _where(env, prompt_id: str) -> str:
     row_of = getattr(env, "row_of", None)
     return row_of(prompt_id) if callable(row_of) else f"prompt {prompt_id!r} of {env.name}"
@@ -43,7 +50,7 @@ def check_prompt_lengths(cfg: Config, tokenizer, env, model, splits: dict[str, S
     out = {}
     for split, prompts in splits.items():
         keep = []
-        lengths = [len(ids) for ids in prompt_token_ids(tokenizer, env, prompts, cfg.rollout.answer_prefix)]
+        lengths = _rendered_lengths(tokenizer, env, prompts, cfg.rollout.answer_prefix)
         for p, n in zip(prompts, lengths):
             if n <= limit:
                 keep.append(p)

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from fasttrain.envs.tools import MAX_RESULT_CHARS, ToolCall, ToolWorkers
 from fasttrain.models.tool_template import parse_turn, tool_chat_template, tool_prompt_ids, tool_suffix_ids
 
-__all__ = ["ToolTurns", "prompt_messages_with_observations", "sample_tool_answers"]
+__all__ = ["ToolTurns", "prompt_messages_with_observations", "sample_tool_answers", "tool_prompts"]
 
 
 class ToolTurns:
@@ -94,6 +94,15 @@ def prompt_messages_with_observations(messages: list[dict[str, Any]], observatio
     return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
 
 
+def tool_prompts(tokenizer, env, messages: Sequence[list], template_kwargs: dict | None = None) -> list[list[int]]:
+    """Token ids of each conversation with the tools' schemas and the generation prompt, in the
+    template a tool run renders with (policy.chat_template_kwargs from the tokenizer)."""
+    from fasttrain.models import template_kwargs as set_kwargs
+    kw = {**set_kwargs(tokenizer), **(template_kwargs or {})}
+    template = tool_chat_template(tokenizer, kw)
+    return [tool_prompt_ids(tokenizer, m, env.tool_workers.schemas, template, kw) for m in messages]
+
+
 def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_new_tokens: int,
                         temperature: float, seed, eos_token_ids: Sequence[int], max_tool_calls: int = 0,
                         template_kwargs: dict | None = None, weights=None, replay=None, first_slot: int = 0):
@@ -124,7 +133,7 @@ def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_
                                    f"of prompt {prompts[i].id}; fasttrain shares one prompt among a group")
             firsts.append(next(iter(got), None))
         messages = [prompt_messages_with_observations(m, o) for m, o in zip(messages, firsts)]
-    prompt_ids = [tool_prompt_ids(tokenizer, m, workers.schemas, template, template_kwargs) for m in messages]
+    prompt_ids = tool_prompts(tokenizer, env, messages, template_kwargs)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and max(map(len, prompt_ids)) + max_new_tokens > limit:
         raise ValueError(f"a prompt of {max(map(len, prompt_ids))} tokens plus rollout.max_new_tokens = "

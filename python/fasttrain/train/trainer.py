@@ -317,12 +317,13 @@ class Trainer:
         """rollout_logprob_gap (mean) and rollout_logprob_gap_max: |Δ log p| of the sampled tokens
         between the rollout's decode and the update's forward on the pre-update policy, every rank's tokens."""
         from fasttrain.rl.logprob_gap import logprob_gap_parts
-        if result is None or result.old_logp is None:
+        have = result is not None and result.old_logp is not None
+        total, top, n = logprob_gap_parts(roll.logprobs, result.old_logp, mask) if have else (0.0, 0.0, 0)
+        total, n = distributed.sum_values([total, float(n)])        # every rank joins the collectives
+        top = max(distributed.gather_list([top]))
+        if n == 0:
             return {"rollout_logprob_gap": math.nan, "rollout_logprob_gap_max": math.nan}
-        total, top, n = logprob_gap_parts(roll.logprobs, result.old_logp, mask)
-        total, n = distributed.sum_values([total, float(n)])
-        return {"rollout_logprob_gap": total / max(n, 1.0),
-                "rollout_logprob_gap_max": max(distributed.gather_list([top]))}
+        return {"rollout_logprob_gap": total / n, "rollout_logprob_gap_max": top}
 
     # ---- out of memory ------------------------------------------------------------------------
     def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None):
@@ -346,9 +347,10 @@ class Trainer:
 
     def _undo_update(self):
         """A function that puts the adapters and AdamW back as they are now (before an update
-        that may run out of memory part-way, after some passes stepped)."""
-        params = [p.detach().clone() for p in self.params]
-        state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        that may run out of memory part-way, after some passes stepped). The copy is kept in host
+        memory: it must not add to the device memory the update needs."""
+        params = [p.detach().to("cpu", copy=True) for p in self.params]
+        state = {p: {k: (v.to("cpu", copy=True), v.device) if torch.is_tensor(v) else v for k, v in st.items()}
                  for p, st in self.optimizer.state.items()}
         training = self.model.training
 
@@ -359,7 +361,8 @@ class Trainer:
                     p.grad = None
             self.optimizer.state.clear()
             for p, st in state.items():
-                self.optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                self.optimizer.state[p] = {k: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v
+                                           for k, v in st.items()}
             self.model.train(training)
         return undo
 

@@ -1,0 +1,539 @@
+"""The host's measured speed: what `fasttrain plan` turns FLOPs and bytes into seconds with.
+
+Measured once per (device, thread count, torch and fasttrain version) and kept in
+fasttrain's cache folder (host_rates.json), so a plan costs a few seconds only the first time:
+  matmul      GFLOP/s of a 1024 x 1024 x 1024 product (F.linear) in bf16 and in fp32
+  bandwidth   GB/s read: a sum over a 256 MiB fp32 tensor (larger than any cache)
+  attention   GFLOP/s of scaled-dot-product attention with a boolean mask (as fasttrain's forwards
+              run it: every key of the rectangle is computed, masked or not), forward and
+              forward + backward, in the compute dtype, 8 heads of 64, 512 queries x 512 keys
+  decode      GFLOP/s of 16-row and 64-row projections (1024 -> 3072) and of one-query-per-row
+              attention over strided cache views, each streaming a working set larger than any
+              cache from memory, as a decode step does (a plan measures its own model's shapes
+              again with model_decode_rates: these skinny rates depend on the shapes)
+  elementwise elements/s of an out-of-place product of two 1024 x 1024 tensors, bf16 and fp32
+  sampling    elements/s of one Gumbel-max sampling step over fp32 logits [16, 32768] (log-softmax,
+              Exp(1) noise from a generator, log, argmax: the rollout's per-token work over V)
+  per layer   seconds the framework spends per decoder layer and per call, apart from arithmetic:
+              fasttrain's own decode step (sample), no-grad log-probs (answer_logprobs) and update
+              micro-batch (log-probs, the policy loss, backward, gradient clipping, AdamW; with
+              and without gradient checkpointing) on a
+              micro Llama (hidden 32, vocab 64, NF4 + LoRA, 1 and 3 layers: the slope is the cost
+              per layer, the intercept the cost per call): what a tiny model's step is made of
+Each figure is the median of a few repetitions after a warm-up. The clock is a parameter: wall
+time by default; a test on a shared machine passes the process's CPU time (one thread: the time
+the work would take on an idle core), and then measures the step it compares with the same clock.
+What it is not: a peak (a tuned kernel can beat these numbers) or a GPU datasheet.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["HostRates", "host_rates", "cached_rates", "measure", "matmul_gflops", "memory_gbps", "cache_path", "host_name"]
+
+Clock = Callable[[], float]
+PROMPT = 128                      # tokens of the micro model's prompts (framework costs grow with P: masks)
+
+
+@dataclass(frozen=True)
+class HostRates:
+    device: str                     # "cpu" or the CUDA card's name
+    threads: int
+    matmul_bf16: float              # FLOP/s
+    matmul_fp32: float
+    bandwidth: float                # bytes/s read
+    attention_fwd_bf16: float       # FLOP/s (4·q·k·d per head, every key of the rectangle)
+    attention_fb_bf16: float        # forward + backward, counted as 3.5x the forward's FLOPs
+    attention_fwd_fp32: float
+    attention_fb_fp32: float
+    decode_rows16_bf16: float       # FLOP/s of a 16-row projection (a decode step's GEMM)
+    decode_rows64_bf16: float
+    decode_attention_bf16: float    # FLOP/s of one-query-per-row attention over a cache view
+    decode_rows16_fp32: float
+    decode_rows64_fp32: float
+    decode_attention_fp32: float
+    elementwise_bf16: float         # elements/s of one out-of-place elementwise product
+    elementwise_fp32: float
+    sampling: float                 # elements/s of one sampling step over [B, V]
+    decode_layer: float             # s per decoder layer per decode step (fasttrain's decoder)
+    decode_call: float              # s per decode step apart from its layers (embedding, head, sampling ops)
+    forward_layer: float            # s per layer of a no-grad forward (shared-prefix forward)
+    forward_call: float
+    train_layer: float              # s per layer of a forward + backward
+    train_call: float
+    train_ckpt_layer: float         # the same under gradient checkpointing (the forward recomputed)
+    train_ckpt_call: float
+    measured_at: str                # ISO time (UTC) of the measurement
+    clock: str = "wall"             # "wall" or "process_time" (CLOCKS)
+    device_kind: str = "cpu"        # "cpu" | "cuda"
+
+    def matmul(self, dtype: str) -> float:
+        return self.matmul_bf16 if dtype == "bfloat16" else self.matmul_fp32
+
+    def rows_matmul(self, dtype: str, rows: int) -> float:
+        """FLOP/s of a projection of `rows` rows: the 16- and 64-row rates, linear between them and
+        up to the square product's rate at 1024 rows, proportional to the rows below 16."""
+        bf = dtype == "bfloat16"
+        r16 = self.decode_rows16_bf16 if bf else self.decode_rows16_fp32
+        r64 = self.decode_rows64_bf16 if bf else self.decode_rows64_fp32
+        big = self.matmul(dtype)
+        if rows <= 16:
+            return r16 * max(rows, 1) / 16
+        if rows <= 64:
+            return r16 + (r64 - r16) * (rows - 16) / 48
+        return min(big, r64 + (big - r64) * (rows - 64) / 960) if big > r64 else r64
+
+    def elementwise(self, dtype: str) -> float:
+        return self.elementwise_bf16 if dtype == "bfloat16" else self.elementwise_fp32
+
+    def decode_attention(self, dtype: str) -> float:
+        return self.decode_attention_bf16 if dtype == "bfloat16" else self.decode_attention_fp32
+
+    def attention(self, dtype: str, backward: bool) -> float:
+        if dtype == "bfloat16":
+            return self.attention_fb_bf16 if backward else self.attention_fwd_bf16
+        return self.attention_fb_fp32 if backward else self.attention_fwd_fp32
+
+
+def _median_time(fn, reps: int, clock: Clock, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        sync()
+        times.append(clock() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
+def _sync_for(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5, device="cpu",
+                  clock: Clock = time.perf_counter) -> float:
+    """GFLOP/s of an n x n x n product (F.linear) in `dtype` at the current thread count."""
+    dev = torch.device(device)
+    x = torch.randn(n, n, device=dev).to(dtype)
+    w = torch.randn(n, n, device=dev).to(dtype)
+    return 2 * n ** 3 / _median_time(lambda: F.linear(x, w), reps, clock, _sync_for(dev)) / 1e9
+
+
+def memory_gbps(mib: int = 256, reps: int = 5, device="cpu", clock: Clock = time.perf_counter) -> float:
+    """Read bandwidth in GB/s: a sum over a `mib` MiB fp32 tensor (larger than any cache)."""
+    dev = torch.device(device)
+    x = torch.ones(mib * 2**20 // 4, device=dev)
+    return x.numel() * 4 / _median_time(lambda: x.sum(), reps, clock, _sync_for(dev)) / 1e9
+
+
+def _attention_rates(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> tuple[float, float]:
+    heads, s, d = 8, 512, 64
+    q, k, v = (torch.randn(1, heads, s, d, device=dev).to(dtype) for _ in range(3))
+    mask = torch.ones(s, s, dtype=torch.bool, device=dev).tril_()
+    flops = 4.0 * heads * s * s * d
+    sync = _sync_for(dev)
+    fwd = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps, clock, sync)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def both():
+        F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask).sum().backward()
+    fb = _median_time(both, reps, clock, sync)
+    return flops / fwd, 3.5 * flops / fb
+
+
+def model_decode_rates(layer_weights: list[tuple[int, int]], kv_heads: int, group: int, head_dim: int, rows: int,
+                       keys: int, dtype: torch.dtype, device="cpu", clock: Clock = time.perf_counter,
+                       reps: int = 3) -> tuple[float, float]:
+    """(GEMM FLOP/s, attention FLOP/s) of one decode step of a given model at `rows` rows: its
+    layer's weight shapes [(out, in), ...] (as the rollout runs them: q/k/v and gate/up fused) and
+    one-query-per-row attention over `keys` cached keys, each over a working set of at least
+    128 MiB (repeated layers), as a decode step streams them from memory. Skinny products run
+    far from the square product's rate, and how far depends on the shapes: measured per plan."""
+    dev = torch.device(device)
+    sync = _sync_for(dev)
+    esz = torch.empty((), dtype=dtype).element_size()
+    per_layer = sum(o * i for o, i in layer_weights) * esz
+    copies = max(1, -(-(128 << 20) // per_layer))
+    ws = [torch.randn(o, i, device=dev).to(dtype) for _ in range(copies) for o, i in layer_weights]
+    xs = {i: torch.randn(rows, 1, i, device=dev).to(dtype) for _, i in layer_weights}
+
+    def project():
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+    gemm = 2.0 * rows * per_layer / esz * copies / _median_time(project, reps, clock, sync)
+    del ws
+    per_cache = 2 * rows * kv_heads * (keys + 1) * head_dim * esz
+    caches = [torch.randn(2, rows, kv_heads, keys + 1, head_dim, device=dev).to(dtype)
+              for _ in range(max(1, -(-(128 << 20) // per_cache)))]
+    q = torch.randn(rows, kv_heads, group, head_dim, device=dev).to(dtype)
+    mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool, device=dev)
+
+    def attend():
+        for c in caches:
+            F.scaled_dot_product_attention(q, c[0, :, :, :keys], c[1, :, :, :keys], attn_mask=mask)
+    attn = 4.0 * rows * kv_heads * group * keys * head_dim * len(caches) / _median_time(attend, reps, clock, sync)
+    return gemm, attn
+
+
+CLOCKS = {"wall": time.perf_counter, "process_time": time.process_time}
+
+
+def _elementwise_rate(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> float:
+    a, b = (torch.randn(1024, 1024, device=dev).to(dtype) for _ in range(2))
+    return a.numel() / _median_time(lambda: a * b, 5 * reps, clock, _sync_for(dev))
+
+
+def _sampling_rate(dev: torch.device, clock: Clock, reps: int) -> float:
+    logits = torch.randn(16, 32768, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def step():
+        logp = torch.log_softmax(logits, dim=-1)
+        noise = torch.empty_like(logp).exponential_(generator=gen)
+        return (logp - noise.log_()).argmax(-1)
+    return logits.numel() / _median_time(step, reps, clock, _sync_for(dev))
+
+
+def _micro_policy(layers: int, dev: torch.device):
+    """A micro Llama in NF4 + LoRA as the trainer builds its policy (hidden 32, vocab 64)."""
+    from fasttrain.models.tiny import tiny_llama
+    from fasttrain.nn import attach_adapters, quantize_model
+
+    model = tiny_llama(vocab_size=64, hidden=32, layers=layers, heads=2, kv_heads=1, seed=0).to(dev)
+    quantize_model(model)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(0)
+        params = attach_adapters(model, r=4, alpha=8)
+    return model, params
+
+
+def _layer_costs(dev: torch.device, clock: Clock, reps: int) -> dict:
+    """Per-layer and per-call seconds of fasttrain's decode step, no-grad log-probs and update
+    micro-batch (forward, loss, backward, clip, AdamW step) on micro models of 1 and 3 layers."""
+    from fasttrain.nn.rollout_weights import RolloutWeights
+    from fasttrain.ops import policy_loss
+    from fasttrain.rollout import sample
+    from fasttrain.train.policy_update import answer_logprobs   # the code measured, not the trainer
+
+    sync = _sync_for(dev)
+    prompts = [[1 + (i * 7 + j) % 60 for j in range(PROMPT)] for i in range(2)]
+    out = {}
+    for L in (1, 3):
+        model, params = _micro_policy(L, dev)
+        weights = RolloutWeights(model)
+
+        def run(T):
+            return sample(model, prompts, group_size=2, max_new_tokens=T, temperature=1.0, eos_token_ids=[],
+                          seed=[0, 1], weights=weights)
+        steps = 8
+        decode = (_median_time(lambda: run(steps + 1), reps, clock, sync)
+                  - _median_time(lambda: run(1), reps, clock, sync)) / steps
+        roll = run(9)
+        args = (roll.input_ids, roll.attention_mask, roll.prompt_len, roll.completion_ids, roll.completion_mask, 1.0)
+        kw = dict(position_ids=roll.position_ids, prompt_index=roll.prompt_index)
+        model.eval()
+        with torch.no_grad():
+            fwd = _median_time(lambda: answer_logprobs(model, *args, **kw), reps, clock, sync)
+        model.train()
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+        adv = torch.ones(roll.completion_ids.shape[0], device=dev)
+
+        def train():
+            logp, _ = answer_logprobs(model, *args, **kw)
+            loss, _ = policy_loss(logp, logp.detach(), adv, roll.completion_mask, loss="cispo")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        fb = _median_time(train, reps, clock, sync)
+        _checkpointing_on(model)
+        fb_ckpt = _median_time(train, reps, clock, sync)
+        out[L] = (decode, fwd, fb, fb_ckpt)
+    slope = [max(0.0, (out[3][i] - out[1][i]) / 2) for i in range(4)]
+    call = [max(0.0, out[1][i] - slope[i]) for i in range(4)]
+    return {"decode_layer": slope[0], "decode_call": call[0], "forward_layer": slope[1],
+            "forward_call": call[1], "train_layer": slope[2], "train_call": call[2],
+            "train_ckpt_layer": slope[3], "train_ckpt_call": call[3]}
+
+
+def _checkpointing_on(model) -> None:
+    """Gradient checkpointing as the trainer turns it on (fasttrain.train.policy.build_policy)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _decode_rates(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> dict:
+    """FLOP/s of the decode step's two skinny kinds of work, each over a working set larger than
+    any cache (a decode step streams every weight and the whole KV cache from memory): projections
+    of 16 and of 64 rows through 144 MiB of 1024 -> 3072 weights, and one-query-per-row attention
+    (16 rows, 4 KV heads of 3 query rows each, 512 keys of a cache view with a boolean key mask)
+    through 192 MiB of caches."""
+    sync = _sync_for(dev)
+    esz = torch.empty((), dtype=dtype).element_size()
+    count = max(2, (144 << 20) // (3072 * 1024 * esz))
+    ws = [torch.randn(3072, 1024, device=dev).to(dtype) for _ in range(count)]
+    out = {}
+    for M in (16, 64):
+        x = torch.randn(M, 1, 1024, device=dev).to(dtype)
+
+        def project():
+            for w in ws:
+                F.linear(x, w)
+        out[M] = 2.0 * M * 3072 * 1024 * count / _median_time(project, reps, clock, sync)
+    del ws
+    B, kv, G, S, D = 16, 4, 3, 512, 64
+    layers = max(2, (192 << 20) // (2 * B * kv * 2 * S * D * esz))
+    caches = [torch.randn(2, B, kv, 2 * S, D, device=dev).to(dtype) for _ in range(layers)]
+    q = torch.randn(B, kv, G, D, device=dev).to(dtype)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev)
+
+    def attend():
+        for c in caches:
+            F.scaled_dot_product_attention(q, c[0, :, :, :S], c[1, :, :, :S], attn_mask=mask)
+    t = _median_time(attend, reps, clock, sync)
+    return {"rows16": out[16], "rows64": out[64], "attention": 4.0 * B * kv * G * S * D * layers / t}
+
+
+def model_decode_rates(layer_weights: list[tuple[int, int]], kv_heads: int, group: int, head_dim: int, rows: int,
+                       keys: int, dtype: torch.dtype, device="cpu", clock: Clock = time.perf_counter,
+                       reps: int = 3) -> tuple[float, float]:
+    """(GEMM FLOP/s, attention FLOP/s) of one decode step of a given model at `rows` rows: its
+    layer's weight shapes [(out, in), ...] (as the rollout runs them: q/k/v and gate/up fused) and
+    one-query-per-row attention over `keys` cached keys, each over a working set of at least
+    128 MiB (repeated layers), as a decode step streams them from memory. Skinny products run
+    far from the square product's rate, and how far depends on the shapes: measured per plan."""
+    dev = torch.device(device)
+    sync = _sync_for(dev)
+    esz = torch.empty((), dtype=dtype).element_size()
+    per_layer = sum(o * i for o, i in layer_weights) * esz
+    copies = max(1, -(-(128 << 20) // per_layer))
+    ws = [torch.randn(o, i, device=dev).to(dtype) for _ in range(copies) for o, i in layer_weights]
+    xs = {i: torch.randn(rows, 1, i, device=dev).to(dtype) for _, i in layer_weights}
+
+    def project():
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+    gemm = 2.0 * rows * per_layer / esz * copies / _median_time(project, reps, clock, sync)
+    del ws
+    per_cache = 2 * rows * kv_heads * (keys + 1) * head_dim * esz
+    caches = [torch.randn(2, rows, kv_heads, keys + 1, head_dim, device=dev).to(dtype)
+              for _ in range(max(1, -(-(128 << 20) // per_cache)))]
+    q = torch.randn(rows, kv_heads, group, head_dim, device=dev).to(dtype)
+    mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool, device=dev)
+
+    def attend():
+        for c in caches:
+            F.scaled_dot_product_attention(q, c[0, :, :, :keys], c[1, :, :, :keys], attn_mask=mask)
+    attn = 4.0 * rows * kv_heads * group * keys * head_dim * len(caches) / _median_time(attend, reps, clock, sync)
+    return gemm, attn
+
+
+CLOCKS = {"wall": time.perf_counter, "process_time": time.process_time}
+
+
+def _elementwise_rate(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> float:
+    a, b = (torch.randn(1024, 1024, device=dev).to(dtype) for _ in range(2))
+    return a.numel() / _median_time(lambda: a * b, 5 * reps, clock, _sync_for(dev))
+
+
+def _sampling_rate(dev: torch.device, clock: Clock, reps: int) -> float:
+    logits = torch.randn(16, 32768, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def step():
+        logp = torch.log_softmax(logits, dim=-1)
+        noise = torch.empty_like(logp).exponential_(generator=gen)
+        return (logp - noise.log_()).argmax(-1)
+    return logits.numel() / _median_time(step, reps, clock, _sync_for(dev))
+
+
+def _micro_policy(layers: int, dev: torch.device):
+    """A micro Llama in NF4 + LoRA as the trainer builds its policy (hidden 32, vocab 64)."""
+    from fasttrain.models.tiny import tiny_llama
+    from fasttrain.nn import attach_adapters, quantize_model
+
+    model = tiny_llama(vocab_size=64, hidden=32, layers=layers, heads=2, kv_heads=1, seed=0).to(dev)
+    quantize_model(model)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(0)
+        params = attach_adapters(model, r=4, alpha=8)
+    return model, params
+
+
+def _layer_costs(dev: torch.device, clock: Clock, reps: int) -> dict:
+    """Per-layer and per-call seconds of fasttrain's decode step, no-grad log-probs and update
+    micro-batch (forward, loss, backward, clip, AdamW step) on micro models of 1 and 3 layers."""
+    from fasttrain.nn.rollout_weights import RolloutWeights
+    from fasttrain.ops import policy_loss
+    from fasttrain.rollout import sample
+    from fasttrain.train.policy_update import answer_logprobs   # the code measured, not the trainer
+
+    sync = _sync_for(dev)
+    prompts = [[1 + (i * 7 + j) % 60 for j in range(PROMPT)] for i in range(2)]
+    out = {}
+    for L in (1, 3):
+        model, params = _micro_policy(L, dev)
+        weights = RolloutWeights(model)
+
+        def run(T):
+            return sample(model, prompts, group_size=2, max_new_tokens=T, temperature=1.0, eos_token_ids=[],
+                          seed=[0, 1], weights=weights)
+        steps = 8
+        decode = (_median_time(lambda: run(steps + 1), reps, clock, sync)
+                  - _median_time(lambda: run(1), reps, clock, sync)) / steps
+        roll = run(9)
+        args = (roll.input_ids, roll.attention_mask, roll.prompt_len, roll.completion_ids, roll.completion_mask, 1.0)
+        kw = dict(position_ids=roll.position_ids, prompt_index=roll.prompt_index)
+        model.eval()
+        with torch.no_grad():
+            fwd = _median_time(lambda: answer_logprobs(model, *args, **kw), reps, clock, sync)
+        model.train()
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+        adv = torch.ones(roll.completion_ids.shape[0], device=dev)
+
+        def train():
+            logp, _ = answer_logprobs(model, *args, **kw)
+            loss, _ = policy_loss(logp, logp.detach(), adv, roll.completion_mask, loss="cispo")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        fb = _median_time(train, reps, clock, sync)
+        _checkpointing_on(model)
+        fb_ckpt = _median_time(train, reps, clock, sync)
+        out[L] = (decode, fwd, fb, fb_ckpt)
+    slope = [max(0.0, (out[3][i] - out[1][i]) / 2) for i in range(4)]
+    call = [max(0.0, out[1][i] - slope[i]) for i in range(4)]
+    return {"decode_layer": slope[0], "decode_call": call[0], "forward_layer": slope[1],
+            "forward_call": call[1], "train_layer": slope[2], "train_call": call[2],
+            "train_ckpt_layer": slope[3], "train_ckpt_call": call[3]}
+
+
+def _checkpointing_on(model) -> None:
+    """Gradient checkpointing as the trainer turns it on (fasttrain.train.policy.build_policy)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _decode_rates(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> dict:
+    """FLOP/s of the decode step's two skinny kinds of work: a projection of 16 and of 64 rows
+    (1024 -> 3072), and one-query-per-row attention (4 KV heads, 3 query rows each, 512 keys of
+    a cache view, a boolean key mask) for 16 rows."""
+    sync = _sync_for(dev)
+    w = torch.randn(3072, 1024, device=dev).to(dtype)
+    out = {}
+    for M in (16, 64):
+        x = torch.randn(M, 1, 1024, device=dev).to(dtype)
+        out[M] = 2.0 * M * 3072 * 1024 / _median_time(lambda: F.linear(x, w), 5 * reps, clock, sync)
+    B, kv, G, S, D = 16, 4, 3, 512, 64
+    cache = torch.randn(B, kv, 2 * S, D, device=dev).to(dtype)
+    q = torch.randn(B, kv, G, D, device=dev).to(dtype)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev)
+    keys = cache[:, :, :S]
+    t = _median_time(lambda: F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask), 5 * reps, clock, sync)
+    return {"rows16": out[16], "rows64": out[64], "attention": 4.0 * B * kv * G * S * D / t}
+
+
+def measure(device="cpu", clock: Clock = time.perf_counter, reps: int = 3) -> HostRates:
+    """Measure this host's rates now on `device` (see the header); a few seconds on a CPU."""
+    dev = torch.device(device)
+    sync = _sync_for(dev)
+    ab, abf = _attention_rates(torch.bfloat16, dev, clock, reps)
+    af, aff = _attention_rates(torch.float32, dev, clock, reps)
+    db, df = _decode_rates(torch.bfloat16, dev, clock, reps), _decode_rates(torch.float32, dev, clock, reps)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        layers = _layer_costs(dev, clock, reps)
+    del sync
+    return HostRates(
+        device=host_name(dev), threads=torch.get_num_threads(),
+        matmul_bf16=matmul_gflops(torch.bfloat16, reps=reps, device=dev, clock=clock) * 1e9,
+        matmul_fp32=matmul_gflops(torch.float32, reps=reps, device=dev, clock=clock) * 1e9,
+        bandwidth=memory_gbps(reps=reps, device=dev, clock=clock) * 1e9,
+        attention_fwd_bf16=ab, attention_fb_bf16=abf, attention_fwd_fp32=af, attention_fb_fp32=aff,
+        decode_rows16_bf16=db["rows16"], decode_rows64_bf16=db["rows64"], decode_attention_bf16=db["attention"],
+        decode_rows16_fp32=df["rows16"], decode_rows64_fp32=df["rows64"], decode_attention_fp32=df["attention"],
+        elementwise_bf16=_elementwise_rate(torch.bfloat16, dev, clock, reps),
+        elementwise_fp32=_elementwise_rate(torch.float32, dev, clock, reps),
+        sampling=_sampling_rate(dev, clock, reps), **layers,
+        measured_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        clock=next((k for k, v in CLOCKS.items() if v is clock), "given"), device_kind=dev.type)
+
+
+def host_name(device=None) -> str:
+    """The device in words: the CUDA card's name, or the CPU's model name and core count."""
+    dev = torch.device(device or "cpu")
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu} ({os.cpu_count()} cores)"
+
+
+def cache_path() -> Path:
+    from fasttrain.selftest import cache_dir
+    return cache_dir() / "host_rates.json"
+
+
+def _key(dev: torch.device) -> str:
+    import fasttrain
+    return f"{host_name(dev)}|threads={torch.get_num_threads()}|torch={torch.__version__}|fasttrain={fasttrain.__version__}"
+
+
+def _cached() -> dict:
+    try:
+        path = cache_path()
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def cached_rates(device="cpu") -> HostRates | None:
+    """The rates cached for `device` at this thread count and these versions, or None."""
+    entry = _cached().get(_key(torch.device(device)))
+    try:
+        return HostRates(**entry) if entry else None
+    except TypeError:                         # written by another version of this file
+        return None
+
+
+def host_rates(device="cpu", refresh: bool = False) -> HostRates:
+    """This host's rates on `device`: from the cache when measured before under the same key,
+    else measured now (wall clock) and cached. A cache that cannot be read or written is skipped."""
+    dev = torch.device(device)
+    rates = None if refresh else cached_rates(dev)
+    if rates is not None:
+        return rates
+    data, path, key = _cached(), cache_path(), _key(dev)
+    rates = measure(dev)
+    data[key] = asdict(rates)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return rates

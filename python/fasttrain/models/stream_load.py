@@ -1,0 +1,240 @@
+"""load_streamed: a causal LM from a safetensors directory, one tensor at a time, its projections
+quantized to NF4 as they arrive, so the model is never whole in 16 bits in memory.
+
+How: the model is built from config.json with its parameters on the meta device (buffers, such
+as the rotary frequencies, are computed as a normal build computes them); then each shard is read
+tensor by tensor (the safetensors header gives each tensor's dtype, shape and byte range; the bytes
+are read into a tensor torch allocates: nothing is memory-mapped), cast to the model's dtype as
+from_pretrained casts floating tensors (a few MiB at a time), and either put in its place or, for a target projection (an nn.Linear
+named q_proj ... down_proj), held until its weight (and bias) are read and turned into an
+NF4Linear at once. Parameters shared in the built model (tied embeddings) stay shared, unless the
+checkpoint stores them twice with different values (then, as from_pretrained, each keeps its own). Peak: the loaded model (NF4
+projections + unquantised parts) plus one projection in the model dtype and its NF4 codes (or a
+read buffer of READ_CHUNK_BYTES, while a tensor is cast).
+
+The result has the same bytes as from_pretrained followed by fasttrain.nn.quantize_model
+(tests/models/test_stream_load.py). What it is not: a general from_pretrained. No key renaming
+for old checkpoint layouts, no pickled .bin files, no remote code, no sharding across devices.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["load_streamed", "wants_nf4", "checkpoint_files", "READ_CHUNK_BYTES"]
+
+READ_CHUNK_BYTES = 8 << 20        # a tensor stored in another dtype is read and cast this much at a time
+
+# safetensors dtype names (the format's header) -> torch dtypes
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+def wants_nf4(quantize: bool | str | None) -> bool:
+    """policy.quantize as the loader reads it: True or "nf4" quantize; False, None or "none" do not."""
+    if quantize in (True, "nf4"):
+        return True
+    if quantize in (False, None, "none"):
+        return False
+    raise ValueError(f"quantize={quantize!r}: allowed values are 'nf4', 'none' (or True, False)")
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors shards of a model directory, in the index's order (model.safetensors.index.json)
+    or the one model.safetensors, or every *.safetensors file sorted by name."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    return files
+
+
+def _read_header(f, name: Path) -> tuple[dict, int]:
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise ValueError(f"{name}: not a safetensors file (shorter than its 8-byte header length)")
+    (n,) = struct.unpack("<Q", raw)
+    try:
+        header = json.loads(f.read(n))
+    except ValueError as e:
+        raise ValueError(f"{name}: not a safetensors file (header is not JSON: {e})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _tensors(shard: Path):
+    """(key, info, read) for every tensor of one safetensors shard, in file order; read(dtype)
+    returns the tensor in `dtype` (floating tensors; others as stored) in a fresh allocation
+    (torch's allocator), so the caller holds its only reference. A tensor stored in another
+    dtype is read READ_CHUNK_BYTES at a time into one buffer and cast into place: the whole tensor
+    as stored is never in memory beside its cast."""
+    with open(shard, "rb") as f:
+        header, base = _read_header(f, shard)
+        for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            stored = DTYPES.get(info["dtype"])
+            if stored is None:
+                raise ValueError(f"{shard}: tensor {key!r} has dtype {info['dtype']}; fasttrain reads "
+                                 f"{', '.join(DTYPES)}")
+
+            def read(dtype: torch.dtype, info=info, stored=stored, key=key) -> torch.Tensor:
+                start, end = info["data_offsets"]
+                n = 1
+                for d in info["shape"]:
+                    n *= d
+                if n * stored.itemsize != end - start:
+                    raise ValueError(f"{shard}: tensor {key!r} holds {end - start} bytes for shape "
+                                     f"{info['shape']} {info['dtype']}")
+                out_dtype = dtype if stored.is_floating_point else stored
+                out = torch.empty(info["shape"], dtype=out_dtype)
+                flat = out.reshape(-1)
+                step = n if out_dtype == stored else max(1, READ_CHUNK_BYTES // stored.itemsize)
+                buf = flat if out_dtype == stored else torch.empty(min(step, n), dtype=stored)
+                f.seek(base + start)
+                for i in range(0, n, step):
+                    k = min(step, n - i)
+                    dst = flat[i:i + k] if out_dtype == stored else buf[:k]
+                    if f.readinto(dst.view(torch.uint8).numpy()) != k * stored.itemsize:
+                        raise ValueError(f"{shard}: tensor {key!r} is cut short (truncated file)")
+                    if out_dtype != stored:
+                        flat[i:i + k].copy_(dst)
+                return out
+            yield key, info, read
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Every parameter registered inside the block is made on the meta device (its initialiser
+    then runs on no data); buffers are computed normally."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _check_shape(info: dict, like: torch.Tensor, shard: Path, key: str) -> None:
+    if tuple(info["shape"]) != tuple(like.shape):
+        raise ValueError(f"{shard}: tensor {key!r} has shape {tuple(info['shape'])}, the model built from "
+                         f"config.json expects {tuple(like.shape)}")
+
+
+def load_streamed(path: str | os.PathLike, dtype: torch.dtype = torch.float32, quantize: bool | str = False,
+                  targets: tuple[str, ...] | None = None, blocksize: int = 64):
+    """The causal LM of the Hugging Face directory `path` (config.json + safetensors) in `dtype`,
+    with its `targets` projections (default fasttrain.nn.surgery.PROJECTIONS) as NF4Linear when
+    `quantize` asks for NF4. Frozen (requires_grad False), eval mode, on the CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from fasttrain.nn.nf4_linear import NF4Linear
+    from fasttrain.nn.surgery import PROJECTIONS, _set_module
+
+    path = Path(path)
+    nf4 = wants_nf4(quantize)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    names = tuple(targets or PROJECTIONS)
+    projections = {n: m for n, m in model.named_modules()
+                   if nf4 and isinstance(m, nn.Linear) and n.rpartition(".")[2] in names}
+    if nf4 and not projections:
+        raise ValueError(f"{path}: no nn.Linear named any of {names} to quantize in {type(model).__name__}")
+    # every place (module, name) a parameter object sits, in module order: tied parameters sit in
+    # several. As from_pretrained does, a tied group takes the first tensor read for any of its
+    # places; a later one with equal values stays tied, one with other values gets its own.
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    group_of: dict[tuple[int, str], int] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is not None and (id(mod), pname) not in group_of:
+                group_of[(id(mod), pname)] = id(p)
+                places.setdefault(id(p), []).append((mod, pname))
+    loaded: dict[int, nn.Parameter] = {}        # group -> the parameter its places share
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    unexpected: list[str] = []
+    for shard in checkpoint_files(path):
+        for key, info, read in _tensors(shard):
+            owner, _, leaf = key.rpartition(".")
+            if owner in projections:
+                lin = projections[owner]
+                like = getattr(lin, leaf) if leaf in ("weight", "bias") else None
+                if like is None:
+                    unexpected.append(key)
+                    continue
+                got = pending.setdefault(owner, {})
+                _check_shape(info, like, shard, key)
+                got[leaf] = read(dtype)
+                if "weight" in got and (lin.bias is None or "bias" in got):
+                    _set_module(model, owner, _nf4(NF4Linear, lin, pending.pop(owner), blocksize))
+                continue
+            try:
+                mod = model.get_submodule(owner)
+            except AttributeError:
+                unexpected.append(key)
+                continue
+            old = mod._parameters.get(leaf) if leaf in mod._parameters else mod._buffers.get(leaf)
+            if old is None:
+                unexpected.append(key)
+                continue
+            if leaf in mod._buffers:
+                _check_shape(info, old, shard, key)
+                mod._buffers[leaf] = read(old.dtype)
+                continue
+            group = group_of[(id(mod), leaf)]
+            _check_shape(info, old, shard, key)
+            new = nn.Parameter(read(dtype), requires_grad=False)
+            if group not in loaded:
+                for m, n in places[group]:
+                    m._parameters[n] = new
+                loaded[group] = new
+            elif not torch.equal(new, loaded[group]):
+                mod._parameters[leaf] = new        # stored twice with other values: not tied
+    if pending:
+        raise ValueError(f"{path}: the checkpoint has part of projection(s) {sorted(pending)[:4]} "
+                         f"(got {sorted(next(iter(pending.values())))} of weight and bias)")
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) the model built from config.json "
+                         f"needs, e.g. {missing[:4]}" + (f"; it has unexpected keys, e.g. {unexpected[:4]}"
+                                                         if unexpected else ""))
+    if unexpected:
+        import warnings
+        warnings.warn(f"{path}: {len(unexpected)} checkpoint tensor(s) the model does not use were skipped, "
+                      f"e.g. {unexpected[:4]}", stacklevel=2)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    config._name_or_path = str(path)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    return model.eval()
+
+
+def _nf4(cls, lin: nn.Linear, got: dict, blocksize: int):
+    """An NF4Linear from a projection's weight (and bias) in the model dtype."""
+    dense = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
+    dense.weight = nn.Parameter(got["weight"], requires_grad=False)
+    if lin.bias is not None:
+        dense.bias = nn.Parameter(got["bias"], requires_grad=False)
+    layer = cls.from_linear(dense, blocksize=blocksize)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    return layer
+
+

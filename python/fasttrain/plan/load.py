@@ -1,0 +1,45 @@
+"""Memory of loading the policy, the phase before the first step (fasttrain.models.stream_load).
+
+Peak = the loaded model (NF4 base + unquantised parts) + the largest transient of one tensor:
+  a projection   its weight in the model dtype, and then the packed codes + absmax that
+                 nf4_quantize returns before they are copied into the layer (the layer's own are
+                 in the base), or before that, while the checkpoint's dtype differs from the
+                 model's, the read buffer (READ_CHUNK_BYTES at most) the weight is cast from
+  another tensor (embedding, lm_head, norms) the read buffer while it is cast; nothing when the
+                 dtypes agree (the tensor read is the tensor kept)
+The checkpoint's dtype is config.json's `dtype` (or `torch_dtype`); the model's when it has none.
+A model without NF4 layers loads through from_pretrained: the same figure is its floor.
+Not modelled: a projection's weight waiting for its bias in another shard, a tied tensor stored
+twice (read to be compared), Python objects, the build's placeholder of each parameter (one at a
+time, before any is loaded).
+"""
+from __future__ import annotations
+
+from fasttrain.models.stream_load import READ_CHUNK_BYTES
+from fasttrain.plan.meta_model import ModelShape
+
+__all__ = ["load_phase", "NF4_BLOCKSIZE"]
+
+NF4_BLOCKSIZE = 64          # fasttrain.nn.quantize_model's and the loader's
+
+
+def _nf4_bytes(n: int) -> int:
+    """Packed 4-bit codes + one fp32 absmax per block of a projection of n weights."""
+    return (n + 1) // 2 + -(-n // NF4_BLOCKSIZE) * 4
+
+
+def load_phase(m: ModelShape) -> dict:
+    """{part: bytes} at the load's peak: the model's resident base parts and `load_transient`."""
+    w, sw = m.w, m.stored_w or m.w
+    cast = sw != w
+
+    def buffer(n: int) -> int:                # the read buffer of a tensor of n elements being cast
+        return min(n * sw, READ_CHUNK_BYTES // sw * sw) if cast else 0
+    projection = 0
+    if m.resident.get("nf4_base", 0):
+        for o, i in m.projections:
+            n = o * i
+            projection = max(projection, n * w + max(_nf4_bytes(n), buffer(n)))
+    other = buffer(m.vocab * m.hidden)                       # the largest unquantised tensor: the embedding
+    return {"nf4_base": m.resident.get("nf4_base", 0), "dense_parts": m.resident.get("dense_parts", 0),
+            "load_transient": max(projection, other)}
