@@ -20,9 +20,9 @@ fasttrain's cache folder (host_rates.json), so a plan costs a few seconds only t
               and without gradient checkpointing) on a
               micro Llama (hidden 32, vocab 64, NF4 + LoRA, 1 and 3 layers: the slope is the cost
               per layer, the intercept the cost per call): what a tiny model's step is made of
-Each figure is the median of a few repetitions after a warm-up. The clock is a parameter: wall
-time by default; a test on a shared machine passes the process's CPU time (one thread: the time
-the work would take on an idle core), and then measures the step it compares with the same clock.
+Each figure is the median of a few repetitions after a warm-up. The clock: with one CPU thread the
+process's CPU time (the time the work takes on an idle core, however busy the machine is), else
+the wall clock; tests that compare the plan with a step pass it and time the step the same way.
 What it is not: a peak (a tuned kernel can beat these numbers) or a GPU datasheet.
 """
 from __future__ import annotations
@@ -277,189 +277,21 @@ def _checkpointing_on(model) -> None:
 
 
 def _decode_rates(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> dict:
-    """FLOP/s of the decode step's two skinny kinds of work, each over a working set larger than
-    any cache (a decode step streams every weight and the whole KV cache from memory): projections
-    of 16 and of 64 rows through 144 MiB of 1024 -> 3072 weights, and one-query-per-row attention
-    (16 rows, 4 KV heads of 3 query rows each, 512 keys of a cache view with a boolean key mask)
-    through 192 MiB of caches."""
-    sync = _sync_for(dev)
-    esz = torch.empty((), dtype=dtype).element_size()
-    count = max(2, (144 << 20) // (3072 * 1024 * esz))
-    ws = [torch.randn(3072, 1024, device=dev).to(dtype) for _ in range(count)]
-    out = {}
-    for M in (16, 64):
-        x = torch.randn(M, 1, 1024, device=dev).to(dtype)
-
-        def project():
-            for w in ws:
-                F.linear(x, w)
-        out[M] = 2.0 * M * 3072 * 1024 * count / _median_time(project, reps, clock, sync)
-    del ws
-    B, kv, G, S, D = 16, 4, 3, 512, 64
-    layers = max(2, (192 << 20) // (2 * B * kv * 2 * S * D * esz))
-    caches = [torch.randn(2, B, kv, 2 * S, D, device=dev).to(dtype) for _ in range(layers)]
-    q = torch.randn(B, kv, G, D, device=dev).to(dtype)
-    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev)
-
-    def attend():
-        for c in caches:
-            F.scaled_dot_product_attention(q, c[0, :, :, :S], c[1, :, :, :S], attn_mask=mask)
-    t = _median_time(attend, reps, clock, sync)
-    return {"rows16": out[16], "rows64": out[64], "attention": 4.0 * B * kv * G * S * D * layers / t}
-
-
-def model_decode_rates(layer_weights: list[tuple[int, int]], kv_heads: int, group: int, head_dim: int, rows: int,
-                       keys: int, dtype: torch.dtype, device="cpu", clock: Clock = time.perf_counter,
-                       reps: int = 3) -> tuple[float, float]:
-    """(GEMM FLOP/s, attention FLOP/s) of one decode step of a given model at `rows` rows: its
-    layer's weight shapes [(out, in), ...] (as the rollout runs them: q/k/v and gate/up fused) and
-    one-query-per-row attention over `keys` cached keys, each over a working set of at least
-    128 MiB (repeated layers), as a decode step streams them from memory. Skinny products run
-    far from the square product's rate, and how far depends on the shapes: measured per plan."""
-    dev = torch.device(device)
-    sync = _sync_for(dev)
-    esz = torch.empty((), dtype=dtype).element_size()
-    per_layer = sum(o * i for o, i in layer_weights) * esz
-    copies = max(1, -(-(128 << 20) // per_layer))
-    ws = [torch.randn(o, i, device=dev).to(dtype) for _ in range(copies) for o, i in layer_weights]
-    xs = {i: torch.randn(rows, 1, i, device=dev).to(dtype) for _, i in layer_weights}
-
-    def project():
-        for w in ws:
-            F.linear(xs[w.shape[1]], w)
-    gemm = 2.0 * rows * per_layer / esz * copies / _median_time(project, reps, clock, sync)
-    del ws
-    per_cache = 2 * rows * kv_heads * (keys + 1) * head_dim * esz
-    caches = [torch.randn(2, rows, kv_heads, keys + 1, head_dim, device=dev).to(dtype)
-              for _ in range(max(1, -(-(128 << 20) // per_cache)))]
-    q = torch.randn(rows, kv_heads, group, head_dim, device=dev).to(dtype)
-    mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool, device=dev)
-
-    def attend():
-        for c in caches:
-            F.scaled_dot_product_attention(q, c[0, :, :, :keys], c[1, :, :, :keys], attn_mask=mask)
-    attn = 4.0 * rows * kv_heads * group * keys * head_dim * len(caches) / _median_time(attend, reps, clock, sync)
-    return gemm, attn
-
-
-CLOCKS = {"wall": time.perf_counter, "process_time": time.process_time}
-
-
-def _elementwise_rate(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> float:
-    a, b = (torch.randn(1024, 1024, device=dev).to(dtype) for _ in range(2))
-    return a.numel() / _median_time(lambda: a * b, 5 * reps, clock, _sync_for(dev))
-
-
-def _sampling_rate(dev: torch.device, clock: Clock, reps: int) -> float:
-    logits = torch.randn(16, 32768, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def step():
-        logp = torch.log_softmax(logits, dim=-1)
-        noise = torch.empty_like(logp).exponential_(generator=gen)
-        return (logp - noise.log_()).argmax(-1)
-    return logits.numel() / _median_time(step, reps, clock, _sync_for(dev))
-
-
-def _micro_policy(layers: int, dev: torch.device):
-    """A micro Llama in NF4 + LoRA as the trainer builds its policy (hidden 32, vocab 64)."""
-    from fasttrain.models.tiny import tiny_llama
-    from fasttrain.nn import attach_adapters, quantize_model
-
-    model = tiny_llama(vocab_size=64, hidden=32, layers=layers, heads=2, kv_heads=1, seed=0).to(dev)
-    quantize_model(model)
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(0)
-        params = attach_adapters(model, r=4, alpha=8)
-    return model, params
-
-
-def _layer_costs(dev: torch.device, clock: Clock, reps: int) -> dict:
-    """Per-layer and per-call seconds of fasttrain's decode step, no-grad log-probs and update
-    micro-batch (forward, loss, backward, clip, AdamW step) on micro models of 1 and 3 layers."""
-    from fasttrain.nn.rollout_weights import RolloutWeights
-    from fasttrain.ops import policy_loss
-    from fasttrain.rollout import sample
-    from fasttrain.train.policy_update import answer_logprobs   # the code measured, not the trainer
-
-    sync = _sync_for(dev)
-    prompts = [[1 + (i * 7 + j) % 60 for j in range(PROMPT)] for i in range(2)]
-    out = {}
-    for L in (1, 3):
-        model, params = _micro_policy(L, dev)
-        weights = RolloutWeights(model)
-
-        def run(T):
-            return sample(model, prompts, group_size=2, max_new_tokens=T, temperature=1.0, eos_token_ids=[],
-                          seed=[0, 1], weights=weights)
-        steps = 8
-        decode = (_median_time(lambda: run(steps + 1), reps, clock, sync)
-                  - _median_time(lambda: run(1), reps, clock, sync)) / steps
-        roll = run(9)
-        args = (roll.input_ids, roll.attention_mask, roll.prompt_len, roll.completion_ids, roll.completion_mask, 1.0)
-        kw = dict(position_ids=roll.position_ids, prompt_index=roll.prompt_index)
-        model.eval()
-        with torch.no_grad():
-            fwd = _median_time(lambda: answer_logprobs(model, *args, **kw), reps, clock, sync)
-        model.train()
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
-        adv = torch.ones(roll.completion_ids.shape[0], device=dev)
-
-        def train():
-            logp, _ = answer_logprobs(model, *args, **kw)
-            loss, _ = policy_loss(logp, logp.detach(), adv, roll.completion_mask, loss="cispo")
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        fb = _median_time(train, reps, clock, sync)
-        _checkpointing_on(model)
-        fb_ckpt = _median_time(train, reps, clock, sync)
-        out[L] = (decode, fwd, fb, fb_ckpt)
-    slope = [max(0.0, (out[3][i] - out[1][i]) / 2) for i in range(4)]
-    call = [max(0.0, out[1][i] - slope[i]) for i in range(4)]
-    return {"decode_layer": slope[0], "decode_call": call[0], "forward_layer": slope[1],
-            "forward_call": call[1], "train_layer": slope[2], "train_call": call[2],
-            "train_ckpt_layer": slope[3], "train_ckpt_call": call[3]}
-
-
-def _checkpointing_on(model) -> None:
-    """Gradient checkpointing as the trainer turns it on (fasttrain.train.policy.build_policy)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def _decode_rates(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> dict:
-    """FLOP/s of the decode step's two skinny kinds of work: a projection of 16 and of 64 rows
-    (1024 -> 3072), and one-query-per-row attention (4 KV heads, 3 query rows each, 512 keys of
-    a cache view, a boolean key mask) for 16 rows."""
-    sync = _sync_for(dev)
-    w = torch.randn(3072, 1024, device=dev).to(dtype)
-    out = {}
-    for M in (16, 64):
-        x = torch.randn(M, 1, 1024, device=dev).to(dtype)
-        out[M] = 2.0 * M * 3072 * 1024 / _median_time(lambda: F.linear(x, w), 5 * reps, clock, sync)
-    B, kv, G, S, D = 16, 4, 3, 512, 64
-    cache = torch.randn(B, kv, 2 * S, D, device=dev).to(dtype)
-    q = torch.randn(B, kv, G, D, device=dev).to(dtype)
-    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev)
-    keys = cache[:, :, :S]
-    t = _median_time(lambda: F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask), 5 * reps, clock, sync)
-    return {"rows16": out[16], "rows64": out[64], "attention": 4.0 * B * kv * G * S * D / t}
+    """The reference decode rates: model_decode_rates for 1024 -> 3072 projections at 16 and 64
+    rows, attention for 16 rows of 4 KV heads (3 query rows each) over 512 keys."""
+    r16, attention = model_decode_rates([(3072, 1024)], 4, 3, 64, 16, 512, dtype, dev, clock, reps)
+    r64, _ = model_decode_rates([(3072, 1024)], 4, 3, 64, 64, 512, dtype, dev, clock, reps)
+    return {"rows16": r16, "rows64": r64, "attention": attention}
 
 
 def measure(device="cpu", clock: Clock = time.perf_counter, reps: int = 3) -> HostRates:
     """Measure this host's rates now on `device` (see the header); a few seconds on a CPU."""
     dev = torch.device(device)
-    sync = _sync_for(dev)
     ab, abf = _attention_rates(torch.bfloat16, dev, clock, reps)
     af, aff = _attention_rates(torch.float32, dev, clock, reps)
     db, df = _decode_rates(torch.bfloat16, dev, clock, reps), _decode_rates(torch.float32, dev, clock, reps)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         layers = _layer_costs(dev, clock, reps)
-    del sync
     return HostRates(
         device=host_name(dev), threads=torch.get_num_threads(),
         matmul_bf16=matmul_gflops(torch.bfloat16, reps=reps, device=dev, clock=clock) * 1e9,
@@ -519,15 +351,21 @@ def cached_rates(device="cpu") -> HostRates | None:
         return None
 
 
+def _clock_for(dev: torch.device) -> Clock:
+    """The process's CPU time for one CPU thread (the time on an idle core, whatever else runs on
+    the machine), else the wall clock (several threads, or a GPU)."""
+    return time.process_time if dev.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
 def host_rates(device="cpu", refresh: bool = False) -> HostRates:
     """This host's rates on `device`: from the cache when measured before under the same key,
-    else measured now (wall clock) and cached. A cache that cannot be read or written is skipped."""
+    else measured now and cached. A cache that cannot be read or written is skipped."""
     dev = torch.device(device)
     rates = None if refresh else cached_rates(dev)
     if rates is not None:
         return rates
     data, path, key = _cached(), cache_path(), _key(dev)
-    rates = measure(dev)
+    rates = measure(dev, clock=_clock_for(dev))
     data[key] = asdict(rates)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

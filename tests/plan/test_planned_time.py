@@ -142,7 +142,7 @@ def test_host_rates_are_measured_once_then_read_from_the_cache(tmp_path, monkeyp
 
     monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path))
     calls = []
-    monkeypatch.setattr(hr, "measure", lambda device: calls.append(device) or _fake_rates())
+    monkeypatch.setattr(hr, "measure", lambda device, clock=None: calls.append(device) or _fake_rates())
     assert hr.cached_rates("cpu") is None
     first = hr.host_rates("cpu")
     assert hr.host_rates("cpu") == first == hr.cached_rates("cpu") and calls == [torch.device("cpu")]
@@ -164,14 +164,14 @@ def test_plan_on_the_cpu_times_from_this_hosts_rates_and_says_so(tmp_path, monke
     from fasttrain.cli import app
 
     monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(hr, "measure", lambda device: _fake_rates())
+    monkeypatch.setattr(hr, "measure", lambda device, clock=None: _fake_rates())
     out = CliRunner().invoke(app, ["plan", "demo", "--gpu", "cpu"]).output
     assert "rates measured on a test CPU (2 cores), 1 thread(s), 2026-01-02 03:04 UTC" in out, out
     def planned_update(*extra):
         text = CliRunner().invoke(app, ["plan", "demo", "--gpu", "cpu", "--json", *extra]).output
         return json.loads(text[text.index("{"):])["seconds"]["update"]
     before = planned_update()
-    monkeypatch.setattr(hr, "measure", lambda device: _fake_rates(matmul_bf16=8e11, matmul_fp32=2e11))
+    monkeypatch.setattr(hr, "measure", lambda device, clock=None: _fake_rates(matmul_bf16=8e11, matmul_fp32=2e11))
     assert planned_update() == before                       # read from the cache
     assert planned_update("--remeasure") < before
     table = CliRunner().invoke(app, ["plan", "demo", "--gpu", "cpu", "--rates", "datasheet"]).output

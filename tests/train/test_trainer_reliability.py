@@ -61,3 +61,27 @@ def test_start_up_errors_name_the_key(tiny, tiny_recipe):
     with pytest.raises(ConfigError, match=r"advantages.priorities: unknown channel\(s\) \['stability'\]"):
         Trainer(load_config(tiny_recipe(tiny, **{"advantages.priorities": {"core": 3.0, "stability": 1.0}})),
                 progress=False)
+
+
+def test_ctrl_c_in_the_middle_of_an_update_writes_no_checkpoint_of_half_a_step(tiny, tiny_recipe, monkeypatch):
+    import fasttrain.train.trainer as trainer_mod
+    recipe = tiny_recipe(tiny / "full", **{"run.steps": 4, "run.checkpoint_every": 2, "probe.every": 0})
+    full = Trainer(load_config(recipe), progress=False)
+    full.train()
+    tr = Trainer(load_config({**recipe, "run": {**recipe["run"], "out": str(tiny / "cut")}}), progress=False)
+    real, calls = trainer_mod.update_policy, [0]
+
+    def update(*a, **kw):
+        calls[0] += 1
+        out = real(*a, **kw)                 # the adapters and moments have moved ...
+        if calls[0] == 3:
+            raise KeyboardInterrupt          # ... when Ctrl-C lands in step 3
+        return out
+    monkeypatch.setattr(trainer_mod, "update_policy", update)
+    export = tr.train()
+    assert export["interrupted"] and export["steps_done"] == 2
+    monkeypatch.undo()
+    Trainer.resume(tr.dir, progress=False).train()           # from the untouched step-2 checkpoint
+    rows = [[{k: v for k, v in json.loads(l).items() if not k.startswith("seconds")}
+             for l in (d / "metrics.jsonl").read_text().splitlines()] for d in (full.dir, tr.dir)]
+    assert rows[0] == rows[1]

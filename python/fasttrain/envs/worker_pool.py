@@ -156,7 +156,10 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _descendants(pid: int) -> list[int]:
-    """pid and every process below it (Linux /proc/PID/task/TID/children)."""
+    """pid and every process below it (Linux /proc/PID/task/TID/children; on a kernel without
+    that file, every process of the worker's process group)."""
+    if not os.path.exists(f"/proc/{pid}/task/{pid}/children"):
+        return _group_members(pid)
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -167,6 +170,19 @@ def _descendants(pid: int) -> list[int]:
                     todo += [int(c) for c in f.read().split()]
         except (OSError, ValueError):
             pass
+    return out
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[2]) == pgid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
     return out
 
 

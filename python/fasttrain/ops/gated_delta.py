@@ -12,8 +12,8 @@ Which implementation runs: the reference when the kernels are set to "reference"
 flash-linear-attention's chunked kernel when the package is installed (`fasttrain[gpu]`);
 otherwise the chunked form below in plain PyTorch, whose backward (including the gradient of the
 initial state) is autograd's. There is no fused CPU kernel yet: measured on the benchmark hybrid,
-the delta rule and the conv are ~45% of the update's forward+backward and ~23% of a step on a CPU,
-nothing in the decode (bench/results/hybrid_step_profile.md), so a kernel could gain at most ~1.3x.
+the delta rule and the conv are ~45% of the update's forward+backward and ~23-40% of a step on a CPU
+(bench/results/hybrid_step_profile.md), so a kernel could gain at most ~1.3-1.7x on a step.
 
 The chunked form (the WY representation of DeltaNet, Yang et al. 2024, as flash-linear-attention
 computes it). Within a chunk of C tokens let Γ_t = Σ_{s<=t} g_s (so e^{Γ_t − Γ_s} <= 1 for s <= t)

@@ -72,12 +72,14 @@ def _attn(m: ModelShape, query_keys: float) -> float:
 
 
 def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: str, cpu: bool,
-                       dense_rollout: bool) -> tuple[dict, list]:
+                       dense_rollout: bool, measure_shapes: bool = True) -> tuple[dict, list]:
     """({phase: seconds}, assumptions) for one step of `s` (verify excluded: the caller adds it).
 
     compute_dtype: what the projections compute in ("bfloat16" or "float32"); cpu: the fused
     log-prob head runs its GEMMs in fp32; dense_rollout: the rollout decodes from dense weights
-    in the compute dtype instead of the NF4 layers."""
+    in the compute dtype instead of the NF4 layers; measure_shapes: measure the decode step's skinny
+    work at this model's shapes now (else the host's reference rates: the trainer's summary line,
+    which must not allocate on a device that holds the model)."""
     n, B, P, T = s.prompts, s.rows, s.prompt_tokens, s.new_tokens
     L, H, V = m.layers, m.hidden, m.vocab
     cb = 2 if compute_dtype == "bfloat16" else 4
@@ -99,7 +101,10 @@ def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: 
     rollout += 2.0 * n * H * V / r.rows_matmul(compute_dtype, n) + n * V / r.sampling
     weights = (m.linear_params * cb if dense_rollout else nf4_bytes) + V * H * m.w
     kv_col = L * 2 * m.kv_heads * m.head_dim * m.w            # bytes of one cache column of one row
-    rows_mm, decode_attn = _decode_rates(m, r, B, P + T // 2, compute_dtype)
+    if measure_shapes:
+        rows_mm, decode_attn = _decode_rates(m, r, B, P + T // 2, compute_dtype)
+    else:
+        rows_mm, decode_attn = r.rows_matmul(compute_dtype, B), r.decode_attention(compute_dtype)
     for t in range(1, T):
         keys = P + t
         arith = ((proj if not dense_rollout else 2.0 * m.linear_params) + 2.0 * H * V) * B / rows_mm

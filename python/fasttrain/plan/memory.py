@@ -65,6 +65,7 @@ PARTS = {
     "kv_cache": "KV cache",
     "activations": "activations",
     "logprob_head": "log-prob head (fused: N x H buffers)",
+    "undo_copy": "host copy of adapters + AdamW (out-of-memory retry, k > 1 passes)",
     "sampling": "sampling buffers ([B, V] logits)",
     "load_transient": "loading: one tensor as read, cast and quantized",
 }
@@ -371,7 +372,11 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
     # its last layer's backward, when only that layer's gradients exist.
     mb = min(s.micro_batch, B)
     grads = res["adapter_masters"] if B >= 2 * mb else res["adapter_masters"] // m.layers
-    plan.phases["update"] = {**base, "batch": batch, "adapter_grads": grads, **upd}
+    # With k > 1 passes the trainer keeps a host copy of the adapters and AdamW moments during the
+    # update, so an out-of-memory retry can undo the passes that stepped; on a CPU host memory is
+    # the device's memory (on a GPU it is not counted)
+    undo = 3 * res["adapter_masters"] if dev.kind == "cpu" and s.passes > 1 else 0
+    plan.phases["update"] = {**base, "batch": batch, "adapter_grads": grads, "undo_copy": undo, **upd}
     other = _update(m, dev, s, not s.gradient_checkpointing)
     n_tok = update_tokens(s)
     plan.notes = {

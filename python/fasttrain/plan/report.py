@@ -41,7 +41,7 @@ class Plan:
 
 def make_plan(config, shape: RunShape, gpu: GPU, name: str = "model", env: str = "", mfu: float = 0.4,
               verifier_answers_per_s: float | None = None, with_limits: bool = True,
-              decode_share: float = 1.0) -> Plan:
+              decode_share: float = 1.0, measure_shapes: bool = True) -> Plan:
     """Plan `shape` for the model of `config` (dict or transformers config) on `gpu`."""
     m = meta_policy(config, name=name, dtype=shape.dtype, adapter=shape.adapter, rank=shape.rank,
                     alpha=shape.alpha, targets=shape.targets, quantize=shape.quantize)
@@ -54,7 +54,7 @@ def make_plan(config, shape: RunShape, gpu: GPU, name: str = "model", env: str =
         "bfloat16" if shape.dtype == "bfloat16" and dev.cpu_bf16 else "float32")
     t = plan_time(m, shape, gpu, env=env, mfu=mfu, verifier_answers_per_s=verifier_answers_per_s,
                   decode_share=decode_share, compute_dtype=compute,
-                  dense_rollout=mem.phases["rollout"].get("rollout_weights", 0) > 0)
+                  dense_rollout=mem.phases["rollout"].get("rollout_weights", 0) > 0, measure_shapes=measure_shapes)
     lim = largest_settings(m, shape, gpu, dev) if with_limits else {}
     return Plan(m, shape, gpu, mem, t, ok, headroom, lim)
 
@@ -111,7 +111,7 @@ def render(p: Plan) -> str:
         + (f"fits {g.title}, headroom {gib(p.headroom):.2f} GiB" if p.fits else
            f"DOES NOT FIT {g.title}: short by {gib(-p.headroom):.2f} GiB"),
         "",
-        "time per step on paper (s)",
+        "time per step from this host's measured rates (s)" if g.rates is not None else "time per step on paper (s)",
     ]
     for ph, sec in p.time.seconds.items():
         lines.append(f"  {ph:10s}{sec:10.2f}")
@@ -181,5 +181,5 @@ def plan_for_run(cfg, model_config, prompt_tokens: int, device, world: int = 1) 
                             probe_prompts=max(1, -(-shape.probe_prompts // world)))
     kind = torch.device(device).type
     p = make_plan(model_config, shape, measured(gpu_for_device(device), kind, cached_only=True),
-                  name=str(cfg.policy.model), env=cfg.env.name, with_limits=False)
+                  name=str(cfg.policy.model), env=cfg.env.name, with_limits=False, measure_shapes=False)
     return summary_line(p), p.fits

@@ -77,7 +77,7 @@ def _verify(s: RunShape, env: str, rate: float | None, t: "StepTime") -> None:
 
 def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 0.4,
               verifier_answers_per_s: float | None = None, decode_share: float = 1.0,
-              compute_dtype: str = "bfloat16", dense_rollout: bool = True) -> StepTime:
+              compute_dtype: str = "bfloat16", dense_rollout: bool = True, measure_shapes: bool = True) -> StepTime:
     """decode_share: the share of the bandwidth floor a measured decode reached (1.0 = the floor).
     With rates measured on the device (gpu.rates) every phase is timed from them
     (fasttrain.plan.host_speed: compute_dtype and dense_rollout say how the run computes) and
@@ -87,7 +87,8 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
     if gpu.rates is not None:
         from fasttrain.plan.host_speed import measured_step_time
         t = StepTime()
-        phases, t.assumptions = measured_step_time(m, s, gpu.rates, compute_dtype, gpu.name == "cpu", dense_rollout)
+        phases, t.assumptions = measured_step_time(m, s, gpu.rates, compute_dtype, gpu.name == "cpu", dense_rollout,
+                                                   measure_shapes)
         t.seconds["rollout"] = phases["rollout"]
         _verify(s, env, verifier_answers_per_s, t)
         t.seconds["scores"], t.seconds["update"] = phases["scores"], phases["update"]

@@ -496,7 +496,8 @@ def config_hash(cfg: Config) -> str:
 # making its past steps another run's (cadence, length, learning rate, where metrics go). Every
 # other key is the run's identity; changing it mid-run would make a run no recipe describes.
 RESUME_CHANGEABLE = ("run.steps", "run.checkpoint_every", "run.report_to", "run.threads", "run.dist_timeout",
-                     "run.stop_timeout", "optim.lr", "optim.max_skipped_steps", "probe.every")
+                     "run.stop_timeout", "optim.lr", "optim.max_skipped_steps", "probe.every",
+                     "env.reward_timeout", "env.worker_memory_mb")
 
 
 def resume_changes(saved: Config, new: Config) -> dict[str, tuple[Any, Any]]:

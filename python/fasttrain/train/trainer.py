@@ -105,6 +105,7 @@ class Trainer:
                                              "update": cfg.optim.micro_batch}
         self._oom_retries = 0
         self._checkpointed_step = -1
+        self._mid_step = False                     # a step's scoring, update and logging under way
 
     # ---- set-up ---------------------------------------------------------------------------
     def _check_channels(self) -> None:
@@ -220,6 +221,7 @@ class Trainer:
             roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
+        self._mid_step = True               # from here on the step changes state (environment, adapters)
         scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
                                                 roll.conversations)       # whole step, every rank
         times["verify"] = time.perf_counter() - t
@@ -247,7 +249,7 @@ class Trainer:
         try:
             result = self._with_oom_retry(step, "update", lambda mb: update_policy(
                 self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
-                cfg.optim.grad_clip, R.temperature), undo=self._undo_update())
+                cfg.optim.grad_clip, R.temperature), undo=self._undo_update() if L.passes > 1 else None)
             self.nonfinite_in_row = 0
         except NonFiniteLoss as e:
             skipped, result = True, e.result
@@ -348,7 +350,9 @@ class Trainer:
     def _undo_update(self):
         """A function that puts the adapters and AdamW back as they are now (before an update
         that may run out of memory part-way, after some passes stepped). The copy is kept in host
-        memory: it must not add to the device memory the update needs."""
+        memory: it must not add to the device memory the update needs. Only an update of k > 1
+        passes needs it: with one pass nothing has stepped before its end, and pass 1 starts by
+        clearing the gradients."""
         params = [p.detach().to("cpu", copy=True) for p in self.params]
         state = {p: {k: (v.to("cpu", copy=True), v.device) if torch.is_tensor(v) else v for k, v in st.items()}
                  for p, st in self.optimizer.state.items()}
@@ -658,6 +662,7 @@ class Trainer:
                     if step % ckpt_every == 0 or step == cfg.run.steps:
                         self._checkpoint()
                     self._show(bar, row, probe)
+                    self._mid_step = False
                     if self.nonfinite_in_row >= cfg.optim.max_skipped_steps:
                         self._checkpoint()
                         raise TrainingStopped(
@@ -682,9 +687,16 @@ class Trainer:
                 preempted = Preempted(e.signum, self.step)
             except KeyboardInterrupt:
                 interrupted = True
-                self._checkpoint(sync=False)    # ranks are interrupted at different points
-                self.console.print(f"[yellow]interrupted at step {self.step}[/yellow]: checkpoint saved; "
-                                   f"continue with `fasttrain run --resume {self.dir}`")
+                if self._mid_step:              # part of the next step is in the state: no checkpoint
+                    self.console.print(
+                        f"[yellow]interrupted during step {self.step + 1}[/yellow]: not checkpointed (it would "
+                        f"hold part of that step); the last checkpoint, "
+                        f"{newest_checkpoint_name(self.dir / 'checkpoints')}, stands; continue with "
+                        f"`fasttrain run --resume {self.dir}`")
+                else:
+                    self._checkpoint(sync=False)    # ranks are interrupted at different points
+                    self.console.print(f"[yellow]interrupted at step {self.step}[/yellow]: checkpoint saved; "
+                                       f"continue with `fasttrain run --resume {self.dir}`")
         self._stop = None
         if preempted is not None:
             self._say(f"stopped by {preempted.name} after step {self.step}: its checkpoint is written; continue "
