@@ -140,7 +140,7 @@ def summarize_ladder(exports, fig_dir: Path) -> str:
     from fasttrain.train.report import ladder_table
     order = {r: i for i, r in enumerate(LADDER)}
     exports = sorted(exports, key=lambda e: order.get(e["config"]["run"]["name"], 99))
-    table = ladder_table(exports)
+    table = ladder_table([[e] for e in exports])          # one seed per rung
     extra = ["", "| rung | start holdout | shipped train core | wall s |", "|---:|---:|---:|---:|"]
     for i, e in enumerate(exports, 1):
         sp, sh = e.get("start_probe") or {}, e.get("shipped") or {}

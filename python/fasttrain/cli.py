@@ -89,12 +89,17 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
         out: Optional[str] = typer.Option(None, "--out", help="parent folder of the run (default runs/)"),
         no_progress: bool = typer.Option(False, "--no-progress", help="no live progress bar"),
         nproc: int = typer.Option(1, "--nproc", min=1, help="data-parallel processes on this machine "
-                                  "(one per GPU; starts torchrun)")) -> None:
+                                  "(one per GPU; starts torchrun)"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="resolve the recipe and overrides, load the dataset "
+                                     "and reward functions, print the plan, and stop (no weights are loaded)")) -> None:
     """Train a policy with RECIPE (default: the CPU demo) and write runs/<run-id>/."""
     from fasttrain.train import ConfigError, Trainer, TrainingStopped, distributed, load_config
     from fasttrain.train.checkpoint import CheckpointError
     from fasttrain.train.preemption import EXIT_PREEMPTED, Preempted
 
+    if dry_run:
+        _dry_run(recipe, set_, resume, out, nproc)
+        return
     from_step = _from_step(from_, resume)
     if nproc > 1:
         _launch(nproc, recipe, set_, resume, out, no_progress, from_)
@@ -141,6 +146,34 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
     console.print(f"report: {trainer.dir / 'report.md'}")
 
 
+def _run_config(recipe: str, set_: list[str], resume: Optional[Path], out: Optional[str] = None):
+    """The config `run` would train with: the run folder's own config.toml under --resume, else the recipe."""
+    import tomllib
+
+    from fasttrain.train import load_config
+
+    if resume is not None:
+        if not (resume / "config.toml").exists():
+            raise FileNotFoundError(f"--resume {resume}: no config.toml there (not a fasttrain run folder)")
+        return load_config(tomllib.loads((resume / "config.toml").read_text()), set_)
+    return load_config(recipe, list(set_) + ([f"run.out={json.dumps(out)}"] if out else []))
+
+
+def _dry_run(recipe: str, set_: list[str], resume: Optional[Path], out: Optional[str], nproc: int) -> None:
+    """`run --dry-run`: the checks of a run up to its first weight, then the plan (fasttrain.train.dry_run)."""
+    from fasttrain.train import ConfigError, distributed
+    from fasttrain.train.dry_run import dry_run
+
+    try:
+        cfg = _run_config(recipe, set_, resume, out)
+        distributed.check_prompts_per_step(cfg.rollout.prompts_per_step, nproc)
+        lines = dry_run(cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(str(e))
+    for line in lines:
+        console.print(line, markup=False, highlight=False)
+
+
 def _from_step(text: Optional[str], resume: Optional[Path]) -> Optional[int]:
     """--from step_000040 (or step_40, or 40) -> 40."""
     if text is None:
@@ -157,19 +190,13 @@ def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], ou
             no_progress: bool, from_: Optional[str] = None) -> None:
     """`run --nproc N`: check the recipe here, then start the same command under torchrun."""
     import os
-    import tomllib
 
-    from fasttrain.train import ConfigError, distributed, load_config
+    from fasttrain.train import ConfigError, distributed
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _fail("--nproc starts torchrun itself; under torchrun, leave it out")
     try:
-        if resume is not None:
-            if not (resume / "config.toml").exists():
-                raise FileNotFoundError(f"--resume {resume}: no config.toml there (not a fasttrain run folder)")
-            cfg = load_config(tomllib.loads((resume / "config.toml").read_text()), set_)
-        else:
-            cfg = load_config(recipe, set_)
+        cfg = _run_config(recipe, set_, resume)
         distributed.check_prompts_per_step(cfg.rollout.prompts_per_step, nproc)
     except (ConfigError, FileNotFoundError) as e:
         _fail(str(e))
@@ -183,7 +210,7 @@ def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], ou
 @app.command()
 def init(name: str = typer.Argument(..., help="folder to create for the task, e.g. my_task"),
          tools: bool = typer.Option(False, "--tools", help="a starter whose answers may call a tool (tools.py)")) -> None:
-    """Write a starter task (a 20-row dataset, reward functions, a recipe; --tools: and a tool) to train at once."""
+    """Write a starter task (300 arithmetic questions, reward functions, a recipe; --tools: and a tool) to train at once."""
     from fasttrain.starter import write_starter
 
     try:
@@ -199,13 +226,16 @@ def init(name: str = typer.Argument(..., help="folder to create for the task, e.
 def ladder(recipes: list[str] = typer.Argument(..., help="recipes to run in order, e.g. dapo cispo cispo_repo_r"),
            set_: list[str] = typer.Option([], "--set", help=SET_HELP),
            out: Optional[str] = typer.Option(None, "--out", help="parent folder of the runs"),
+           seeds: int = typer.Option(1, "--seeds", min=1, help="runs per rung, seeds run.seed, run.seed + 1, ... "
+                                     "(the same on every rung, so changes are paired)"),
            no_progress: bool = typer.Option(False, "--no-progress")) -> None:
-    """Run several recipes and write the seed-style table (rung, configuration, shipped step, holdout, change, versus)."""
+    """Run several recipes with N seeds each and write the table that ranks them: each rung's shipped holdout
+    score (mean, 95% interval) and its change against the previous rung (paired by seed)."""
     from fasttrain.train import ConfigError
     from fasttrain.train.ladder import run_ladder
 
     try:
-        path, _ = run_ladder(recipes, set_, out, progress=not no_progress, console=console)
+        path, _ = run_ladder(recipes, set_, out, progress=not no_progress, console=console, seeds=seeds)
     except (ConfigError, FileNotFoundError) as e:
         _fail(str(e))
     console.print(path.read_text())

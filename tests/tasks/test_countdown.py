@@ -177,3 +177,17 @@ def test_a_megabyte_of_text_is_refused_unread():
     with pytest.raises(CountdownError, match="characters"):
         parse("(" * 1_000_000)
     assert cd.answer(completions=["<answer>" + "1+" * 500_000 + "1</answer>"], nums=[[1]], target=[1]) == [0.0]
+
+
+def test_small_variant_files_are_the_generators_output_and_within_its_bounds(tmp_path):
+    train, probe = cd.write_dataset(tmp_path, variant="countdown_small")
+    assert (train.name, probe.name) == ("countdown_small_train.jsonl", "countdown_small_probe.jsonl")
+    for made, packaged in zip((train, probe), cd.variant_files("countdown_small")):
+        assert made.read_bytes() == packaged.read_bytes()
+    rows = [json.loads(l) for f in (train, probe) for l in f.read_text().splitlines()]
+    assert len(rows) == 1100 and len({cd.problem_key(r) for r in rows}) == 1100    # probe unseen
+    for r in rows:
+        assert len(r["nums"]) == 3 and max(r["nums"]) <= 10 and 1 <= r["target"] <= 20
+        assert check(r["solution"], r["nums"], r["target"]) == (True, "solved"), r
+    with pytest.raises(ValueError, match="known variants are countdown, countdown_small"):
+        cd.variant_files("countdown_tiny")

@@ -26,3 +26,10 @@ def test_the_countdown_recipe_scores_through_the_dataset_environment():
         assert [s.core for s in scores] == [1.0, 0.0, 0.0] and [s.valid for s in scores] == [True] * 3
     finally:
         env.close()
+
+
+def test_the_small_countdown_recipe_reads_the_small_files():
+    cfg = load_config("countdown_small")
+    train, probe = cd.variant_files("countdown_small")
+    assert Path(cfg.env.dataset) == train.resolve() and Path(cfg.env.probe_dataset) == probe.resolve()
+    assert cfg.env.rewards == ("fasttrain.tasks.countdown:answer", "fasttrain.tasks.countdown:format")

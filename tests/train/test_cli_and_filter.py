@@ -56,11 +56,20 @@ def test_cli_run_resume_eval_ladder_and_errors(tiny, tiny_recipe):
     res = r.invoke(app, ["eval", str(run_dir)])
     assert res.exit_code == 0 and "holdout" in res.output, res.output
     assert (run_dir / "eval.json").exists()
-    res = r.invoke(app, ["ladder", str(recipe), str(recipe), "--no-progress", "--set", "run.steps=1"])
+    res = r.invoke(app, ["ladder", str(recipe), str(recipe), "--no-progress", "--seeds", "2", "--set", "run.steps=5"])
     assert res.exit_code == 0, res.output
     (table,) = (tiny / "runs").glob("ladder-*.md")
     text = table.read_text()
-    assert "| rung | configuration | shipped step | holdout | change | versus previous |" in text
+    assert "| rung | configuration | shipped steps | holdout, shipped (mean [95%], 2 seeds) |" in text
     assert text.count("| tiny: cispo") == 2
+    rungs = json.loads(table.with_suffix(".json").read_text())
+    assert [[run["seed"] for run in rung["runs"]] for rung in rungs] == [[7, 8], [7, 8]]   # paired seeds
+    # the same recipe twice on the same seeds: identical runs, so the paired change is exactly 0
+    def shipped(rung):
+        return [(run["shipped"]["step"], run["shipped"]["holdout_core"]) for run in rung["runs"]]
+    assert shipped(rungs[0]) == shipped(rungs[1])
+    assert text.splitlines()[5].endswith("| +0.000 [+0.000, +0.000] |")
+    run_dir = tiny / "runs" / rungs[0]["runs"][0]["run_id"]
+    assert len((run_dir / "probes.jsonl").read_text().splitlines()) == 6    # start + 5 (probe.every 0 -> 1)
     res = r.invoke(app, ["run", str(recipe), "--set", "loss.kind=ppo"])
     assert res.exit_code == 2 and "allowed values: 'cispo', 'dapo', 'grpo'" in res.output

@@ -25,7 +25,7 @@ def test_init_starter_trains_three_steps_on_the_tiny_model(tiny, monkeypatch):
     res = r.invoke(app, ["init", "my_task"])
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in (tiny / "my_task").iterdir()) == ["data.jsonl", "recipe.toml", "rewards.py"]
-    assert len(_jsonl(tiny / "my_task" / "data.jsonl")) == 20
+    assert len(_jsonl(tiny / "my_task" / "data.jsonl")) == 300
     res = r.invoke(app, ["init", "my_task"])
     assert res.exit_code == 2 and "already exists" in res.output
     res = r.invoke(app, ["run", "my_task/recipe.toml", "--no-progress", "--set", "run.steps=3", *TINY])
@@ -39,17 +39,17 @@ def test_init_starter_trains_three_steps_on_the_tiny_model(tiny, monkeypatch):
         assert m["reward_concise"] == pytest.approx(1 - (m["mean_length"] - 1) / 31, abs=1e-12)
         assert 0.0 <= m["reward_correct"] <= 1.0 and m["valid"] == 1.0
     export = json.loads((run / "export.json").read_text())
-    assert export["env"] == {"name": "dataset:data.jsonl", "train_prompts": 16, "probe_prompts": 4, "channels": [
+    assert export["env"] == {"name": "dataset:data.jsonl", "train_prompts": 200, "probe_prompts": 16, "channels": [
         {"name": "correct", "priority": 1.0, "description": f"reward function {tiny / 'my_task' / 'rewards.py'}:correct"},
         {"name": "concise", "priority": 1.0, "description": f"reward function {tiny / 'my_task' / 'rewards.py'}:concise"}]}
     trained = {i for s in _jsonl(run / "samples.jsonl") for i in s["prompt_ids"]}
-    assert trained and trained <= {f"dataset/{i}" for i in range(16)}
+    assert trained and trained <= {f"dataset/{i}" for i in range(200)}
     assert [p["step"] for p in _jsonl(run / "probes.jsonl")] == [0, 3]
     assert (run / "shipped" / "adapter" / "adapter_model.safetensors").exists()
     assert "holdout -" in (run / "report.md").read_text()           # no holdout slice: shown as "-"
     res = r.invoke(app, ["eval", str(run)])                          # the saved config finds the data again
     assert res.exit_code == 0, res.output
-    assert json.loads((run / "eval.json").read_text())["prompts"] == 4
+    assert json.loads((run / "eval.json").read_text())["prompts"] == 16
 
 
 def test_the_probe_rows_are_never_drawn_for_training(tiny):
@@ -57,9 +57,9 @@ def test_the_probe_rows_are_never_drawn_for_training(tiny):
     cfg = load_config(str(tiny / "task" / "recipe.toml"), ["policy.model=tiny_world:tiny_policy"])
     tr = Trainer(cfg, progress=False)
     probe = [p.id for p in tr.probe_prompts]
-    assert probe == [f"dataset/{i}" for i in range(16, 20)]
-    drawn = {p.id for step in range(1, 25) for p in tr._prompts_for_step(step)}   # 3 epochs of 16 prompts
-    assert drawn == {f"dataset/{i}" for i in range(16)}
+    assert probe == [f"dataset/{i}" for i in range(200, 216)]      # the probe's first 16 of the last 100
+    drawn = {p.id for step in range(1, 301) for p in tr._prompts_for_step(step)}   # 3 epochs of 200 prompts
+    assert drawn == {f"dataset/{i}" for i in range(200)}
     tr.env.close()
 
 

@@ -27,9 +27,10 @@ Grammar (left-associative, * and / bind tighter than + and -; no unary minus, no
     term   := atom (('*' | '/') atom)*
     atom   := INTEGER | '(' expr ')'
 
-The packaged data (countdown_train.jsonl, countdown_probe.jsonl beside this file) is
-`write_dataset()`'s output; `python -m fasttrain.tasks.countdown` writes it again, and a test
-checks the files equal the generator's output.
+The packaged data (countdown_train.jsonl / countdown_probe.jsonl, and the smaller variant's
+countdown_small_train.jsonl / countdown_small_probe.jsonl, beside this file) is `write_dataset()`'s
+output; `python -m fasttrain.tasks.countdown` writes them again, and a test checks the files
+equal the generator's output.
 """
 from __future__ import annotations
 
@@ -43,11 +44,20 @@ from typing import Any, Sequence
 
 __all__ = ["CountdownError", "Limits", "Expression", "parse", "check", "answer_block",
            "answer", "format", "make_problem", "generate", "problem_key", "write_dataset", "prompt_text",
-           "TRAIN_FILE", "PROBE_FILE"]
+           "TRAIN_FILE", "PROBE_FILE", "VARIANTS", "variant_files"]
 
 HERE = Path(__file__).parent
 TRAIN_FILE = HERE / "countdown_train.jsonl"
 PROBE_FILE = HERE / "countdown_probe.jsonl"
+
+# The packaged variants: name -> how generate() makes them. "countdown" is the original (3 or 4
+# numbers in 1..25, targets up to 100); "countdown_small" is sized for a 135M model to learn:
+# 2 or 3 numbers in 1..10 and targets up to 20, so half of its problems are one operation on two
+# numbers and a group of 8 answers often holds a solution.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "countdown": {"numbers": (3, 4), "max_number": 25, "max_target": 100},
+    "countdown_small": {"numbers": (3,), "max_number": 10, "max_target": 20},
+}
 
 OPEN_TAG, CLOSE_TAG = "<answer>", "</answer>"
 
@@ -298,7 +308,7 @@ def make_problem(rng: random.Random, n_numbers: int, max_number: int = 25,
 
 
 def generate(n: int, seed: int, numbers: Sequence[int] = (3, 4), exclude: set | None = None,
-             **kw: Any) -> list[dict[str, Any]]:
+             id_prefix: str = "countdown", **kw: Any) -> list[dict[str, Any]]:
     """`n` distinct problems from `seed` (the same rows on every machine: Python's Mersenne
     Twister with an integer seed is stable across versions); the count of numbers cycles
     through `numbers`; problems whose (sorted numbers, target) is in `exclude` are skipped."""
@@ -311,7 +321,7 @@ def generate(n: int, seed: int, numbers: Sequence[int] = (3, 4), exclude: set | 
         if key in seen:
             continue
         seen.add(key)
-        rows.append({"id": f"countdown/{seed}/{len(rows)}", **row})
+        rows.append({"id": f"{id_prefix}/{seed}/{len(rows)}", **row})
     return rows
 
 
@@ -319,13 +329,21 @@ def problem_key(row: dict[str, Any]) -> tuple[tuple[int, ...], int]:
     return tuple(sorted(row["nums"])), int(row["target"])
 
 
-def write_dataset(out_dir: str | Path = HERE, train_rows: int = 1000, probe_rows: int = 100) -> tuple[Path, Path]:
-    """The packaged train and probe files: the probe comes from another seed and shares no
-    (numbers, target) problem with the train rows."""
-    out_dir = Path(out_dir)
-    train = generate(train_rows, seed=0)
-    probe = generate(probe_rows, seed=1, exclude={problem_key(r) for r in train})
-    paths = out_dir / TRAIN_FILE.name, out_dir / PROBE_FILE.name
+def variant_files(variant: str = "countdown", out_dir: str | Path = HERE) -> tuple[Path, Path]:
+    """(train file, probe file) of a packaged variant."""
+    if variant not in VARIANTS:
+        raise ValueError(f"countdown variant {variant!r}: known variants are {', '.join(VARIANTS)}")
+    return Path(out_dir) / f"{variant}_train.jsonl", Path(out_dir) / f"{variant}_probe.jsonl"
+
+
+def write_dataset(out_dir: str | Path = HERE, train_rows: int = 1000, probe_rows: int = 100,
+                  variant: str = "countdown") -> tuple[Path, Path]:
+    """The packaged train and probe files of `variant`: the probe comes from another seed and
+    shares no (numbers, target) problem with the train rows."""
+    paths = variant_files(variant, out_dir)
+    kw = VARIANTS[variant]
+    train = generate(train_rows, seed=0, id_prefix=variant, **kw)
+    probe = generate(probe_rows, seed=1, exclude={problem_key(r) for r in train}, id_prefix=variant, **kw)
     for path, rows in zip(paths, (train, probe)):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
@@ -333,5 +351,6 @@ def write_dataset(out_dir: str | Path = HERE, train_rows: int = 1000, probe_rows
 
 if __name__ == "__main__":
     import sys
-    for p in write_dataset(sys.argv[1] if len(sys.argv) > 1 else HERE):
-        print(p)
+    for v in VARIANTS:
+        for p in write_dataset(sys.argv[1] if len(sys.argv) > 1 else HERE, variant=v):
+            print(p)

@@ -162,21 +162,51 @@ def write_plots(d: Path, metrics: list[dict[str, Any]], probes: list[dict[str, A
     return out
 
 
-def ladder_table(exports: list[dict[str, Any]]) -> str:
-    """The seed-style table: rung, configuration, shipped step, holdout, change (vs the start
-    probe), versus (holdout difference to the previous rung)."""
-    lines = ["| rung | configuration | shipped step | holdout | change | versus previous |",
-             "|---:|---|---:|---:|---:|---:|"]
+def _rung_name(cfg: dict[str, Any]) -> str:
+    return (f"{cfg['run']['name']}: {cfg['loss']['kind']}, {cfg['policy']['adapter']}, "
+            f"{'REPO-R, ' if cfg['loss']['repo_r'] else ''}{cfg['loss']['token_mask']} tokens, "
+            f"{cfg['loss']['passes']} pass{'es' if cfg['loss']['passes'] > 1 else ''}"
+            f"{', filtered prompts' if cfg['env']['prompts'] else ''}")
+
+
+def _holdouts(runs: list[dict[str, Any]], key: str) -> list[float] | None:
+    """Each seed's holdout core of the shipped checkpoint (key "shipped") or of the start probe
+    ("start_probe"); None when a run has none (no holdout slice, no probe)."""
+    out = []
+    for e in runs:
+        v = _num((e.get(key) or {}).get("holdout_core"))
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            return None
+        out.append(float(v))
+    return out
+
+
+def _cell(iv) -> str:
+    if iv is None:
+        return "-"
+    return iv.show("+.3f") + (" *" if iv.excludes_zero else "")
+
+
+def ladder_table(rungs: list[list[dict[str, Any]]]) -> str:
+    """The table that ranks the rungs (exports [rung][seed], the same seeds on every rung): the
+    shipped holdout core as mean and 95% t-interval over seeds; the change against the rung's own
+    start probe and against the previous rung as paired differences (same seeds) with their
+    95% intervals; * marks an interval that excludes 0."""
+    from fasttrain.train.intervals import mean_interval, paired_difference
+
+    seeds = len(rungs[0]) if rungs else 0
+    lines = [f"| rung | configuration | shipped steps | holdout, shipped (mean [95%], {seeds} seed"
+             f"{'s' if seeds != 1 else ''}) | change vs start (paired) | vs previous rung (paired) |",
+             "|---:|---|---|---:|---:|---:|"]
     prev = None
-    for i, e in enumerate(exports, 1):
-        cfg, sh = e["config"], e["shipped"] or {}
-        desc = (f"{cfg['run']['name']}: {cfg['loss']['kind']}, {cfg['policy']['adapter']}, "
-                f"{'REPO-R, ' if cfg['loss']['repo_r'] else ''}{cfg['loss']['token_mask']} tokens, "
-                f"{cfg['loss']['passes']} pass{'es' if cfg['loss']['passes'] > 1 else ''}"
-                f"{', filtered prompts' if cfg['env']['prompts'] else ''}")
-        hold = _num(sh.get("holdout_core"))
-        versus = _diff(hold, prev)
-        lines.append(f"| {i} | {desc} | {sh.get('step', '-')} | {_fmt(hold)} | {_fmt(e.get('holdout_change'))} | "
-                     f"{_fmt(versus)} |")
+    for i, runs in enumerate(rungs, 1):
+        hold, start = _holdouts(runs, "shipped"), _holdouts(runs, "start_probe")
+        steps = ", ".join(str((e["shipped"] or {}).get("step", "-")) for e in runs)
+        lines.append(f"| {i} | {_rung_name(runs[0]['config'])} | {steps} | "
+                     f"{_cell(mean_interval(hold) if hold else None)} | "
+                     f"{_cell(paired_difference(start, hold) if hold and start else None)} | "
+                     f"{_cell(paired_difference(prev, hold) if hold and prev and len(prev) == len(hold) else None)} |")
         prev = hold
+    lines += ["", "Intervals are Student-t over seeds; a change is the mean of the per-seed differences "
+              "(seed i of one rung against seed i of the other). * the 95% interval excludes 0."]
     return "\n".join(lines) + "\n"

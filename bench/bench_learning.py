@@ -1,0 +1,458 @@
+"""What each trainer teaches per second: fasttrain and TRL's GRPOTrainer trained on the same task
+files with the same settings, every adapter scored by one evaluator that neither trainer owns.
+
+What it compares (each run in its own subprocess, one after another, never two at once):
+  task       one dataset file and one reward-function file read by both trainers (default: the
+             `fasttrain init` starter, python/fasttrain/starter/: data.jsonl with its last 100 rows
+             held out, rewards.py's `correct` and `concise` weighted 3 : 1, system prompt
+             "Answer with the number only.")
+  fasttrain  `Trainer` on the dataset environment: GDPO over the two rewards (batch-normalised),
+             no floor guard (advantages.guard = "none"), no REPO-R, all answer tokens, beta KL.
+  TRL        GRPOTrainer (TRL 1.16) with multi_objective_aggregation = "normalize_then_sum" and
+             reward_weights 3, 1 (GDPO's per-reward group normalisation, then batch scaling),
+             top_entropy_quantile 1.0 (all tokens), the same beta.
+  the same   SmolLM2-135M-Instruct as a 16-bit base (bf16; fasttrain policy.quantize = "none",
+             TRL bf16 weights + bf16=True), LoRA rank/alpha on the 7 projections, lr (constant,
+             AdamW defaults, grad clip 1), group size, prompts per step (TRL's generation batch =
+             prompts x group, gradient accumulation = batch / micro-batch), passes per batch (TRL
+             num_iterations; TRL counts an optimizer step per pass, so it runs steps x passes),
+             answer length, temperature 0.7 (top-p 1, top-k off), the prompts of each step (TRL is
+             given fasttrain's order with shuffling off), seeds.
+  pairs      CISPO (cap 1.2; TRL loss_type="cispo", epsilon_high=1.2) and DAPO (clip 0.2 / 0.28).
+  evaluator  bench/learning_eval.py: each saved adapter PEFT-loaded on the bf16 base, answers
+             sampled on the held-out rows with the same seeds, scored with the reward file's `correct`.
+
+Numbers: held-out score before (base) and after (each run's final adapter), mean over seeds and
+rows with a 95% interval over both (fasttrain.train.intervals.crossed_mean_interval); train reward
+(`correct` in the rollouts) over the first and last fifth of the steps; median seconds per step
+(one rollout batch and its passes); training wall time (sum of step times: model loading, probes
+and adapter saving are excluded on both sides) to reach TRL's final mean train reward (its last
+fifth, mean over seeds; the curve is a trailing mean over a fifth of the steps). The plot is the
+held-out score of the adapters saved along each run against training seconds.
+Timings are reportable only from a quiet machine: the load average before the start is recorded
+and a busy machine's timings are labelled not reportable.
+
+Run: python bench/bench_learning.py --quick              (end to end in minutes: a check, not a result)
+     python bench/bench_learning.py                      (the full run; prints its plan and estimate first)
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "python"))
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+STARTER = ROOT / "python" / "fasttrain" / "starter"
+TASK = {"dataset": STARTER / "data.jsonl", "rewards_file": STARTER / "rewards.py", "rewards": ("correct", "concise"),
+        "weights": (3.0, 1.0), "core": "correct", "system_prompt": "Answer with the number only.", "probe_rows": 100}
+PAIRS = {"cispo": {"fasttrain": {"kind": "cispo", "cispo_cap": 1.2}, "trl": {"loss_type": "cispo", "epsilon_high": 1.2}},
+         "dapo": {"fasttrain": {"kind": "dapo", "eps_low": 0.2, "eps_high": 0.28},
+                  "trl": {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28}}}
+
+
+def fasttrain_config(a, seed: int, algo: str, out: str):
+    from fasttrain.train.config import load_config
+    return load_config({
+        "run": {"name": f"learn-{algo}", "seed": seed, "steps": a.steps, "out": out, "device": "cpu",
+                "threads": a.threads},
+        "policy": {"model": "smollm2-135m", "dtype": "bfloat16", "quantize": a.quantize, "adapter": "lora",
+                   "rank": a.rank, "alpha": float(a.alpha), "gradient_checkpointing": False},
+        "env": {"name": "dataset", "dataset": str(TASK["dataset"]), "probe_rows": TASK["probe_rows"],
+                "rewards": [f"{TASK['rewards_file']}:{r}" for r in TASK["rewards"]], "core": TASK["core"],
+                "system_prompt": TASK["system_prompt"]},
+        "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new,
+                    "temperature": a.temperature},
+        "advantages": {"priorities": dict(zip(TASK["rewards"], TASK["weights"])), "guard": "none",
+                       "batch_normalize": True},
+        "loss": {**PAIRS[algo]["fasttrain"], "beta": a.beta, "token_mask": "all", "passes": a.passes, "repo_r": False},
+        "optim": {"lr": a.lr, "micro_batch": a.micro_batch, "grad_clip": 1.0},
+        # the probe only saves the adapters the evaluator scores; 2 rows keep its cost small
+        "probe": {"every": a.save_every, "prompts": 2, "samples": 1, "temperature": a.temperature},
+    })
+
+
+# ---- workers (each in its own process) ----------------------------------------------------
+def worker_fasttrain(a, seed: int, algo: str, out: Path) -> dict:
+    from fasttrain.train.run_files import read_jsonl
+    from fasttrain.train.trainer import Trainer
+    t0 = time.perf_counter()
+    tr = Trainer(fasttrain_config(a, seed, algo, str(out)), progress=False)
+    tr.train()
+    metrics = read_jsonl(tr.dir / "metrics.jsonl")
+    steps = [{"step": m["step"], "seconds": m["seconds_step"], "reward_core": m[f"reward_{TASK['core']}"]}
+             for m in metrics]
+    cum = _cumulative([s["seconds"] for s in steps])
+    adapters = [{"step": s, "seconds": cum[s - 1], "path": str(tr.dir / "probes" / f"step_{s:06d}" / "adapter")}
+                for s in _save_steps(a)]
+    return {"steps": steps, "adapters": adapters, "process_seconds": time.perf_counter() - t0,
+            "setting": f"fasttrain bf16 base, policy.quantize={a.quantize}, LoRA r{a.rank}"}
+
+
+def worker_trl(a, seed: int, algo: str, out: Path) -> dict:
+    import importlib.util
+
+    import torch
+    import transformers
+    from datasets import Dataset
+    from learning_eval import bundled_model_dir, load_base, messages_of
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fasttrain.train.trainer import Trainer
+    t0 = time.perf_counter()
+    torch.set_num_threads(a.threads)
+    # the prompts of each step in fasttrain's order (its Trainer reads the dataset; no model is loaded)
+    ft = Trainer(fasttrain_config(a, seed, algo, str(out / "order")), progress=False)
+    order = [int(p.id.split("/")[1]) for s in range(1, a.steps + 1) for p in ft._prompts_for_step(s)]
+    ft.env.close()
+    rows = [json.loads(x) for x in TASK["dataset"].read_text().splitlines() if x.strip()]
+    data = Dataset.from_list([{**rows[i], "prompt": messages_of(rows[i], TASK["system_prompt"])} for i in order])
+
+    spec = importlib.util.spec_from_file_location("task_rewards", TASK["rewards_file"])
+    rewards_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rewards_mod)
+    core_values: list[float] = []
+
+    def recorded(fn):
+        @functools.wraps(fn)
+        def wrapped(**kw):
+            vals = fn(**kw)
+            if fn.__name__ == TASK["core"]:
+                core_values.append(float(sum(vals) / len(vals)))
+            return vals
+        return wrapped
+
+    model, tok = load_base(bundled_model_dir(), "bfloat16")
+    cfg = GRPOConfig(
+        output_dir=str(out / "trl"), use_cpu=True, bf16=True, **PAIRS[algo]["trl"], beta=a.beta,
+        num_generations=a.group, max_completion_length=a.new, temperature=a.temperature, top_p=1.0, top_k=0,
+        per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.prompts * a.group // a.micro_batch,
+        num_iterations=a.passes, max_steps=a.steps * a.passes, learning_rate=a.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, shuffle_dataset=False, seed=seed,
+        reward_weights=list(TASK["weights"]), multi_objective_aggregation="normalize_then_sum",
+        top_entropy_quantile=1.0, logging_steps=10_000, save_strategy="no", report_to="none", disable_tqdm=True,
+        gradient_checkpointing=False, dataloader_num_workers=0)
+    lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=list(TARGETS), lora_dropout=0.0,
+                      task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=[recorded(getattr(rewards_mod, r)) for r in TASK["rewards"]],
+                          args=cfg, train_dataset=data, processing_class=tok, peft_config=lora)
+    opt_seconds: list[float] = []
+    adapters: list[dict] = []
+    save_at = set(_save_steps(a))
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            opt_seconds.append(time.perf_counter() - self.t0)      # before the adapter is saved
+            if state.global_step % a.passes == 0 and state.global_step // a.passes in save_at:
+                s = state.global_step // a.passes
+                path = out / "adapters" / f"step_{s:06d}"
+                model.save_pretrained(str(path))
+                adapters.append({"step": s, "seconds": sum(opt_seconds), "path": str(path)})
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    per_step = [sum(opt_seconds[i * a.passes:(i + 1) * a.passes]) for i in range(a.steps)]
+    steps = [{"step": i + 1, "seconds": per_step[i], "reward_core": core_values[i] if i < len(core_values) else math.nan}
+             for i in range(a.steps)]
+    return {"steps": steps, "adapters": adapters, "process_seconds": time.perf_counter() - t0,
+            "setting": "TRL bf16 weights + bf16=True, PEFT LoRA"}
+
+
+def _save_steps(a) -> list[int]:
+    return sorted({*range(a.save_every, a.steps + 1, a.save_every), a.steps})
+
+
+def _cumulative(xs: list[float]) -> list[float]:
+    out, t = [], 0.0
+    for x in xs:
+        t += x
+        out.append(t)
+    return out
+
+
+def run_worker(argv: list[str], timeout: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker-out", path, *argv]
+    proc = subprocess.run(cmd, timeout=timeout, stdout=sys.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {' '.join(argv[-6:])} failed with exit code {proc.returncode}")
+    return json.loads(Path(path).read_text())
+
+
+# ---- the summary -------------------------------------------------------------------------
+def fifth(n: int) -> int:
+    return max(1, n // 5)
+
+
+def trailing_mean(xs: list[float], w: int) -> list[float]:
+    return [statistics.fmean(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
+
+
+def time_to_reach(runs: list[dict], target: float) -> float | None:
+    """Training seconds (mean over seeds) at the first step where the seed-mean train reward,
+    as a trailing mean over a fifth of the steps, reaches `target`; None if it never does."""
+    n = min(len(r["steps"]) for r in runs)
+    curve = trailing_mean([statistics.fmean(r["steps"][i]["reward_core"] for r in runs) for i in range(n)], fifth(n))
+    cum = [statistics.fmean(_cumulative([s["seconds"] for s in r["steps"]])[i] for r in runs) for i in range(n)]
+    for c, t in zip(curve, cum):
+        if c >= target - 1e-12:
+            return t
+    return None
+
+
+def summarize(results: dict, base_scores: list[float], scores: dict[str, list[float]], a, busy: str | None) -> tuple[str, list[dict]]:
+    from harness import row
+
+    from fasttrain.train.intervals import crossed_mean_interval, mean_interval
+    n = a.steps
+    lines, csv = [], []
+    before = mean_interval(base_scores)
+    trl_final = {algo: statistics.fmean(statistics.fmean(s["reward_core"] for s in r["steps"][-fifth(n):])
+                                        for r in results[f"trl/{algo}"]) for algo in a.pairs if f"trl/{algo}" in results}
+    head = ("| trainer | algorithm | seeds | held-out before | held-out after (95%) | gain (95%) | train reward "
+            "first -> last | s / step (median) | training s, total | s to TRL's final train reward |")
+    lines += [head, "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for key, runs in results.items():
+        trainer, algo = key.split("/")
+        final = [scores[r["adapters"][-1]["path"]] for r in runs]
+        after = crossed_mean_interval(final)
+        gain = crossed_mean_interval([[x - b for x, b in zip(f, base_scores)] for f in final])
+        first = statistics.fmean(statistics.fmean(s["reward_core"] for s in r["steps"][:fifth(n)]) for r in runs)
+        last = statistics.fmean(statistics.fmean(s["reward_core"] for s in r["steps"][-fifth(n):]) for r in runs)
+        step_s = statistics.median(s["seconds"] for r in runs for s in r["steps"])
+        total = statistics.fmean(sum(s["seconds"] for s in r["steps"]) for r in runs)
+        reach = time_to_reach(runs, trl_final[algo]) if algo in trl_final else None
+        t = (lambda v: "-" if v is None else f"{v:.0f}") if not busy else (lambda v: "n/r")
+        lines.append(f"| {trainer} | {algo} | {len(runs)} | {before.show('.3f')} | {after.show('.3f')} | "
+                     f"{gain.show('+.3f')}{' *' if gain.excludes_zero else ''} | {first:.3f} -> {last:.3f} | "
+                     f"{t(step_s) if busy else f'{step_s:.1f}'} | {t(total)} | {t(reach)} |")
+        csv += [row("learning", f"{trainer}/{algo}", trainer, m, v, u, seeds=len(runs), steps=n) for m, v, u in (
+            ("heldout_before", before.mean, "share"), ("heldout_after", after.mean, "share"),
+            ("heldout_after_low", after.low, "share"), ("heldout_after_high", after.high, "share"),
+            ("gain", gain.mean, "share"), ("gain_low", gain.low, "share"), ("gain_high", gain.high, "share"),
+            ("train_reward_first", first, "share"), ("train_reward_last", last, "share"),
+            ("seconds_per_step", step_s, "s"), ("training_seconds", total, "s"),
+            ("seconds_to_trl_final_reward", reach if reach is not None else math.nan, "s"))]
+    return "\n".join(lines) + "\n", csv
+
+
+def claim(results: dict, base_scores, scores, a, busy: str | None) -> list[str]:
+    """The claim to earn, checked on the CISPO pair: the same held-out gain as TRL within the interval,
+    in <= 0.35x its training time, and a higher held-out score than TRL at equal training time."""
+    from fasttrain.train.intervals import crossed_mean_interval
+    if "fasttrain/cispo" not in results or "trl/cispo" not in results:
+        return ["claim: not checked (needs the CISPO pair on both trainers)"]
+    ft, trl = results["fasttrain/cispo"], results["trl/cispo"]
+    if len(ft) != len(trl):
+        return ["claim: not checked (the two sides ran different numbers of seeds)"]
+    diff = crossed_mean_interval([[x - y for x, y in zip(scores[f["adapters"][-1]["path"]], scores[t["adapters"][-1]["path"]])]
+                                  for f, t in zip(ft, trl)])
+    same_gain = diff.low <= 0 <= diff.high or diff.low > 0
+    ratio = statistics.fmean(sum(s["seconds"] for s in r["steps"]) for r in ft) / \
+        statistics.fmean(sum(s["seconds"] for s in r["steps"]) for r in trl)
+    ft_end = statistics.fmean(r["adapters"][-1]["seconds"] for r in ft)
+    ft_final = statistics.fmean(statistics.fmean(scores[r["adapters"][-1]["path"]]) for r in ft)
+    trl_at = _score_at(trl, scores, ft_end)
+    out = [f"- held-out after, fasttrain minus TRL (CISPO, paired by seed, 95% over seeds and rows): "
+           f"{diff.show('+.3f')} -> {'same gain or better' if same_gain else 'LOWER than TRL'} within the interval"]
+    if busy:
+        out.append(f"- time claims not reportable: {busy}")
+    else:
+        out.append(f"- training time fasttrain / TRL: {ratio:.2f}x (claim: <= 0.35x) -> {'met' if ratio <= 0.35 else 'NOT met'}")
+        out.append(f"- at fasttrain's end ({ft_end:.0f} s) TRL's held-out score was {_f(trl_at)} (its adapters "
+                   f"interpolated), fasttrain's {ft_final:.3f} -> "
+                   f"{'higher' if trl_at is not None and ft_final > trl_at else 'NOT higher'} at equal training time")
+    return out
+
+
+def _f(v):
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _score_at(runs: list[dict], scores, t: float) -> float | None:
+    """Seed-mean held-out score of a trainer at training second t, linear between its saved
+    adapters (the base's score at 0 s is not used: before the first adapter, None)."""
+    pts = sorted((statistics.fmean(r["adapters"][i]["seconds"] for r in runs),
+                  statistics.fmean(statistics.fmean(scores[r["adapters"][i]["path"]]) for r in runs))
+                 for i in range(min(len(r["adapters"]) for r in runs)))
+    if not pts or t < pts[0][0]:
+        return None
+    for (t0, y0), (t1, y1) in zip(pts, pts[1:]):
+        if t0 <= t <= t1:
+            return y0 + (y1 - y0) * (t - t0) / (t1 - t0) if t1 > t0 else y1
+    return pts[-1][1]
+
+
+def plot(results: dict, base_mean: float, scores, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for key, runs in results.items():
+        k = min(len(r["adapters"]) for r in runs)
+        xs = [0.0] + [statistics.fmean(r["adapters"][i]["seconds"] for r in runs) for i in range(k)]
+        ys = [base_mean] + [statistics.fmean(statistics.fmean(scores[r["adapters"][i]["path"]]) for r in runs)
+                            for i in range(k)]
+        ax.plot(xs, ys, marker="o", linestyle="-" if key.startswith("fasttrain") else "--", label=key)
+    ax.set_xlabel("training seconds (sum of step times)")
+    ax.set_ylabel("held-out score (share correct)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine_busy(threshold: float = 0.5) -> str | None:
+    load = os.getloadavg()[0]
+    return f"load average {load:.2f} before the start (other work on the machine)" if load > threshold else None
+
+
+def estimate(a, sec_per_step: dict[str, float] | None = None) -> str:
+    """Minutes the full run takes on a quiet 2-core CPU: steps x seeds x pairs x (fasttrain + TRL
+    step) + loading + evaluation. The rates are guesses from a busy machine (one thread, load ~9:
+    fasttrain 13-34 s and TRL 40-150 s per step, 0.47 s per evaluated answer) divided by about 3."""
+    ft, trl = (sec_per_step or {}).get("fasttrain", 6.0), (sec_per_step or {}).get("trl", 20.0)
+    runs = len(a.seeds) * len(a.pairs)
+    train = runs * a.steps * (ft + trl) + runs * 2 * 60            # + model loading, probes, saving
+    n_adapters = 1 + 2 * runs * len(_save_steps(a))
+    evals = n_adapters * a.eval_rows * a.eval_samples * 0.15      # seconds per evaluated answer
+    return f"about {(train + evals) / 60:.0f} min ({train / 60:.0f} training, {evals / 60:.0f} evaluation)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a check end to end: 3 steps, 1 seed, 20 rows, "
+                    "the final adapters only")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
+    ap.add_argument("--pairs", type=lambda s: s.split(","), default=["cispo", "dapo"])
+    ap.add_argument("--trainers", type=lambda s: s.split(","), default=["fasttrain", "trl"])
+    ap.add_argument("--quantize", default="none", help='fasttrain policy.quantize ("none": the 16-bit base)')
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--alpha", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--beta", type=float, default=0.08)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--save-every", type=int, default=0, help="adapter every N steps (default steps / 4)")
+    ap.add_argument("--eval-rows", type=int, default=100)
+    ap.add_argument("--eval-samples", type=int, default=2)
+    ap.add_argument("--eval-seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--timeout", type=int, default=4 * 3600)
+    ap.add_argument("--worker", choices=["fasttrain", "trl"])
+    ap.add_argument("--worker-seed", type=int)
+    ap.add_argument("--worker-algo")
+    ap.add_argument("--worker-dir")
+    ap.add_argument("--worker-out")
+    a = ap.parse_args()
+    if a.quick:
+        a.steps, a.seeds, a.eval_rows, a.eval_samples = min(a.steps, 3), a.seeds[:1], 20, 1
+        a.save_every = a.save_every or a.steps
+    a.save_every = a.save_every or max(1, a.steps // 4)
+    if a.eval_rows > TASK["probe_rows"]:
+        ap.error(f"--eval-rows {a.eval_rows}: the task holds out {TASK['probe_rows']} rows")
+    if a.worker:
+        fn = worker_fasttrain if a.worker == "fasttrain" else worker_trl
+        res = fn(a, a.worker_seed, a.worker_algo, Path(a.worker_dir))
+        Path(a.worker_out).write_text(json.dumps(res))
+        return 0
+    return run_all(a)
+
+
+def run_all(a) -> int:
+    import torch
+    from harness import machine_name, versions
+    from learning_eval import EvalSettings, bundled_model_dir, evaluate, held_out_rows, load_reward
+
+    busy = machine_busy()
+    day = time.strftime("%Y-%m-%d")
+    stem = f"{machine_name()}-{day}-learning{'-quick' if a.quick else ''}"
+    cmd = " ".join(["python bench/bench_learning.py"] + sys.argv[1:])
+    print(f"{cmd}\n{stem}: {len(a.seeds)} seeds x {a.pairs} x {a.trainers}, {a.steps} steps; estimate {estimate(a)}"
+          + (f"\nBUSY: {busy}; timings will be marked not reportable" if busy else ""), flush=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_learning-"))
+    common = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
+              ("steps", "quantize", "rank", "alpha", "lr", "beta", "prompts", "group", "micro_batch", "passes", "new",
+               "temperature", "save_every", "threads")]
+    results: dict[str, list[dict]] = {}
+    t0 = time.time()
+    for algo in a.pairs:
+        for trainer in a.trainers:
+            for seed in a.seeds:
+                d = work / f"{trainer}-{algo}-{seed}"
+                print(f"[{time.time() - t0:.0f} s] {trainer} {algo} seed {seed}", flush=True)
+                res = run_worker(common + ["--worker", trainer, "--worker-seed", str(seed), "--worker-algo", algo,
+                                           "--worker-dir", str(d)], a.timeout)
+                results.setdefault(f"{trainer}/{algo}", []).append(res)
+    rows = held_out_rows(TASK["dataset"], TASK["probe_rows"])[:a.eval_rows]
+    settings = EvalSettings(TASK["system_prompt"], "", a.temperature, a.new, a.eval_samples, a.eval_seed)
+    paths = [ad["path"] for runs in results.values() for r in runs for ad in r["adapters"]]
+    torch.set_num_threads(a.threads)
+    print(f"[{time.time() - t0:.0f} s] evaluating the base and {len(paths)} adapters on {len(rows)} held-out rows",
+          flush=True)
+    ev = evaluate(bundled_model_dir(), [None] + paths, rows, load_reward(f"{TASK['rewards_file']}:{TASK['core']}"),
+                  settings)
+    base_scores = ev[0]["scores"]
+    scores = {e["adapter"]: e["scores"] for e in ev[1:]}
+    table, csv = summarize(results, base_scores, scores, a, busy)
+    lines = claim(results, base_scores, scores, a, busy)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    title = (f"{stem}\nstarter arithmetic, SmolLM2-135M, fasttrain base {a.quantize} / TRL bf16, "
+             f"{len(a.seeds)} seed(s), {a.steps} steps" + ("\ntimings NOT reportable (busy machine)" if busy else ""))
+    plot(results, statistics.fmean(base_scores), scores, out / f"{stem}.png", title)
+    v = versions()
+    md = [f"# Learning benchmark: fasttrain vs TRL GRPOTrainer ({stem})", "",
+          f"Command: `{cmd}` (total {(time.time() - t0) / 60:.0f} min)", "",
+          f"Machine: {machine_name()}, {os.cpu_count()} cores; versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
+          "", f"Task: the `fasttrain init` starter (data.jsonl, last {TASK['probe_rows']} rows held out; rewards.py "
+          f"correct x3 + concise x1), {a.steps} steps of {a.prompts} prompts x {a.group} answers, <= {a.new} tokens, "
+          f"temperature {a.temperature}, {a.passes} passes, lr {a.lr}, beta {a.beta}, LoRA r{a.rank} alpha {a.alpha}; "
+          f"fasttrain policy.quantize={a.quantize}, TRL bf16. Evaluator: bench/learning_eval.py on {len(rows)} held-out "
+          f"rows x {a.eval_samples} answers, seed {a.eval_seed}.", ""]
+    if busy or a.quick:
+        md += [f"**Timings not reportable**: {busy or 'a --quick check'}." if busy else
+               "**A --quick check (few steps, one seed): not a result.**", ""]
+    md += [table, "Intervals: 95%, over seeds and held-out rows (two-way random effects); * a gain whose interval "
+           "excludes 0. Time columns: training seconds (sum of step times; loading, probes, saving excluded).", "",
+           "Claim (CISPO pair):", *lines, "", f"![held-out score vs training seconds]({stem}.png)", ""]
+    md += ["Per run: " + "; ".join(f"{k} seed {a.seeds[i]}: {r['setting']}, process {r['process_seconds']:.0f} s"
+                                   for k, runs in results.items() for i, r in enumerate(runs))]
+    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+    from harness import write_csv
+    (out / f"{stem}.csv").unlink(missing_ok=True)
+    write_csv(csv, out / f"{stem}.csv")
+    (out / f"{stem}.json").write_text(json.dumps({"results": results, "base_scores": base_scores, "scores": scores,
+                                                  "busy": busy, "args": {k: v for k, v in vars(a).items()}}, default=str))
+    print("\n".join(md))
+    print(f"wrote {out / stem}.md/.csv/.json/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
