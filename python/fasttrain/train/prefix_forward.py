@@ -137,17 +137,10 @@ def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, posit
         prompt_mask = prompt_mask.unsqueeze(2).expand(U, 1, G, P, P).reshape(U, 1, G * P, P)
         if answer_mask is not None:
             answer_mask = answer_mask.unsqueeze(2).expand(B, 1, G, A, P + A).reshape(B, 1, G * A, P + A)
-    checkpointing = dec.model.training and torch.is_grad_enabled()
-    for layer in dec.layers:
-        run = functools.partial(_layer, dec, layer, inverse, cos_p[:, None], sin_p[:, None], prompt_mask,
-                                None if cos_a is None else cos_a[:, None], None if sin_a is None else sin_a[:, None],
-                                answer_mask)
-        if checkpointing and getattr(layer, "gradient_checkpointing", False):
-            ckpt = getattr(layer, "_gradient_checkpointing_func", None) or functools.partial(
-                torch.utils.checkpoint.checkpoint, use_reentrant=False)
-            x_p, x_a = ckpt(run, x_p, x_a)
-        else:
-            x_p, x_a = run(x_p, x_a)
+    runs = [functools.partial(_layer, dec, layer, inverse, cos_p[:, None], sin_p[:, None], prompt_mask,
+                              None if cos_a is None else cos_a[:, None], None if sin_a is None else sin_a[:, None],
+                              answer_mask) for layer in dec.layers]
+    x_p, x_a = run_layers(dec, runs, x_p, x_a)
     h = torch.cat([x_p[inverse, P - 1:P], x_a], dim=1)                 # [B, T, H]
     return dec.norm(h)
 
@@ -194,3 +187,18 @@ def _layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor, sin_p
     x = x + attn.o_proj(torch.cat(outs))
     x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x[:n_p].view(U, P, H), x[n_p:].view(B, A, H)
+
+
+def run_layers(dec, runs, x_p, x_a):
+    """x_p, x_a through each decoder layer's `run(x_p, x_a)` in order; a layer whose model trains
+    with gradient checkpointing on keeps only its inputs (transformers' checkpoint function, or
+    torch's non-reentrant one)."""
+    checkpointing = dec.model.training and torch.is_grad_enabled()
+    for layer, run in zip(dec.layers, runs):
+        if checkpointing and getattr(layer, "gradient_checkpointing", False):
+            ckpt = getattr(layer, "_gradient_checkpointing_func", None) or functools.partial(
+                torch.utils.checkpoint.checkpoint, use_reentrant=False)
+            x_p, x_a = ckpt(run, x_p, x_a)
+        else:
+            x_p, x_a = run(x_p, x_a)
+    return x_p, x_a

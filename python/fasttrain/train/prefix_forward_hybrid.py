@@ -24,7 +24,7 @@ from torch import Tensor
 
 from fasttrain.ops.gated_delta import causal_conv1d, gated_delta_rule
 from fasttrain.rollout.hybrid_decoder import HybridDecoder, rotate_partial
-from fasttrain.train.prefix_forward import prefix_masks, prompt_groups
+from fasttrain.train.prefix_forward import prefix_masks, prompt_groups, run_layers
 
 __all__ = ["shared_prefix_hidden_hybrid"]
 
@@ -48,15 +48,8 @@ def shared_prefix_hidden_hybrid(model, input_ids: Tensor, attention_mask: Tensor
     x_a = dec.embed(input_ids[:, P:P + A])
     ctx = _Context(dec, inverse, cos_p[:, None], sin_p[:, None], cos_a[:, None], sin_a[:, None], prompt_mask,
                    answer_mask, valid_p, valid_a)
-    checkpointing = dec.model.training and torch.is_grad_enabled()
-    for i, layer in enumerate(dec.layers):
-        run = functools.partial(_layer, ctx, i, layer)
-        if checkpointing and getattr(layer, "gradient_checkpointing", False):
-            ckpt = getattr(layer, "_gradient_checkpointing_func", None) or functools.partial(
-                torch.utils.checkpoint.checkpoint, use_reentrant=False)
-            x_p, x_a = ckpt(run, x_p, x_a)
-        else:
-            x_p, x_a = run(x_p, x_a)
+    x_p, x_a = run_layers(dec, [functools.partial(_layer, ctx, i, layer) for i, layer in enumerate(dec.layers)],
+                          x_p, x_a)
     return dec.norm(torch.cat([x_p[inverse, P - 1:P], x_a], dim=1))
 
 
