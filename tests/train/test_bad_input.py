@@ -16,10 +16,10 @@ from fasttrain.train import ConfigError, Trainer, load_config  # noqa: E402
 
 
 def _task(tmp_path: Path, tweak) -> Path:
-    """The starter task (20 rows: prompt, answer), its data.jsonl changed by tweak(lines)."""
+    """The starter task's first 20 rows (prompt, answer), its data.jsonl changed by tweak(lines)."""
     write_starter(tmp_path / "task")
     data = tmp_path / "task" / "data.jsonl"
-    lines = data.read_bytes().splitlines()
+    lines = data.read_bytes().splitlines()[:20]
     data.write_bytes(b"\n".join(tweak(lines)) + b"\n")
     return data
 
