@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .families import decoder_for
-from .sampling import Rollout, _check, _default_pad, _exponential_noise
+from .sampling import Rollout, _check, _default_pad, _exponential_noise, left_padded
 
 # end_of_turn(rows, turn_ids, room) -> one entry per row: context token ids to append, or None
 EndOfTurn = Callable[[list[int], list[list[int]], list[int]], list["list[int] | None"]]
@@ -74,12 +74,7 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
     S = P + M + 1                                   # the last column is the held tokens' scratch
     scratch = S - 1
 
-    ids = torch.full((n_p, P), pad, dtype=torch.long)
-    valid = torch.zeros((n_p, P), dtype=torch.bool)
-    for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        valid[i, P - len(p):] = True
-    ids, valid = ids.to(device), valid.to(device)
+    ids, valid = left_padded(prompt_ids, P, pad, device)
     pos = (valid.long().cumsum(1) - 1).clamp_(min=0)
     cos, sin = dec.rotary_table(pos)
     small = dec.new_cache(n_p, P)

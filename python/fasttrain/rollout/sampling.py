@@ -107,6 +107,18 @@ def _exponential_noise(noise: Tensor, gens: list, rows: int) -> Tensor:
     return noise
 
 
+def left_padded(prompt_ids: Sequence[Sequence[int]], P: int, pad: int, device) -> tuple[Tensor, Tensor]:
+    """The prompts left-padded to P columns: ids [n, P] (pad where there is no token) and
+    valid [n, P] bool, on `device`."""
+    n = len(prompt_ids)
+    ids = torch.full((n, P), pad, dtype=torch.long)
+    valid = torch.zeros((n, P), dtype=torch.bool)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        valid[i, P - len(p):] = True
+    return ids.to(device), valid.to(device)
+
+
 @torch.no_grad()
 def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int,
            temperature: float = 1.0, eos_token_ids: Sequence[int] | int | None, seed: int | Sequence[int],
@@ -155,12 +167,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
                          f"window {dec.sliding_window}, which this decoder does not implement")
 
     # Left-padded distinct prompts [n, P] and their positions.
-    ids = torch.full((n, P), pad, dtype=torch.long)
-    valid = torch.zeros((n, P), dtype=torch.bool)
-    for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        valid[i, P - len(p):] = True
-    ids, valid = ids.to(device), valid.to(device)
+    ids, valid = left_padded(prompt_ids, P, pad, device)
     prompt_lens = valid.sum(1)  # [n]
     # Positions of every column of every row: prompt tokens 0..len-1, then len, len+1, ...
     pos = (valid.long().cumsum(1) - 1).clamp_(min=0)
