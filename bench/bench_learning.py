@@ -321,9 +321,30 @@ def plot(results: dict, base_mean: float, scores, path: Path, title: str) -> Non
     plt.close(fig)
 
 
-def machine_busy(threshold: float = 0.5) -> str | None:
-    load = os.getloadavg()[0]
-    return f"load average {load:.2f} before the start (other work on the machine)" if load > threshold else None
+def _cpu_busy_fraction(seconds: float = 3.0) -> float:
+    """Share of the machine's CPU time spent running anything (user + system, not idle or I/O wait)
+    over `seconds`, from /proc/stat. The load average is not used: a process sleeping in an
+    uninterruptible I/O wait counts 1 there while it takes no CPU at all."""
+    def sample():
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        idle = f[3] + f[4]                                    # idle + iowait
+        return sum(f[:8]) - idle, sum(f[:8])
+    b0, t0 = sample()
+    time.sleep(seconds)
+    b1, t1 = sample()
+    return (b1 - b0) / max(1, t1 - t0)
+
+
+def machine_busy(threshold: float = 0.10) -> str | None:
+    """None on a quiet machine; else why the timings are not reportable (more than 10% of the
+    CPU busy with other work over 3 s before the start)."""
+    try:
+        frac = _cpu_busy_fraction()
+    except OSError:                                            # no /proc: fall back to the load average
+        load = os.getloadavg()[0]
+        return f"load average {load:.2f} before the start (other work on the machine)" if load > 0.5 else None
+    return (f"{100 * frac:.0f}% of the CPU busy before the start (other work on the machine)"
+            if frac > threshold else None)
 
 
 def estimate(a, sec_per_step: dict[str, float] | None = None) -> str:
@@ -364,6 +385,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--timeout", type=int, default=4 * 3600)
+    ap.add_argument("--work", help="folder for the runs and evaluations, kept: a run or evaluation found there with "
+                    "the same settings is reused (an interrupted benchmark goes on; a later call can add a pair)")
     ap.add_argument("--worker", choices=["fasttrain", "trl"])
     ap.add_argument("--worker-seed", type=int)
     ap.add_argument("--worker-algo")
@@ -395,7 +418,8 @@ def run_all(a) -> int:
     cmd = " ".join(["python bench/bench_learning.py"] + sys.argv[1:])
     print(f"{cmd}\n{stem}: {len(a.seeds)} seeds x {a.pairs} x {a.trainers}, {a.steps} steps; estimate {estimate(a)}"
           + (f"\nBUSY: {busy}; timings will be marked not reportable" if busy else ""), flush=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_learning-"))
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="bench_learning-"))
+    work.mkdir(parents=True, exist_ok=True)
     common = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
               ("steps", "quantize", "rank", "alpha", "lr", "beta", "prompts", "group", "micro_batch", "passes", "new",
                "temperature", "save_every", "threads")]
@@ -405,9 +429,17 @@ def run_all(a) -> int:
         for trainer in a.trainers:
             for seed in a.seeds:
                 d = work / f"{trainer}-{algo}-{seed}"
-                print(f"[{time.time() - t0:.0f} s] {trainer} {algo} seed {seed}", flush=True)
-                res = run_worker(common + ["--worker", trainer, "--worker-seed", str(seed), "--worker-algo", algo,
-                                           "--worker-dir", str(d)], a.timeout)
+                argv = common + ["--worker", trainer, "--worker-seed", str(seed), "--worker-algo", algo,
+                                 "--worker-dir", str(d)]
+                done = d / "result.json"
+                if done.exists() and json.loads(done.read_text()).get("argv") == argv:
+                    print(f"[{time.time() - t0:.0f} s] {trainer} {algo} seed {seed}: reused from {done}", flush=True)
+                    res = json.loads(done.read_text())
+                else:
+                    print(f"[{time.time() - t0:.0f} s] {trainer} {algo} seed {seed}", flush=True)
+                    res = run_worker(argv, a.timeout)
+                    d.mkdir(parents=True, exist_ok=True)
+                    done.write_text(json.dumps({**res, "argv": argv}))
                 results.setdefault(f"{trainer}/{algo}", []).append(res)
     rows = held_out_rows(TASK["dataset"], TASK["probe_rows"])[:a.eval_rows]
     settings = EvalSettings(TASK["system_prompt"], "", a.temperature, a.new, a.eval_samples, a.eval_seed)
@@ -415,10 +447,19 @@ def run_all(a) -> int:
     torch.set_num_threads(a.threads)
     print(f"[{time.time() - t0:.0f} s] evaluating the base and {len(paths)} adapters on {len(rows)} held-out rows",
           flush=True)
-    ev = evaluate(bundled_model_dir(), [None] + paths, rows, load_reward(f"{TASK['rewards_file']}:{TASK['core']}"),
-                  settings)
-    base_scores = ev[0]["scores"]
-    scores = {e["adapter"]: e["scores"] for e in ev[1:]}
+    # Evaluations are kept in the work folder under their settings, so a later call scores only new adapters.
+    cache_path = work / "evaluations.json"
+    key = json.dumps([len(rows), a.eval_samples, a.eval_seed, a.temperature, a.new])
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    seen = cache.setdefault(key, {})
+    todo = [p for p in [None] + paths if str(p) not in seen]
+    if todo:
+        ev = evaluate(bundled_model_dir(), todo, rows, load_reward(f"{TASK['rewards_file']}:{TASK['core']}"),
+                      settings)
+        seen.update({str(e["adapter"]): e["scores"] for e in ev})
+        cache_path.write_text(json.dumps(cache))
+    base_scores = seen["None"]
+    scores = {str(p): seen[str(p)] for p in paths}
     table, csv = summarize(results, base_scores, scores, a, busy)
     lines = claim(results, base_scores, scores, a, busy)
     out = Path(a.out)

@@ -89,4 +89,20 @@ FT_NF4_LINEAR_DECLS(cpu)
 FT_NF4_LINEAR_DECLS(cuda)
 #undef FT_NF4_LINEAR_DECLS
 
+// ---- gated_delta ----------------------------------------------------------------------
+// Returns (o [B,T,Hv,Dv], final state [B,Hv,Dk,Dv], checkpoints [B,Hv,N,Dk,Dv] or [0,...]).
+#define FT_GATED_DELTA_DECLS(dev)                                                                          \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_forward_##dev(                                \
+      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,                  \
+      const at::Tensor& beta, const std::optional<at::Tensor>& s0, double scale, int64_t checkpoint_every, \
+      bool save);                                                                                          \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>                       \
+      gated_delta_backward_##dev(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_state,    \
+                                 const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,            \
+                                 const at::Tensor& g, const at::Tensor& beta, const at::Tensor& ckpt,      \
+                                 double scale, int64_t checkpoint_every);
+FT_GATED_DELTA_DECLS(cpu)
+FT_GATED_DELTA_DECLS(cuda)
+#undef FT_GATED_DELTA_DECLS
+
 }  // namespace fasttrain

@@ -64,6 +64,21 @@ TORCH_LIBRARY(fasttrain, m) {
         "Tensor lora_b, float scale, Tensor? weight_sq_norm) -> Tensor");
   // ‖W‖² per row [N] fp32 (accumulated in fp64), computed once per layer.
   m.def("nf4_weight_sq_norm(Tensor packed, Tensor absmax, int blocksize, int out_features, int in_features) -> Tensor");
+
+  // ---- gated_delta: the gated delta rule of Gated DeltaNet layers ---------------------
+  // q, k [B,T,Hk,Dk], v [B,T,Hv,Dv] (Hv a multiple of Hk; q/k head h serves value heads h·Hv/Hk..),
+  // g (log decay) and beta [B,T,Hv], s0 [B,Hv,Dk,Dv]? (zeros when None); one dtype, float32 or
+  // float64, contiguous. Per token: S = e^g S; d = beta (v - Sᵀk); S += k dᵀ; o = scale Sᵀq.
+  // -> o [B,T,Hv,Dv], final state [B,Hv,Dk,Dv], and when save the state before every
+  // checkpoint_every-th token [B,Hv,ceil(T/C),Dk,Dv] for the backward (else [0,Hv,N,Dk,Dv]).
+  m.def("gated_delta_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? s0, float scale, "
+        "int checkpoint_every, bool save) -> (Tensor, Tensor, Tensor)");
+  // grad_o [B,T,Hv,Dv], grad_state [B,Hv,Dk,Dv]? -> dq, dk [B,T,Hv,Dk] (per value head: the caller sums
+  // the heads that share a q/k head), dv, dg, dbeta, d_initial_state; the states are recomputed from
+  // the checkpoints, one span at a time.
+  m.def("gated_delta_backward(Tensor grad_o, Tensor? grad_state, Tensor q, Tensor k, Tensor v, Tensor g, "
+        "Tensor beta, Tensor checkpoints, float scale, int checkpoint_every) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace {

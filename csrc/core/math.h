@@ -368,4 +368,30 @@ FT_HD T dora_row_norm(T w_sq, T b_dot_aw, T b_aat_b, T s) {
   return n2 > T(0) ? sqrt(n2) : T(0);
 }
 
+// =====================================================================================
+// gated_delta: the gated delta rule (Gated DeltaNet; Yang, Kautz & Hatamizadeh 2024), one
+// token of one (row, value head) with state S [Dk x Dv]:
+//     S_a = e^g S;   r = S_aᵀk;   d = β(v − r);   S' = S_a + k dᵀ;   o = scale · S'ᵀq.
+// Its backward, given the cotangents dS (of S') and do (of o):
+//     dS += scale · q doᵀ;  dq = scale · S' do;  dd = dSᵀk;  dk = dS d + S_a dr;
+//     dβ = dd·(v − r);  dv = β dd;  dr = −β dd;  dS_a = dS + k drᵀ;  dg = <dS_a, S_a>;  dS ← e^g dS_a.
+// The CPU kernel walks rows of S and the CUDA kernel columns; both call these element formulas.
+// =====================================================================================
+template <typename T>
+FT_HD T gdr_decay(T g) { return ft_exp(g); }
+// The value written into the state: d_j = β (v_j − r_j).
+template <typename T>
+FT_HD T gdr_delta(T beta, T v, T r) { return beta * (v - r); }
+// One element of the decayed state and of the updated state.
+template <typename T>
+FT_HD T gdr_decayed(T alpha, T s) { return alpha * s; }
+template <typename T>
+FT_HD T gdr_updated(T s_a, T k_i, T d_j) { return s_a + k_i * d_j; }
+// dS_ij after the read-out's cotangent: dS_ij + scale·q_i·do_j.
+template <typename T>
+FT_HD T gdr_readout_grad(T ds, T scaled_q_i, T do_j) { return ds + scaled_q_i * do_j; }
+// dS_a,ij = dS_ij + k_i·dr_j, and the carried cotangent e^g·dS_a,ij.
+template <typename T>
+FT_HD T gdr_ds_decayed(T ds, T k_i, T dr_j) { return ds + k_i * dr_j; }
+
 }  // namespace fasttrain::math

@@ -8,7 +8,8 @@ Tolerances (derived; the selftest module's header states the shared conventions 
   decay e^g <= 1, so every value column of the state obeys ‖S_t[:, j]‖ <= ‖S_0[:, j]‖ + Σ_t β_t|v_tj|
   =: S_max, and |o_tj| <= scale·‖q_t‖·S_max =: O_max. A rounding error made anywhere is carried
   forward without growth, so the error of a computation in precision u is at most the sum of its
-  roundings: the chunked form adds, per token, a state update and a read-out of L = T(1 + Dk/C) +
+  roundings: fasttrain's kernel (the recurrence, one token at a time) adds L = T(Dk + 4) + Dk;
+  the chunked form adds, per token, a state update and a read-out of L = T(1 + Dk/C) +
   C + Dk terms in all (the chunk's triangular solve and products, and the chunks carried), each
   bounded by the magnitudes above. Hence
       tol(o) = 2·err_plain + (4·L·u_a + 4·(C + Dk)·u_c)·O_max + u_d·|o_ref|
@@ -86,8 +87,11 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0) -> 
         from fasttrain.ops.gated_delta import gated_delta_backend
         ua = _u_acc(dtype)
         low = dtype in (torch.bfloat16, torch.float16)
-        uc = U[dtype] if low and gated_delta_backend(dev) == "fla" else 0.0
-        L = T * (1 + Dk / chunk) + chunk + Dk
+        backend = gated_delta_backend(dev)
+        uc = U[dtype] if low and backend == "fla" else 0.0
+        # fasttrain's kernel runs the recurrence itself: per token a recall of Dk terms, the write,
+        # the decay and the difference, carried without growth, then a read-out
+        L = T * (Dk + 4) + Dk if backend == "fused" else T * (1 + Dk / chunk) + chunk + Dk
         f = 4 * L * ua + 4 * (chunk + Dk) * uc
         s_max, o_max = _bounds(*ins[:3], ins[4], s0, scale)
 

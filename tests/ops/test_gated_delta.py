@@ -28,11 +28,31 @@ def _inputs(B, T, Hk, rep, Dk, Dv, seed, dtype=torch.float64):
     return q, k, v, gl, beta, s0
 
 
+@pytest.fixture(params=["fused", "torch"], autouse=True)
+def backend(request):
+    """Every test here runs on fasttrain's kernel ("fused", the default on a CPU) and on the chunked
+    torch form ("torch")."""
+    from fasttrain.ops.gated_delta import set_gated_delta_backend
+    prev = set_gated_delta_backend(request.param)
+    yield request.param
+    set_gated_delta_backend(prev)
+
+
+def _roundings(T, C, Dk):
+    """L, the roundings a value passes through (the selftest's derivation): the chunked form
+    T(1 + Dk/C) + C + Dk; the one-token recurrence of the kernel T(Dk + 4) + Dk (per token a recall
+    of Dk terms, the write, the decay and the difference, carried without growth; then a read-out)."""
+    from fasttrain.ops.gated_delta import gated_delta_backend
+    if gated_delta_backend("cpu") == "fused":
+        return T * (Dk + 4) + Dk
+    return T * (1 + Dk / C) + C + Dk
+
+
 def _tol(T, C, Dk, q, v, beta, s0):
-    """(4·L·u)·O_max with L = T(1 + Dk/C) + C + Dk (the selftest's bound, float64, err_plain = 0)."""
+    """(4·L·u)·O_max with L from _roundings (float64, err_plain = 0)."""
     col = (beta[..., None] * v.abs()).sum(1) + s0.norm(dim=2)
     s_max = float(col.max())
-    L = T * (1 + Dk / C) + C + Dk
+    L = _roundings(T, C, Dk)
     return 4 * L * U64 * s_max * float(q.norm(dim=-1).max()) * Dk ** -0.5, 4 * L * U64 * s_max
 
 
@@ -95,8 +115,62 @@ def test_gradients_including_the_initial_state_equal_the_recurrence():
     got = grads(F.gated_delta_rule, chunk_size=8)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
         # the same L·u form as the values, relative to each gradient's own largest entry
-        assert (a - b).abs().max() <= 4 * (21 * 2 + 16) * U64 * 50 * b.abs().max(), name
+        assert (a - b).abs().max() <= 4 * _roundings(21, 8, 8) * U64 * 50 * b.abs().max(), name
     assert want[5].abs().max() > 0.1          # the initial state does receive a gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_in_float32_and_bf16_within_float32_roundings(dtype):
+    """16-bit and float32 inputs run in float32 inside: values and every gradient within 4·L·u32 of
+    the float64 recurrence (scaled by each one's largest entry), for a span of checkpoints that
+    does not divide T."""
+    ins64 = _inputs(2, 23, 1, 3, 16, 8, seed=11)
+    ins = [t.to(dtype) for t in ins64[:5]] + [ins64[5].float()]
+    g = torch.Generator().manual_seed(4)
+    do = torch.randn(2, 23, 3, 8, generator=g, dtype=torch.float64)
+    dS = torch.randn(2, 3, 16, 8, generator=g, dtype=torch.float64)
+
+    def run(fn, xs, **kw):
+        xs = [t.detach().clone().requires_grad_() for t in xs]
+        o, S = fn(*xs[:5], initial_state=xs[5], **kw)
+        ((o.double() * do).sum() + (S.double() * dS).sum()).backward()
+        return [o, S] + [x.grad for x in xs]
+
+    want = run(R.gated_delta_rule, [t.double() for t in ins])
+    got = run(F.gated_delta_rule, ins, chunk_size=5)
+    u32 = 2.0 ** -24
+    for name, a, b in zip(("o", "S", "q", "k", "v", "g", "beta", "initial_state"), got, want):
+        out_round = 2.0 ** -8 if (name == "o" or name in ("q", "k", "v", "g", "beta")) and dtype == torch.bfloat16 else 0
+        bound = (4 * _roundings(23, 5, 16) * u32 * 50 + out_round) * float(b.abs().max())
+        assert float((a.double() - b).abs().max()) <= bound, name
+
+
+def test_the_kernel_keeps_states_only_when_a_gradient_is_wanted():
+    from fasttrain.ops.gated_delta import gated_delta_backend
+    if gated_delta_backend("cpu") != "fused":
+        pytest.skip("the kernel's own behaviour (the torch form is autograd's)")
+    q, k, v, gl, beta, s0 = _inputs(1, 9, 1, 1, 4, 4, seed=2)
+    o, S, ck = torch.ops.fasttrain.gated_delta_forward(q, k, v, gl, beta, s0, 0.5, 4, True)
+    assert ck.shape == (1, 1, 3, 4, 4) and torch.equal(ck[:, :, 0], s0)
+    _, _, ck0 = torch.ops.fasttrain.gated_delta_forward(q, k, v, gl, beta, s0, 0.5, 4, False)
+    assert ck0.numel() == 0
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        torch.ops.fasttrain.gated_delta_forward(q.half(), k.half(), v.half(), gl.half(), beta.half(), None, 0.5, 4,
+                                                False)
+    with pytest.raises(RuntimeError, match="checkpoint"):
+        torch.ops.fasttrain.gated_delta_backward(torch.zeros_like(v), None, q, k, v, gl, beta, ck0, 0.5, 4)
+    with torch.no_grad():
+        o2, S2 = F.gated_delta_rule(q, k, v, gl, beta, initial_state=s0)
+    x = q.clone().requires_grad_()
+    with torch.no_grad():
+        o3, _ = F.gated_delta_rule(x, k, v, gl, beta, initial_state=s0)
+    assert not o3.requires_grad and torch.equal(o2, o3)
+
+
+def test_an_empty_sequence_passes_the_state_through():
+    q, k, v, gl, beta, s0 = _inputs(2, 0, 1, 2, 4, 4, seed=1)
+    o, S = F.gated_delta_rule(q, k, v, gl, beta, initial_state=s0)
+    assert o.shape == (2, 0, 2, 4) and torch.equal(S, s0)
 
 
 def test_hf_torch_recurrence_agrees_in_float32():

@@ -8,12 +8,15 @@ Shapes: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv] (Hv a multiple of Hk: q/k head h s
 h·Hv/Hk ...); g (log decay, <= 0) and beta [B, T, Hv]; state [B, Hv, Dk, Dv]. The definition is
 fasttrain.ops.reference.gated_delta_rule (one token at a time); this face computes the same thing.
 
-Which implementation runs: the reference when the kernels are set to "reference"; on CUDA,
-flash-linear-attention's chunked kernel when the package is installed (`fasttrain[gpu]`);
-otherwise the chunked form below in plain PyTorch, whose backward (including the gradient of the
-initial state) is autograd's. There is no fused CPU kernel yet: measured on the benchmark hybrid,
-the delta rule and the conv are ~45% of the update's forward+backward and ~23-40% of a step on a CPU
-(bench/results/hybrid_step_profile.md), so a kernel could gain at most ~1.3-1.7x on a step.
+Which implementation runs (gated_delta_backend): the reference when the kernels are set to
+"reference"; on CUDA, flash-linear-attention's chunked kernel when the package is installed
+(`fasttrain[gpu]`); otherwise fasttrain's own kernel, "fused" (csrc/cpu/gated_delta.cpp and
+csrc/cuda/gated_delta.cu: the recurrence one token at a time per (row, value head), the state kept in
+cache, states checkpointed every `chunk_size` tokens and recomputed span by span in the backward).
+The chunked form below in plain PyTorch ("torch", its backward autograd's) stays as the
+implementation to compare with: `set_gated_delta_backend("torch")`. Why a kernel: measured on the
+benchmark hybrid, the chunked torch form and the conv were ~45% of the update's forward+backward
+and ~23-40% of a step on a CPU (bench/results/hybrid_step_profile.md).
 
 The chunked form (the WY representation of DeltaNet, Yang et al. 2024, as flash-linear-attention
 computes it). Within a chunk of C tokens let Γ_t = Σ_{s<=t} g_s (so e^{Γ_t − Γ_s} <= 1 for s <= t)
@@ -33,10 +36,29 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from fasttrain._native import load as _load
 from fasttrain.ops import reference as _reference
 from fasttrain.ops.kernels import use_reference as _use_reference
 
-__all__ = ["gated_delta_rule", "gated_delta_step", "causal_conv1d", "causal_conv1d_step", "gated_delta_backend"]
+_load()
+_ops = torch.ops.fasttrain
+
+__all__ = ["gated_delta_rule", "gated_delta_step", "causal_conv1d", "causal_conv1d_step", "gated_delta_backend",
+           "set_gated_delta_backend"]
+
+_BACKENDS = ("auto", "fused", "torch")
+_chosen_backend = "auto"
+
+
+def set_gated_delta_backend(kind: str) -> str:
+    """"auto" (default: fla on CUDA when installed, else fasttrain's fused kernel), "fused" or
+    "torch" (the chunked PyTorch form, for comparisons). Returns the previous choice. The reference
+    still wins when the kernels are set to "reference"."""
+    global _chosen_backend
+    if kind not in _BACKENDS:
+        raise ValueError(f"set_gated_delta_backend: {kind!r}; allowed: {', '.join(_BACKENDS)}")
+    prev, _chosen_backend = _chosen_backend, kind
+    return prev
 
 
 def _installed(module: str) -> bool:
@@ -44,12 +66,14 @@ def _installed(module: str) -> bool:
 
 
 def gated_delta_backend(device: torch.device | str) -> str:
-    """What gated_delta_rule runs on `device` now: "reference", "fla" or "torch"."""
+    """What gated_delta_rule runs on `device` now: "reference", "fla", "fused" or "torch"."""
     if _use_reference():
         return "reference"
+    if _chosen_backend != "auto":
+        return _chosen_backend
     if torch.device(device).type == "cuda" and _installed("fla"):
         return "fla"
-    return "torch"
+    return "fused"
 
 
 def _check(q, k, v, g, beta, initial_state) -> None:
@@ -83,7 +107,71 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return _reference.gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     if backend == "fla" and q.dtype != torch.float64:
         return _fla(q, k, v, g, beta, scale, initial_state)
-    return _chunked(q, k, v, g, beta, scale, initial_state, chunk_size)
+    if backend == "torch":
+        return _chunked(q, k, v, g, beta, scale, initial_state, chunk_size)
+    return _fused(q, k, v, g, beta, scale, initial_state, chunk_size)
+
+
+def _acc_of(*ts: torch.Tensor | None) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _fused(q, k, v, g, beta, scale, initial_state, C: int):
+    """fasttrain's kernel: inputs in float32 (float64 for float64), o back in v's dtype, the state in
+    the accumulation dtype. States are kept every C tokens for the backward only when a gradient is
+    wanted."""
+    acc = _acc_of(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    qa, ka, va, ga, ba = (t.to(acc).contiguous() for t in (q, k, v, g, beta))
+    s0 = None if initial_state is None else initial_state.to(acc).contiguous()
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, s0))
+    o, S, _ = _ops.gated_delta_forward(qa, ka, va, ga, ba, s0, scale, int(C), save)
+    return o.to(v.dtype), S
+
+
+@torch.library.register_fake("fasttrain::gated_delta_forward")
+def _(q, k, v, g, beta, s0, scale, checkpoint_every, save):
+    B, T, _, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    n = -(-T // checkpoint_every)
+    return (torch.empty_like(v), v.new_empty((B, Hv, Dk, Dv)), v.new_empty((B if save else 0, Hv, n, Dk, Dv)))
+
+
+@torch.library.register_fake("fasttrain::gated_delta_backward")
+def _(grad_o, grad_state, q, k, v, g, beta, checkpoints, scale, checkpoint_every):
+    B, T, _, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    return (q.new_empty((B, T, Hv, Dk)), q.new_empty((B, T, Hv, Dk)), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), v.new_empty((B, Hv, Dk, Dv)))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, s0, scale, checkpoint_every, save = inputs
+    _, _, ckpt = output
+    ctx.mark_non_differentiable(ckpt)
+    ctx.args = (scale, checkpoint_every, save)
+    ctx.save_for_backward(q, k, v, g, beta, ckpt)
+
+
+def _backward(ctx, grad_o, grad_state, grad_ckpt):
+    q, k, v, g, beta, ckpt = ctx.saved_tensors
+    scale, C, save = ctx.args
+    if not save:
+        raise RuntimeError("gated_delta_rule: a gradient was asked of a forward run without saved states "
+                           "(was it run under torch.no_grad()?)")
+    if grad_o is None:
+        grad_o = torch.zeros_like(v)
+    gs = None if grad_state is None else grad_state.to(v.dtype).contiguous()
+    dq, dk, dv, dg, db, ds0 = _ops.gated_delta_backward(grad_o.to(v.dtype).contiguous(), gs, q, k, v, g, beta, ckpt,
+                                                        scale, C)
+    B, T, Hk, Dk = q.shape
+    rep = v.shape[2] // Hk
+    if rep > 1:                                               # value heads that share a q/k head
+        dq, dk = dq.view(B, T, Hk, rep, Dk).sum(3), dk.view(B, T, Hk, rep, Dk).sum(3)
+    return dq, dk, dv, dg, db, ds0, None, None, None
+
+
+torch.library.register_autograd("fasttrain::gated_delta_forward", _backward, setup_context=_setup_context)
 
 
 def _fla(q, k, v, g, beta, scale, initial_state):
@@ -152,6 +240,12 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     state in the state's dtype), computed in the state's dtype."""
     if _use_reference():
         return _reference.gated_delta_step(q, k, v, g, beta, state, scale=scale)
+    if gated_delta_backend(q.device) == "fused":               # one kernel call instead of ~10 small ops
+        acc = state.dtype
+        sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        o, S, _ = _ops.gated_delta_forward(*(t.to(acc)[:, None].contiguous() for t in (q, k, v, g, beta)),
+                                           state.contiguous(), sc, 1, False)
+        return o[:, 0].to(v.dtype), S
     Hk, Hv = q.shape[1], v.shape[1]
     acc = state.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -1,0 +1,62 @@
+// Argument checks of the gated_delta ops, shared by the CPU and CUDA host functions.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+#include "core/checks.h"
+
+namespace fasttrain {
+
+inline void check_gated_delta_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& g, const at::Tensor& beta,
+                                     const std::optional<at::Tensor>& s0, int64_t checkpoint_every) {
+  FT_CHECK_DIM(op, q, 4);
+  FT_CHECK_DIM(op, v, 4);
+  FT_CHECK_ARG(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, op, "q",
+               "must be float32 or float64 (the caller converts 16-bit inputs), got ", q.scalar_type());
+  FT_CHECK_ARG(k.sizes() == q.sizes(), op, "k", "must have q's shape ", q.sizes(), ", got ", k.sizes());
+  FT_CHECK_ARG(v.size(0) == q.size(0) && v.size(1) == q.size(1), op, "v", "must be [B, T, Hv, Dv] with q's B, T; got ",
+               v.sizes());
+  FT_CHECK_ARG(q.size(2) > 0 && v.size(2) % q.size(2) == 0, op, "v",
+               "must have a multiple of q's heads, got ", v.size(2), " and ", q.size(2));
+  for (const at::Tensor* t : {&g, &beta})
+    FT_CHECK_ARG(t->dim() == 3 && t->size(0) == v.size(0) && t->size(1) == v.size(1) && t->size(2) == v.size(2), op,
+                 t == &g ? "g" : "beta", "must be [B, T, Hv], got ", t->sizes());
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) {
+    FT_CHECK_ARG(t->scalar_type() == q.scalar_type(), op, "inputs", "must share one dtype");
+    FT_CHECK_ARG(t->is_contiguous(), op, "inputs", "must be contiguous");
+    FT_CHECK_ARG(t->device() == q.device(), op, "inputs", "must be on one device");
+  }
+  if (s0.has_value()) {
+    FT_CHECK_ARG(s0->dim() == 4 && s0->size(0) == v.size(0) && s0->size(1) == v.size(2) &&
+                     s0->size(2) == q.size(3) && s0->size(3) == v.size(3),
+                 op, "initial_state", "must be [B, Hv, Dk, Dv], got ", s0->sizes());
+    FT_CHECK_ARG(s0->scalar_type() == q.scalar_type() && s0->is_contiguous() && s0->device() == q.device(), op,
+                 "initial_state", "must be contiguous, with q's dtype and device");
+  }
+  FT_CHECK_ARG(checkpoint_every >= 1, op, "checkpoint_every", "must be >= 1, got ", checkpoint_every);
+}
+
+inline void check_gated_delta_backward_inputs(const char* op, const at::Tensor& grad_o,
+                                              const std::optional<at::Tensor>& grad_state, const at::Tensor& q,
+                                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                              const at::Tensor& beta, const at::Tensor& ckpt,
+                                              int64_t checkpoint_every) {
+  check_gated_delta_inputs(op, q, k, v, g, beta, std::nullopt, checkpoint_every);
+  FT_CHECK_ARG(grad_o.sizes() == v.sizes() && grad_o.scalar_type() == v.scalar_type() && grad_o.is_contiguous(), op,
+               "grad_o", "must be contiguous with v's shape and dtype, got ", grad_o.sizes());
+  const int64_t N = (q.size(1) + checkpoint_every - 1) / checkpoint_every;
+  FT_CHECK_ARG(ckpt.dim() == 5 && ckpt.size(0) == v.size(0) && ckpt.size(1) == v.size(2) && ckpt.size(2) == N &&
+                   ckpt.size(3) == q.size(3) && ckpt.size(4) == v.size(3) && ckpt.is_contiguous() &&
+                   ckpt.scalar_type() == q.scalar_type(),
+               op, "checkpoints", "must be the forward's saved states [B, Hv, ", N, ", Dk, Dv], got ", ckpt.sizes(),
+               " (was the forward run with save = false?)");
+  if (grad_state.has_value())
+    FT_CHECK_ARG(grad_state->dim() == 4 && grad_state->size(0) == v.size(0) && grad_state->size(1) == v.size(2) &&
+                     grad_state->size(2) == q.size(3) && grad_state->size(3) == v.size(3) &&
+                     grad_state->is_contiguous() && grad_state->scalar_type() == q.scalar_type(),
+                 op, "grad_state", "must be contiguous [B, Hv, Dk, Dv] with q's dtype, got ", grad_state->sizes());
+}
+
+}  // namespace fasttrain
