@@ -4,10 +4,12 @@ rollout's decode, on the pinned ~100M Qwen3.5-shaped benchmark model (models/con
 
     PYTHONPATH=python python bench/profile_hybrid_step.py [--rows 8 --group 4 --prompt 96 --answer 64]
 
-Method: each phase is timed as it runs, then again with the delta rule and the conv replaced by
-stand-ins of the same shapes that cost next to nothing (o = v·β, the state passed through; y = x);
-the difference is what those ops cost, which decides whether a fused CPU kernel could pay off
-(it can save at most that share). Median of --reps runs after a warm-up. Prints one line per phase.
+Method: each phase is timed as it runs (the gated delta rule on fasttrain's kernel, the CPU
+default), again with the chunked PyTorch form of the rule (`set_gated_delta_backend("torch")`:
+what ran before the kernel), and again with the delta rule and the conv replaced by stand-ins of
+the same shapes that cost next to nothing (o = v·β, the state passed through; y = x); the
+differences are what those ops cost on each path. Median of --reps runs after a warm-up. Prints one
+line per phase.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ def _cheap_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=
     return v * beta[..., None].to(v.dtype), S
 
 
-def _cheap_step(q, k, v, g, beta, state, *, scale=None):
-    return v * beta[..., None].to(v.dtype), state
+def _cheap_step_(state, q, k, v, g, beta, *, active=None, scale=None):
+    return v * beta[..., None].to(v.dtype)
 
 
 def _cheap_conv(x, weight, state=None, activation=True):
@@ -50,9 +52,9 @@ def _cheap_conv_step(x, weight, state, activation=True):
 @contextmanager
 def stand_ins():
     saved = [(PF, "gated_delta_rule"), (PF, "causal_conv1d"), (HD, "gated_delta_rule"), (HD, "causal_conv1d"),
-             (HD, "gated_delta_step"), (HD, "causal_conv1d_step")]
+             (HD, "gated_delta_step_"), (HD, "causal_conv1d_step")]
     old = [getattr(m, n) for m, n in saved]
-    new = [_cheap_rule, _cheap_conv, _cheap_rule, _cheap_conv, _cheap_step, _cheap_conv_step]
+    new = [_cheap_rule, _cheap_conv, _cheap_rule, _cheap_conv, _cheap_step_, _cheap_conv_step]
     for (m, n), f in zip(saved, new):
         setattr(m, n, f)
     try:
@@ -124,12 +126,20 @@ def main(argv=None) -> int:
 
     print(f"# {torch.get_num_threads()} threads, {a.dtype}, rows {a.rows} (group {a.group}), prompt {a.prompt}, "
           f"answer {a.answer}, decode {a.decode} steps; NF4 + LoRA r16")
+    from fasttrain.ops.gated_delta import set_gated_delta_backend
     for name, fn in (("update fwd+bwd", update), ("rollout prefill+decode", rollout)):
         full = timed(fn, a.reps)
+        prev = set_gated_delta_backend("torch")
+        try:
+            chunked = timed(fn, a.reps)
+        finally:
+            set_gated_delta_backend(prev)
         with stand_ins():
             rest = timed(fn, a.reps)
         share = max(full - rest, 0.0) / full
-        print(f"{name}: {full:.3f} s; without the delta rule and conv {rest:.3f} s; their share {100 * share:.1f}%",
+        share_t = max(chunked - rest, 0.0) / chunked
+        print(f"{name}: {full:.3f} s with the kernel ({100 * share:.1f}% in the delta rule and conv), {chunked:.3f} s "
+              f"with the chunked torch form ({100 * share_t:.1f}%); without the delta rule and conv {rest:.3f} s",
               flush=True)
     return 0
 

@@ -100,7 +100,10 @@ FT_NF4_LINEAR_DECLS(cuda)
       gated_delta_backward_##dev(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_state,    \
                                  const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,            \
                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& ckpt,      \
-                                 double scale, int64_t checkpoint_every);
+                                 double scale, int64_t checkpoint_every);                                  \
+  at::Tensor gated_delta_decode_##dev(at::Tensor& state, const at::Tensor& q, const at::Tensor& k,         \
+                                      const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,    \
+                                      const std::optional<at::Tensor>& active, double scale);
 FT_GATED_DELTA_DECLS(cpu)
 FT_GATED_DELTA_DECLS(cuda)
 #undef FT_GATED_DELTA_DECLS

@@ -79,6 +79,11 @@ TORCH_LIBRARY(fasttrain, m) {
   m.def("gated_delta_backward(Tensor grad_o, Tensor? grad_state, Tensor q, Tensor k, Tensor v, Tensor g, "
         "Tensor beta, Tensor checkpoints, float scale, int checkpoint_every) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The decode step in place: state [B,Hv,Dk,Dv] (float32|float64, contiguous) advanced by one token
+  // q, k [B,1,Hk,Dk], v [B,1,Hv,Dv], g, beta [B,1,Hv] (the state's dtype); a row whose active [B]
+  // bool is false is left as it was (its o is 0). -> o [B,1,Hv,Dv].
+  m.def("gated_delta_decode_(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+        "Tensor? active, float scale) -> Tensor");
 }
 
 namespace {

@@ -59,4 +59,17 @@ inline void check_gated_delta_backward_inputs(const char* op, const at::Tensor& 
                  op, "grad_state", "must be contiguous [B, Hv, Dk, Dv] with q's dtype, got ", grad_state->sizes());
 }
 
+// The decode step: q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv], g, beta [B, 1, Hv] (the forward's layout with
+// T = 1), the state [B, Hv, Dk, Dv] written in place, active bool [B]?.
+inline void check_gated_delta_decode_inputs(const char* op, const at::Tensor& state, const at::Tensor& q,
+                                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                            const at::Tensor& beta, const std::optional<at::Tensor>& active) {
+  check_gated_delta_inputs(op, q, k, v, g, beta, state, 1);
+  FT_CHECK_ARG(q.size(1) == 1, op, "q", "must hold one token per row [B, 1, Hk, Dk], got ", q.sizes());
+  if (active.has_value())
+    FT_CHECK_ARG(active->dim() == 1 && active->size(0) == q.size(0) && active->scalar_type() == at::kBool &&
+                     active->is_contiguous() && active->device() == q.device(),
+                 op, "active", "must be a contiguous bool [B] on q's device, got ", active->sizes());
+}
+
 }  // namespace fasttrain

@@ -57,7 +57,9 @@ struct Dims {
   int64_t gb(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * Hv + h; }
 };
 
-// One token forward on S (in place). r, d: [Dv] scratch; o: [Dv] output or null.
+// One token forward on S (in place): a read-only sweep for r = (e^g S)ᵀk, then one read-write sweep
+// for S' = e^g S + k dᵀ and o = scale·S'ᵀq, so the state (the decode's largest traffic: 64 KiB per
+// row and head) is read twice and written once. r, d: [Dv] scratch; o: [Dv] output or null.
 template <typename T>
 inline void step_forward(T* __restrict__ S, const T* __restrict__ q, const T* __restrict__ k,
                          const T* __restrict__ v, T g, T beta, T scale, T* __restrict__ r, T* __restrict__ d,
@@ -65,12 +67,9 @@ inline void step_forward(T* __restrict__ S, const T* __restrict__ q, const T* __
   const T alpha = fm::gdr_decay(g);
   std::fill(r, r + Dv, T(0));
   for (int64_t i = 0; i < Dk; ++i) {
-    T* __restrict__ Si = S + i * Dv;
+    const T* __restrict__ Si = S + i * Dv;
     const T ki = k[i];
-    for (int64_t j = 0; j < Dv; ++j) {
-      Si[j] = fm::gdr_decayed(alpha, Si[j]);
-      r[j] += ki * Si[j];
-    }
+    for (int64_t j = 0; j < Dv; ++j) r[j] += ki * fm::gdr_decayed(alpha, Si[j]);
   }
   for (int64_t j = 0; j < Dv; ++j) d[j] = fm::gdr_delta(beta, v[j], r[j]);
   if (o != nullptr) std::fill(o, o + Dv, T(0));
@@ -80,11 +79,11 @@ inline void step_forward(T* __restrict__ S, const T* __restrict__ q, const T* __
     if (o != nullptr) {
       const T qi = scale * q[i];
       for (int64_t j = 0; j < Dv; ++j) {
-        Si[j] = fm::gdr_updated(Si[j], ki, d[j]);
+        Si[j] = fm::gdr_updated(fm::gdr_decayed(alpha, Si[j]), ki, d[j]);
         o[j] += qi * Si[j];
       }
     } else {
-      for (int64_t j = 0; j < Dv; ++j) Si[j] = fm::gdr_updated(Si[j], ki, d[j]);
+      for (int64_t j = 0; j < Dv; ++j) Si[j] = fm::gdr_updated(fm::gdr_decayed(alpha, Si[j]), ki, d[j]);
     }
   }
 }
@@ -208,6 +207,25 @@ void backward_impl(const T* dO, const T* dSf, const T* q, const T* k, const T* v
   });
 }
 
+// The decode step in place on the cache's state: rows whose `active` is false are not touched.
+template <typename T>
+void decode_impl(T* S, const T* q, const T* k, const T* v, const T* g, const T* beta, const bool* active, T scale,
+                 const Dims& dm, T* o) {
+  const int64_t DD = dm.Dk * dm.Dv;
+  at::parallel_for(0, dm.B * dm.Hv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<T> rd(2 * dm.Dv);
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t b = w / dm.Hv, h = w % dm.Hv;
+      if (active != nullptr && !active[b]) {
+        std::fill(o + dm.vv(b, 0, h), o + dm.vv(b, 0, h) + dm.Dv, T(0));
+        continue;
+      }
+      step_forward(S + w * DD, q + dm.qk(b, 0, h), k + dm.qk(b, 0, h), v + dm.vv(b, 0, h), g[dm.gb(b, 0, h)],
+                   beta[dm.gb(b, 0, h)], scale, rd.data(), rd.data() + dm.Dv, o + dm.vv(b, 0, h), dm.Dk, dm.Dv);
+    }
+  });
+}
+
 Dims dims_of(const at::Tensor& q, const at::Tensor& v) {
   Dims d{q.size(0), q.size(1), q.size(2), v.size(2), q.size(3), v.size(3), 1};
   d.rep = d.Hv / d.Hk;
@@ -261,7 +279,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {dq, dk, dv, dg, dbeta, ds0};
 }
 
+at::Tensor gated_delta_decode_cpu(at::Tensor& state, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& g, const at::Tensor& beta, const std::optional<at::Tensor>& active,
+                                  double scale) {
+  constexpr const char* op = "fasttrain::gated_delta_decode_";
+  FT_CHECK_DEVICE_TYPE(op, q, at::kCPU);
+  check_gated_delta_decode_inputs(op, state, q, k, v, g, beta, active);
+  const Dims dm = dims_of(q, v);
+  at::Tensor o = at::empty_like(v);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_delta_decode_cpu", [&] {
+    decode_impl<scalar_t>(state.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                          v.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(),
+                          active.has_value() ? active->data_ptr<bool>() : nullptr, static_cast<scalar_t>(scale), dm,
+                          o.data_ptr<scalar_t>());
+  });
+  return o;
+}
+
 TORCH_LIBRARY_IMPL(fasttrain, CPU, m) {
+  m.impl("gated_delta_decode_", &gated_delta_decode_cpu);
   m.impl("gated_delta_forward", &gated_delta_forward_cpu);
   m.impl("gated_delta_backward", &gated_delta_backward_cpu);
 }

@@ -42,15 +42,11 @@ __device__ void step_columns(T* S, const T* qs, const T* ks, const T* v, T alpha
                              T* d_out, int64_t Dk, int64_t Dv) {
   for (int64_t j = threadIdx.x; j < Dv; j += blockDim.x) {
     T r = 0;
-    for (int64_t i = 0; i < Dk; ++i) {
-      const T s = fm::gdr_decayed(alpha, S[i * Dv + j]);
-      S[i * Dv + j] = s;
-      r += ks[i] * s;
-    }
+    for (int64_t i = 0; i < Dk; ++i) r += ks[i] * fm::gdr_decayed(alpha, S[i * Dv + j]);
     const T d = fm::gdr_delta(beta, v[j], r);
     T acc = 0;
     for (int64_t i = 0; i < Dk; ++i) {
-      const T s = fm::gdr_updated(S[i * Dv + j], ks[i], d);
+      const T s = fm::gdr_updated(fm::gdr_decayed(alpha, S[i * Dv + j]), ks[i], d);
       S[i * Dv + j] = s;
       acc += (scale * qs[i]) * s;
     }
@@ -192,6 +188,28 @@ __global__ void backward_kernel(const T* __restrict__ dO, const T* __restrict__ 
   }
 }
 
+// The decode step in place: one CTA per (row, value head); inactive rows are left as they were.
+template <typename T>
+__global__ void decode_kernel(T* __restrict__ state, const T* __restrict__ q, const T* __restrict__ k,
+                              const T* __restrict__ v, const T* __restrict__ g, const T* __restrict__ beta,
+                              const bool* __restrict__ active, T scale, Dims dm, T* __restrict__ o) {
+  extern __shared__ unsigned char smem_raw[];
+  T* qs = reinterpret_cast<T*>(smem_raw);
+  T* ks = qs + dm.Dk;
+  const int64_t w = blockIdx.x, b = w / dm.Hv, h = w % dm.Hv;
+  if (active != nullptr && !active[b]) {
+    for (int64_t j = threadIdx.x; j < dm.Dv; j += blockDim.x) o[dm.vv(b, 0, h) + j] = T(0);
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < dm.Dk; i += blockDim.x) {
+    qs[i] = q[dm.qk(b, 0, h) + i];
+    ks[i] = k[dm.qk(b, 0, h) + i];
+  }
+  __syncthreads();
+  step_columns(state + w * dm.Dk * dm.Dv, qs, ks, v + dm.vv(b, 0, h), fm::gdr_decay(g[dm.gb(b, 0, h)]),
+               beta[dm.gb(b, 0, h)], scale, o + dm.vv(b, 0, h), (T*)nullptr, (T*)nullptr, dm.Dk, dm.Dv);
+}
+
 Dims dims_of(const at::Tensor& q, const at::Tensor& v) {
   Dims d{q.size(0), q.size(1), q.size(2), v.size(2), q.size(3), v.size(3), 1};
   d.rep = d.Hv / d.Hk;
@@ -260,7 +278,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {dq, dk, dv, dg, dbeta, ds0};
 }
 
+at::Tensor gated_delta_decode_cuda(at::Tensor& state, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                                   const std::optional<at::Tensor>& active, double scale) {
+  constexpr const char* op = "fasttrain::gated_delta_decode_";
+  FT_CHECK_DEVICE_TYPE(op, q, at::kCUDA);
+  check_gated_delta_decode_inputs(op, state, q, k, v, g, beta, active);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Dims dm = dims_of(q, v);
+  at::Tensor o = at::empty_like(v);
+  if (dm.B * dm.Hv == 0) return o;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_delta_decode_cuda", [&] {
+    decode_kernel<scalar_t><<<dm.B * dm.Hv, threads_for(dm), 2 * dm.Dk * sizeof(scalar_t),
+                              at::cuda::getCurrentCUDAStream()>>>(
+        state.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+        g.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(), active.has_value() ? active->data_ptr<bool>() : nullptr,
+        static_cast<scalar_t>(scale), dm, o.data_ptr<scalar_t>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return o;
+}
+
 TORCH_LIBRARY_IMPL(fasttrain, CUDA, m) {
+  m.impl("gated_delta_decode_", &gated_delta_decode_cuda);
   m.impl("gated_delta_forward", &gated_delta_forward_cuda);
   m.impl("gated_delta_backward", &gated_delta_backward_cuda);
 }

@@ -5,7 +5,7 @@ float32: the two paths compute one function with different operation orders, so 
 bounded by the first-order rounding of the longest sums: layers·(H + 2·S·D)·u32·M (S the sequence,
 D the head dim, u32 = 2^-24) with M = 1 for unit-scale activations (RMS-normed inputs, weights of
 std <= 1/sqrt(H)), plus the float32 log-softmax's 8·u32·(|log p| + log V).
-bf16: the hybrid's gap (Gated DeltaNet state in float32 in the rollout, chunked in the update) is
+bf16: the hybrid's gap (Gated DeltaNet state in float32 in both: the one-token step in the rollout, the sequence form in the update) is
 at most twice the gap of a plain transformer of the same size measured the same way."""
 import math
 

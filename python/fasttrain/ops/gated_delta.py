@@ -43,7 +43,7 @@ from fasttrain.ops.kernels import use_reference as _use_reference
 _load()
 _ops = torch.ops.fasttrain
 
-__all__ = ["gated_delta_rule", "gated_delta_step", "causal_conv1d", "causal_conv1d_step", "gated_delta_backend",
+__all__ = ["gated_delta_rule", "gated_delta_step", "gated_delta_step_", "causal_conv1d", "causal_conv1d_step", "gated_delta_backend",
            "set_gated_delta_backend"]
 
 _BACKENDS = ("auto", "fused", "torch")
@@ -149,13 +149,13 @@ def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, s0, scale, checkpoint_every, save = inputs
     _, _, ckpt = output
     ctx.mark_non_differentiable(ckpt)
-    ctx.args = (scale, checkpoint_every, save)
+    ctx.args = (scale, checkpoint_every, save, s0 is not None)
     ctx.save_for_backward(q, k, v, g, beta, ckpt)
 
 
 def _backward(ctx, grad_o, grad_state, grad_ckpt):
     q, k, v, g, beta, ckpt = ctx.saved_tensors
-    scale, C, save = ctx.args
+    scale, C, save, has_s0 = ctx.args
     if not save:
         raise RuntimeError("gated_delta_rule: a gradient was asked of a forward run without saved states "
                            "(was it run under torch.no_grad()?)")
@@ -168,7 +168,7 @@ def _backward(ctx, grad_o, grad_state, grad_ckpt):
     rep = v.shape[2] // Hk
     if rep > 1:                                               # value heads that share a q/k head
         dq, dk = dq.view(B, T, Hk, rep, Dk).sum(3), dk.view(B, T, Hk, rep, Dk).sum(3)
-    return dq, dk, dv, dg, db, ds0, None, None, None
+    return dq, dk, dv, dg, db, (ds0 if has_s0 else None), None, None, None
 
 
 torch.library.register_autograd("fasttrain::gated_delta_forward", _backward, setup_context=_setup_context)
@@ -258,6 +258,32 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     S = S + ka[..., :, None] * delta[..., None, :]
     o = (qa[:, :, None, :] @ S)[:, :, 0]                           # Sᵀq
     return o.to(v.dtype), S
+
+
+def gated_delta_step_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, *, active: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
+    """gated_delta_step writing the new state into `state` itself (the decoder's cache): rows whose
+    `active` [B] bool is False keep their state (their output is 0). Returns o [B, Hv, Dv] in v's
+    dtype. On fasttrain's kernel this reads the state twice and writes it once, with no
+    temporaries; elsewhere it is gated_delta_step followed by a copy."""
+    if gated_delta_backend(q.device) == "fused" and not _use_reference() and not torch.is_grad_enabled():
+        acc = state.dtype
+        sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        o = _ops.gated_delta_decode_(state, *(t.to(acc)[:, None].contiguous() for t in (q, k, v, g, beta)),
+                                     None if active is None else active.contiguous(), sc)
+        return o[:, 0].to(v.dtype)
+    o, new = gated_delta_step(q, k, v, g, beta, state, scale=scale)
+    if active is not None:
+        new = torch.where(active.view(-1, 1, 1, 1), new, state)
+        o = o * active.view(-1, 1, 1).to(o.dtype)
+    state.copy_(new)
+    return o
+
+
+@torch.library.register_fake("fasttrain::gated_delta_decode_")
+def _(state, q, k, v, g, beta, active, scale):
+    return torch.empty_like(v)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,

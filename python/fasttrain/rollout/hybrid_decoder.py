@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fasttrain.ops.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_rule, gated_delta_step
+from fasttrain.ops.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_rule, gated_delta_step_
 
 from .decoder import LlamaFamilyDecoder, _rotate_half
 
@@ -214,7 +214,8 @@ class HybridDecoder(LlamaFamilyDecoder):
             else:
                 y, conv, rec = self._delta(layer.linear_attn, h, cache.conv[i], cache.rec[i], valid, active)
                 cache.conv[i].copy_(conv)           # in place: the buffers keep their address and strides
-                cache.rec[i].copy_(rec)
+                if rec is not cache.rec[i]:         # the decode step wrote the state in place already
+                    cache.rec[i].copy_(rec)
                 x = x + y
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
@@ -263,12 +264,12 @@ class HybridDecoder(LlamaFamilyDecoder):
         if S == 1 and valid is None:
             y, conv_new = causal_conv1d_step(qkv[:, 0], w, conv)
             q, k, v = self.split_qkv(y[:, None])
-            o, rec_new = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0].to(rec.dtype), beta[:, 0], rec)
-            o = o[:, None]
+            # the state advances in place; a held row's is left as it was
+            o = gated_delta_step_(rec, q[:, 0], k[:, 0], v[:, 0], g[:, 0].to(rec.dtype), beta[:, 0],
+                                  active=active)[:, None]
+            rec_new = rec
             if active is not None:
-                keep = active.view(B, 1, 1)
-                conv_new = torch.where(keep, conv_new, conv)
-                rec_new = torch.where(keep.view(B, 1, 1, 1), rec_new, rec)
+                conv_new = torch.where(active.view(B, 1, 1), conv_new, conv)
         else:
             y, conv_new = causal_conv1d(qkv, w, conv)
             q, k, v = self.split_qkv(y)
