@@ -31,7 +31,7 @@ from math import ceil
 
 from fasttrain.plan.meta_model import ModelShape
 
-__all__ = ["CHUNK", "is_hybrid", "prefix_inputs", "prefix_layer_live", "prefix_saved", "prefix_layer_saved",
+__all__ = ["CHUNK", "is_hybrid", "prefix_inputs", "prefix_layer_live", "prefix_saved", "backward_peak",
            "backward_temps", "prefill_layer_peak", "decode_locals"]
 
 CHUNK = 32          # fasttrain.ops.gated_delta_rule's chunk_size: a state is kept every CHUNK tokens
@@ -64,9 +64,18 @@ def _mlp_live(m: ModelShape, tokens: int, c: int) -> int:
 
 def _gated_norm_peak(m: ModelShape, tokens: int) -> int:
     """The gated RMSNorm's own buffers at its peak over its inputs: weight·norm(o) in w, silu(z)
-    and their product in float32."""
+    and their product in float32 (for a 16-bit model the product's float32 copy of weight·norm(o)
+    too: a CPU op casts mixed inputs to the common dtype first)."""
     w, f, _, Z, _, _, _, _ = _dims(m)
-    return tokens * Z * (w + 2 * f)
+    return tokens * Z * (w + 2 * f + (f if w != f else 0))
+
+
+def _conv_peak(m: ModelShape, rows: int, steps: int) -> int:
+    """causal_conv1d over `steps` inputs of `rows` sequences at its peak: the window [rows, K-1+steps,
+    C] (model dtype, and its f copy when that differs) and, while K shifted products are summed, the
+    running sum, a product and the new sum in f."""
+    w, f, _, _, C, _, _, K = _dims(m)
+    return rows * (K - 1 + steps) * C * (w + (f if w != f else 0)) + 3 * rows * steps * C * f
 
 
 # ---- the update's and the scores' forward: fasttrain.train.prefix_forward_hybrid ------------------
@@ -82,18 +91,24 @@ def prefix_inputs(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
 
 def _delta_live(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
     """A Gated DeltaNet layer's mixer at its peak, no gradient (every local of _delta stays
-    referenced until it returns): qkv, z, beta, g over the N rows; the prompts' conv window
-    [U, K-1+P, C] and conv output, their delta-rule output and final states [U, Hv, Dk, Dv]; the
-    answers' conv output and q, k; then the larger of the answers' delta rule (the gathered initial
-    states [B, Hv, Dk, Dv], the kernel's f copy of v, its output and final states, o cast to w) and the gated
-    norm (o of all rows stacked, the norm's buffers)."""
+    referenced until it returns). Over the N rows qkv, z, beta, g throughout; then the largest of:
+    the prompts' conv; the answers' conv (their gathered conv states [B, K-1, C]) with the prompts'
+    conv window [U, K-1+P, C] and output, q, k, delta-rule output and final states [U, Hv, Dk, Dv]
+    held; with the answers' conv output and q, k held in place of the prompts', the answers' delta
+    rule (the gathered initial states [B, Hv, Dk, Dv], the kernel's f copy of v, its output and
+    final states, o cast to w) or the gated norm (with the answers' o and final states, still bound:
+    o of all rows stacked, the norm's buffers)."""
     w, f, kq, Z, C, Hv, st, K = _dims(m)
     N = U * P + B * A
-    held = N * (C + Z + Hv) * w + N * Hv * 4 + U * (K - 1 + P) * C * w + U * P * (C + Z) * w + U * st * f
-    held += B * A * (C * w + 2 * kq * f)
+    base = N * (C + Z + Hv) * w + N * Hv * 4
+    prompts = U * (K - 1 + P) * C * w + U * P * (C + Z) * w + U * st * f
+    if not A:
+        return base + max(_conv_peak(m, U, P), prompts + U * P * 2 * kq * f + _gated_norm_peak(m, N))
+    answers_conv = prompts + U * P * 2 * kq * f + B * (K - 1) * C * w + _conv_peak(m, B, A)
+    held = prompts + B * A * (C * w + 2 * kq * f)
     at_rule = 2 * B * st * f + B * A * Z * (2 * f + (w if w != f else 0))
-    at_norm = B * A * Z * w + N * Z * w + _gated_norm_peak(m, N)
-    return held + max(at_rule, at_norm)
+    at_norm = B * A * Z * w + B * st * f + N * Z * w + _gated_norm_peak(m, N)
+    return base + max(_conv_peak(m, U, P), answers_conv, held + max(at_rule, at_norm))
 
 
 def _attention_live(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
@@ -182,11 +197,15 @@ def _attention_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -
     return N * per_row + prompts + answers
 
 
-def prefix_layer_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
-    """Saved bytes of the costlier layer kind (the one recomputed under gradient checkpointing)."""
+def backward_peak(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
+    """A checkpointed layer in its backward, the costlier kind: what it saved when recomputed plus
+    the gradients live at once in its backward (_mlp_grads, and for a Gated DeltaNet layer its
+    delta rule's, _rule_grads)."""
     N = U * P + B * A
-    mixer = max(_delta_saved(m, U, P, B, A, c_xa), _attention_saved(m, U, P, B, A, c_xa) if m.full_layers else 0)
-    return N * _common_saved_per_row(m, c_xa) + mixer
+    common = N * _common_saved_per_row(m, c_xa)
+    delta = _delta_saved(m, U, P, B, A, c_xa) + max(_mlp_grads(m, N), _rule_grads(m, U, P, B, A, c_xa))
+    attention = _attention_saved(m, U, P, B, A, c_xa) + _mlp_grads(m, N) if m.full_layers else 0
+    return common + max(delta, attention)
 
 
 def prefix_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
@@ -198,39 +217,56 @@ def prefix_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> in
         m, U, P, B, A, c_xa)
 
 
-def backward_temps(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
-    """The largest set of gradients live at once in a layer's backward: the MLP's (the Llama layer's
-    [N, H] and 2 x [N, I]), or the delta rule's: the gradient of o and the kernel's dq, dk per value
-    head [N, Hv, Dk], dv, dg, dbeta, the initial states' gradient, with the gated norm's
-    gradients of z and o still referenced."""
+def _mlp_grads(m: ModelShape, N: int) -> int:
+    """The MLP's gradients live at once in its backward (the Llama layer's [N, H] and 2 x [N, I])."""
+    return N * m.hidden * m.w + 2 * N * m.intermediate * m.w
+
+
+def _rule_grads(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
+    """The delta rule's backward beyond what the layer saved: the gradient of o and the kernel's dq,
+    dk per value head [N, Hv, Dk], dv, dg, dbeta, the initial states' gradient, with the gated
+    norm's gradients of z and o and the conv's still referenced, less what the layer's backward
+    freed before it (the MLP's, the second norm's and the gated norm's saved tensors, consumed)."""
     w, f, kq, Z, C, Hv, st, K = _dims(m)
+    H, I = m.hidden, m.intermediate
     N = U * P + B * A
-    mlp = N * m.hidden * w + 2 * N * m.intermediate * w
-    rule = N * (2 * (Hv * m.delta[1]) * f + 3 * Z * f + 2 * Hv * f + C * f) + 2 * B * st * f
-    return max(mlp, rule)
+    grads = N * (2 * (Hv * m.delta[1]) * f + 3 * Z * f + 2 * Hv * f + C * f) + 2 * B * st * f
+    freed = N * ((4 * H + H * w) + 4 * I * w + 3 * m.rank * c_xa + Z * (3 * f + 2 * w))
+    return grads - freed
+
+
+def backward_temps(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
+    """The largest set of gradients live at once in any layer's backward beyond the saved bytes (no
+    checkpointing)."""
+    return max(_mlp_grads(m, U * P + B * A), _rule_grads(m, U, P, B, A, c_xa))
 
 
 # ---- the rollout: fasttrain.rollout.hybrid_decoder --------------------------------------------------
 def prefill_layer_peak(m: ModelShape, n: int, P: int, c: int, dense: bool) -> int:
     """No-grad peak of one layer of HybridDecoder's prefill over n prompts of P tokens (the residual
-    counted by the caller): a Gated DeltaNet layer's locals at the larger of its delta rule and its
-    gated norm (the normalised input, qkv, z, beta, g, the conv window [n, K-1+P, C] and output,
-    q, k, the kernel's copy of v, o, the final states [n, Hv, Dk, Dv]), or after it the MLP with
-    the layer's output, conv window and state still referenced; a gated attention layer's at SDPA
+    counted by the caller), with the previous Gated DeltaNet layer's output, conv window and state
+    still referenced (its loop variables, reassigned by the next one): a Gated DeltaNet layer's locals
+    at the largest of its conv, its delta rule and its gated norm (the normalised input, qkv, z,
+    beta, g, the conv window [n, K-1+P, C] and output, q, k, the kernel's copy of v, o, the final
+    states [n, Hv, Dk, Dv]), or after it the MLP with the layer's output, conv window and state
+    still referenced; a gated attention layer's at SDPA
     (norm output, q_proj's query+gate, k, v, rotated q and k, the gate's copy, K/V repeated per
     query head, the output and SDPA's float mask [n, P, P])."""
     w, f, kq, Z, C, Hv, st, K = _dims(m)
     H, I = m.hidden, m.intermediate
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     t = n * P
-    held = t * (H + C + Z + Hv + C) * w + t * Hv * 4 + n * (K - 1 + P) * C * w + t * 2 * kq * f + n * st * f
+    base = t * (H + C + Z + Hv) * w + t * Hv * 4
+    held = base + t * C * w + n * (K - 1 + P) * C * w + t * 2 * kq * f + n * st * f
     rule = t * Z * (2 * f + (w if w != f else 0))
     norm = t * Z * w + _gated_norm_peak(m, t)
     mlp = t * (H * w + 4 * I * w) if dense else _mlp_live(m, t, c)
-    delta = max(held + max(rule, norm), t * 2 * H * w + n * (K - 1 + P) * C * w + n * st * f + mlp)
+    delta = max(base + _conv_peak(m, n, P), held + max(rule, norm),
+                t * 2 * H * w + n * (K - 1 + P) * C * w + n * st * f + mlp)
     rep = 2 * t * qd * w if m.heads != m.kv_heads else 0
     attention = t * (H + 2 * qd + 2 * kd + qd + kd + 2 * qd) * w + rep + n * P * P * w
-    return max(delta, attention if m.full_layers else 0)
+    previous = t * H * w + n * (K - 1 + P) * C * w + n * st * f
+    return previous + max(delta, attention if m.full_layers else 0)
 
 
 def decode_locals(m: ModelShape, B: int) -> int:

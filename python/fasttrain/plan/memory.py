@@ -227,16 +227,20 @@ class _PlainLayers:
 
     prefix_inputs = staticmethod(_prefix_inputs)
     prefix_layer_live = staticmethod(_prefix_layer_live)
-    prefix_layer_saved = staticmethod(_prefix_layer_saved)
 
     @staticmethod
     def prefix_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
         return m.layers * _prefix_layer_saved(m, U, P, B, A, c_xa)
 
     @staticmethod
-    def backward_temps(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
+    def backward_temps(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int = 0) -> int:
         N = _prefix_tokens(U, P, B, A)
         return N * m.hidden * m.w + 2 * N * m.intermediate * m.w
+
+    @staticmethod
+    def backward_peak(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
+        """A checkpointed layer in its backward: its saved bytes and its backward's temporaries."""
+        return _prefix_layer_saved(m, U, P, B, A, c_xa) + _PlainLayers.backward_temps(m, U, P, B, A)
 
     @staticmethod
     def prefill_layer_peak(m: ModelShape, n: int, P: int, c: int, dense: bool) -> int:
@@ -360,17 +364,15 @@ def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dic
     n_tok = mb * T
     lay = _layers_of(m)
     shared = mb * S * (24 + 1) + lay.prefix_inputs(m, U, P, mb, A)      # ids, masks, positions; rotary, masks
-    layer = lay.prefix_layer_saved(m, U, P, mb, A, c_xa)
-    bwd_temps = lay.backward_temps(m, U, P, mb, A)
     head_in = n_tok * H * (w + 4 + w)                                     # hidden rows, the norm's fp32 input and output
     if checkpointing:
         kept = L * N * H * w
         fwd = max(kept + lay.prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev)), kept + head_in)
-        bwd = kept + layer + bwd_temps
+        bwd = kept + lay.backward_peak(m, U, P, mb, A, c_xa)
     else:
         kept = lay.prefix_saved(m, U, P, mb, A, c_xa) + L * N * H * w
         fwd = kept + head_in
-        bwd = kept + bwd_temps
+        bwd = kept + lay.backward_temps(m, U, P, mb, A, c_xa)
     head = _logprob_head(m, dev, n_tok, grad=True)
     if fwd + head >= bwd:
         act, head_part = fwd, head
