@@ -270,10 +270,12 @@ def prefill_layer_peak(m: ModelShape, n: int, P: int, c: int, dense: bool) -> in
 
 
 def decode_locals(m: ModelShape, B: int) -> int:
-    """A decode step's Gated DeltaNet locals beyond the Llama step's: qkv, z, b/a over the B rows, the
-    conv window [B, K, C] and its float32 products, q, k, v and o in f, and up to three recurrent
-    states [B, Hv, Dk, Dv] and conv states [B, K-1, C] at once (the previous layer's, still
-    referenced, the kernel's new one and its held-rows select)."""
+    """A decode step's Gated DeltaNet locals in place of attention's scores (the residual and MLP
+    terms are the Llama step's), at the conv: qkv, z, b/a,
+    beta, g over the B rows, the conv window [B, K, C] (its f copy in a 16-bit model), the window
+    times the weights and their sum in f, and two conv states [B, K-1, C] (the held-rows select of
+    this layer's and the previous layer's, still referenced). The recurrent state advances in place
+    in the cache (fasttrain.ops.gated_delta_step_): no copy of it."""
     w, f, kq, Z, C, Hv, st, K = _dims(m)
-    return B * ((C + Z + 2 * Hv) * w + K * C * w + 2 * C * f + (2 * kq + 2 * Z) * f) + 3 * B * st * f + \
-        3 * B * (K - 1) * C * w
+    return B * ((C + Z + 2 * Hv) * w + Hv * (w + 4) + K * C * (w + (f if w != f else 0) + f) + C * f) + \
+        2 * B * (K - 1) * C * w

@@ -308,7 +308,8 @@ def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int, dense: 
         lay.prefill_layer_peak(m, n, P, _live_output_bytes(m, dev), dense) + n * V * (w + 4)
     # decode: [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
     sampling = B * V * (16 + (w if w != 4 else 0))
-    step = B * (4 * H * w + 3 * m.intermediate * w) + B * m.heads * S * 4 + lay.decode_locals(m, B)
+    # a layer's locals: attention's fp32 scores [B, heads, S], or a hybrid's Gated DeltaNet step
+    step = B * (4 * H * w + 3 * m.intermediate * w) + max(B * m.heads * S * 4, lay.decode_locals(m, B))
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     if dense:    # the q/k/v and gate/up outputs stay whole; no NF4 decode
         step += B * (qd + kd + m.intermediate) * w
