@@ -22,8 +22,8 @@ float64 for a float64 model):
 Both kinds are followed by the same zero-centred RMSNorm and SwiGLU MLP as a Llama layer's.
 
 What is not counted: the kernel's own scratch outside torch's allocator (the backward's per-worker
-C+1 states, a few vectors per thread), and the transients of the element-wise float32 steps
-(norms, rotary, SiLU) beyond the two largest live at once. The terms follow the CPU code paths
+C+1 states, a few vectors per thread), and the short-lived float32 temporaries of the RMSNorms,
+q_norm/k_norm and the rotary embedding (smaller than the peaks counted here). The terms follow the CPU code paths
 (tests/plan measures them there); on CUDA with flash-linear-attention or causal-conv1d installed
 those libraries' own buffers replace the fused kernel's and the conv's.
 """
