@@ -28,3 +28,30 @@ def tiny_policy_as_loaded(dtype: str = "float32"):
     loaded = LlamaForCausalLM._from_config(model.config, dtype=getattr(torch, dtype))
     loaded.load_state_dict(model.state_dict())
     return loaded, tok
+
+
+def _hybrid_as_loaded(dtype: str, **shape):
+    """A random Qwen3.5 hybrid over tiny_world's bytes, built in `dtype` the way from_pretrained
+    builds a checkpoint (as tiny_policy_as_loaded)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from fasttrain.models import tiny_qwen3_5
+    from tiny_world import ByteTokenizer
+
+    model = tiny_qwen3_5(vocab_size=259, seed=0, **shape)
+    loaded = Qwen3_5ForCausalLM._from_config(model.config, dtype=getattr(torch, dtype))
+    loaded.load_state_dict(model.state_dict())
+    return loaded.eval(), ByteTokenizer()
+
+
+def tiny_hybrid_as_loaded(dtype: str = "float32"):
+    """4 layers, 3 Gated DeltaNet + 1 gated attention (the 27B's 3:1), 2 q/k heads of 2 value heads."""
+    return _hybrid_as_loaded(dtype, hidden=64, layers=4, interval=4, heads=4, kv_heads=2, head_dim=16,
+                             linear_k_heads=2, value_heads_per_key=2, linear_head_dim=16)
+
+
+def wide_hybrid_as_loaded(dtype: str = "float32"):
+    """4 layers alternating (interval 2), 3 value heads per q/k head of 32 dims, wider MLP."""
+    return _hybrid_as_loaded(dtype, hidden=96, layers=4, interval=2, heads=6, kv_heads=2, head_dim=16,
+                             linear_k_heads=2, value_heads_per_key=3, linear_head_dim=32, intermediate=256)

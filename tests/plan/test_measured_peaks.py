@@ -80,6 +80,29 @@ def test_16bit_base_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
 
 
+@pytest.mark.parametrize("model,n,G,T,mb,dtype,checkpointing,quantize", [
+    ("tiny_hybrid", 3, 2, 4, 3, "float32", True, "nf4"), ("tiny_hybrid", 3, 4, 16, 12, "float32", True, "nf4"),
+    ("tiny_hybrid", 3, 4, 16, 12, "bfloat16", False, "nf4"), ("wide_hybrid", 2, 4, 8, 6, "float32", True, "nf4"),
+    ("wide_hybrid", 2, 3, 40, 6, "bfloat16", False, "nf4"), ("wide_hybrid", 2, 3, 40, 6, "float32", True, "nf4"),
+    ("tiny_hybrid", 1, 64, 4, 16, "bfloat16", True, "nf4"), ("wide_hybrid", 2, 4, 8, 6, "bfloat16", False, "none")])
+def test_hybrid_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, model, n, G, T, mb, dtype, checkpointing,
+                                            quantize):
+    """Qwen3.5 hybrids (Gated DeltaNet + gated attention layers, padded_world's two layouts): the
+    plan's per-layer-kind terms (fasttrain.plan.hybrid_memory) against the measured steps; answers of
+    40 tokens cross the delta rule's 32-token state checkpoints; 64 rows of one prompt make a decode
+    step the rollout's peak (the others peak in the prefill); "none" runs every projection on the
+    16-bit path (under NF4 in_proj_b/a already do)."""
+    from conftest_recipe import tiny_recipe
+    from fasttrain.train import Trainer, load_config
+
+    r = tiny_recipe(tmp_path, n, G, T, mb)
+    r["policy"].update(dtype=dtype, gradient_checkpointing=checkpointing, model=f"padded_world:{model}_as_loaded",
+                       quantize=quantize)
+    got = _compare(Trainer(load_config(r), progress=False), monkeypatch)
+    for phase, (planned, measured) in got.items():
+        assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
+
+
 @pytest.fixture(scope="module")
 def smollm2_fp32():
     from fasttrain.models import load_policy

@@ -27,6 +27,12 @@ NF4 kernels' reusable dequantisation scratch (the largest projection, in the com
 CUDA the dequantised weight of one projection, a temporary of every call with more than 64 rows;
 a 16-bit base has none (DoRA's row-norm blocks are a transient at the first forward after a step).
 
+A hybrid (Qwen3.5: Gated DeltaNet and gated attention layers) has the same phases: its KV cache
+lives in its full-attention layers only, each row carries the fixed Gated DeltaNet state (conv window
++ recurrent state; the n prompts' own during the prefill), and the layers' terms (prefill, decode
+locals, prefix_forward's live and saved bytes, the backward's temporaries) come per layer kind from
+fasttrain.plan.hybrid_memory.
+
 Activation sizes follow the code paths: Hugging Face's Llama-family layer (RMSNorm upcasts to fp32,
 SDPA with grouped K/V repeated when a padding mask is present), fasttrain.ops.nf4_linear (saves its
 input and x·Aᵀ, never the dequantised weight) and fasttrain.ops.fused_logprob (an [N, H] fp32
@@ -45,6 +51,7 @@ import math
 from dataclasses import dataclass, field
 
 from fasttrain.nn.rollout_weights import use_dense
+from fasttrain.plan import hybrid_memory
 from fasttrain.plan.load import load_phase
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
@@ -214,6 +221,41 @@ def _dense_adapter_saved_per_row(m: ModelShape) -> int:
     return copies + dora
 
 
+class _PlainLayers:
+    """The layer terms of a plain (Llama-family) transformer, every layer alike: the formulas above.
+    fasttrain.plan.hybrid_memory gives the same terms for a hybrid's two layer kinds."""
+
+    prefix_inputs = staticmethod(_prefix_inputs)
+    prefix_layer_live = staticmethod(_prefix_layer_live)
+
+    @staticmethod
+    def prefix_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
+        return m.layers * _prefix_layer_saved(m, U, P, B, A, c_xa)
+
+    @staticmethod
+    def backward_temps(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int = 0) -> int:
+        N = _prefix_tokens(U, P, B, A)
+        return N * m.hidden * m.w + 2 * N * m.intermediate * m.w
+
+    @staticmethod
+    def backward_peak(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
+        """A checkpointed layer in its backward: its saved bytes and its backward's temporaries."""
+        return _prefix_layer_saved(m, U, P, B, A, c_xa) + _PlainLayers.backward_temps(m, U, P, B, A)
+
+    @staticmethod
+    def prefill_layer_peak(m: ModelShape, n: int, P: int, c: int, dense: bool) -> int:
+        return _decoder_layer_peak(m, n * P, P, n, c, dense)
+
+    @staticmethod
+    def decode_locals(m: ModelShape, B: int) -> int:
+        return 0
+
+
+def _layers_of(m: ModelShape):
+    """The piece that knows m's layers: _PlainLayers, or fasttrain.plan.hybrid_memory for a hybrid."""
+    return hybrid_memory if hybrid_memory.is_hybrid(m) else _PlainLayers
+
+
 def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
     H, V = m.hidden, m.vocab
     if n_tok == 0:
@@ -251,19 +293,23 @@ def _logprob_head(m: ModelShape, dev: Device, n_tok: int, grad: bool) -> int:
 def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int, dense: bool) -> dict:
     w, L, H, V, D = m.w, m.layers, m.hidden, m.vocab, m.head_dim
     c = _compute_bytes(m, dev)
+    lay = _layers_of(m)
     B, S = n * G, P + T
     L = m.kv_layers                   # a hybrid's KV lives in its full-attention layers only
-    kv = L * 2 * B * m.kv_heads * S * D * w + (B + n) * m.state_bytes   # + the fixed per-row state
+    kv = L * 2 * B * m.kv_heads * S * D * w + B * m.state_bytes   # + a hybrid's fixed per-row state
     book = B * S + B * T * (8 + 4 + 1) + n * S * 8 + 2 * n * P
-    rope_b = 2 * B * S * D * w
-    # prefill: the prompts' own cache, masks [n, P, P] and [P, P], the residual, one layer
-    small = L * 2 * n * m.kv_heads * P * D * w
+    rot = m.rotary_dim or D           # the rotary tables [., S, rot] (a hybrid turns part of head_dim)
+    rope_b = 2 * B * S * rot * w
+    # prefill: the prompts' own cache (and a hybrid's states for them), masks [n, P, P] and [P, P],
+    # the residual, one layer
+    small = L * 2 * n * m.kv_heads * P * D * w + n * m.state_bytes
     masks = 2 * P * P + 2 * n * P * P
-    prefill = small + masks + n * P * H * w + 2 * n * S * D * w + \
-        _decoder_layer_peak(m, n * P, P, n, _live_output_bytes(m, dev), dense) + n * V * (w + 4)
+    prefill = small + masks + n * P * H * w + 2 * n * S * rot * w + \
+        lay.prefill_layer_peak(m, n, P, _live_output_bytes(m, dev), dense) + n * V * (w + 4)
     # decode: [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
     sampling = B * V * (16 + (w if w != 4 else 0))
-    step = B * (4 * H * w + 3 * m.intermediate * w) + B * m.heads * S * 4
+    # a layer's locals: attention's fp32 scores [B, heads, S], or a hybrid's Gated DeltaNet step
+    step = B * (4 * H * w + 3 * m.intermediate * w) + max(B * m.heads * S * 4, lay.decode_locals(m, B))
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     if dense:    # the q/k/v and gate/up outputs stay whole; no NF4 decode
         step += B * (qd + kd + m.intermediate) * w
@@ -294,9 +340,10 @@ def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
     T, S = s.new_tokens, s.seq
     U, P, mb, A = _prefix_shape(s)
     N = _prefix_tokens(U, P, mb, A)
-    inputs = _prefix_inputs(m, U, P, mb, A)
+    lay = _layers_of(m)
+    inputs = lay.prefix_inputs(m, U, P, mb, A)
     # the layers: the previous layer's output is the input of the one running
-    layers = inputs + _prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev))
+    layers = inputs + lay.prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev))
     # after them: the last layer's output, the hidden rows that predict the answers and their norm
     final = inputs + N * H * w + 2 * mb * T * H * w
     act = max(layers, final) + mb * S * 16                              # the micro-batch's ids and positions
@@ -309,25 +356,24 @@ def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
 
 def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dict:
     """One micro-batch's forward + backward through prefix_forward."""
-    w, L, H, I = m.w, m.layers, m.hidden, m.intermediate
+    w, L, H = m.w, m.layers, m.hidden
     c = _compute_bytes(m, dev)
     c_xa = 4 if dev.kind == "cuda" else c
     T, S = s.new_tokens, s.seq
     U, P, mb, A = _prefix_shape(s)
     N = _prefix_tokens(U, P, mb, A)
     n_tok = mb * T
-    shared = mb * S * (24 + 1) + _prefix_inputs(m, U, P, mb, A)          # ids, masks, positions; rotary, masks
-    layer = _prefix_layer_saved(m, U, P, mb, A, c_xa)
-    bwd_temps = N * H * w + 2 * N * I * w
+    lay = _layers_of(m)
+    shared = mb * S * (24 + 1) + lay.prefix_inputs(m, U, P, mb, A)      # ids, masks, positions; rotary, masks
     head_in = n_tok * H * (w + 4 + w)                                     # hidden rows, the norm's fp32 input and output
     if checkpointing:
         kept = L * N * H * w
-        fwd = max(kept + _prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev)), kept + head_in)
-        bwd = kept + layer + bwd_temps
+        fwd = max(kept + lay.prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev)), kept + head_in)
+        bwd = kept + lay.backward_peak(m, U, P, mb, A, c_xa)
     else:
-        kept = L * (layer + N * H * w)
+        kept = lay.prefix_saved(m, U, P, mb, A, c_xa) + L * N * H * w
         fwd = kept + head_in
-        bwd = kept + bwd_temps
+        bwd = kept + lay.backward_temps(m, U, P, mb, A, c_xa)
     head = _logprob_head(m, dev, n_tok, grad=True)
     if fwd + head >= bwd:
         act, head_part = fwd, head

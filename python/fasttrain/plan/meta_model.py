@@ -86,6 +86,8 @@ class ModelShape:
     full_layers: int | None = None
     state_bytes: int = 0
     state_flops: float = 0.0
+    delta: tuple = ()                # Gated DeltaNet heads: (Hk, Dk, Hv, Dv, conv kernel K); () for none
+    rotary_dim: int = 0              # dims the rotary embedding turns (0: all of head_dim)
 
     @property
     def kv_layers(self) -> int:
@@ -189,7 +191,8 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
 
 
 def hybrid_state(cfg, dtype: torch.dtype) -> dict:
-    """full_layers, state_bytes, state_flops of a hybrid's config (nothing for a plain transformer).
+    """full_layers, state_bytes, state_flops, delta (the Gated DeltaNet head dims) and rotary_dim of a
+    hybrid's config (nothing for a plain transformer).
     Per Gated DeltaNet layer and sequence: the conv window (K-1 inputs of the 2·Hk·Dk + Hv·Dv conv
     channels, model dtype) and the recurrent state [Hv, Dk, Dv] in float32 (float64 for a float64
     model). Per token and layer the recurrence reads and writes the state: decay, Sᵀk, the rank-1
@@ -203,8 +206,12 @@ def hybrid_state(cfg, dtype: torch.dtype) -> dict:
     w = torch.empty((), dtype=dtype).element_size()
     channels = 2 * Hk * Dk + Hv * Dv
     state = (K - 1) * channels * w + Hv * Dk * Dv * (8 if dtype == torch.float64 else 4)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
     return {"full_layers": len(kinds) - n_lin, "state_bytes": n_lin * state,
-            "state_flops": n_lin * (8.0 * Hv * Dk * Dv + 2.0 * K * channels)}
+            "state_flops": n_lin * (8.0 * Hv * Dk * Dv + 2.0 * K * channels), "delta": (Hk, Dk, Hv, Dv, K),
+            "rotary_dim": int(head_dim * factor)}
 
 
 def _stored_w(dtype) -> int:
