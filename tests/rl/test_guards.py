@@ -25,7 +25,10 @@ def brute_force_projection(a: list[float], guarded: list[bool]) -> list[float] |
             if any(cand[i] > 1e-12 for i in gidx):
                 continue
             d = sum((x - y) ** 2 for x, y in zip(a, cand))
-            if d < best_d - 1e-15:
+            # a relative margin: an absolute one (1e-15 once) kept the first face found whenever the
+            # inputs, and so the squared distances, were tiny (a = [0, 5.4e-9, 5.4e-9] picked a
+            # face 30% farther than the projection)
+            if d < best_d * (1 - 1e-12):
                 best, best_d = cand, d
     return best
 
@@ -57,6 +60,18 @@ def test_all_guarded_group_gets_zeros():
     st.lists(st.floats(-5, 5, allow_nan=False), min_size=n, max_size=n),
     st.lists(st.booleans(), min_size=n, max_size=n))))
 def test_matches_brute_force_and_invariants(case):
+    _check_against_brute_force(case)
+
+
+def test_tiny_inputs_against_brute_force():
+    """The case hypothesis found when the brute force compared squared distances with an absolute
+    margin: the projection is [-2.7e-9, 0, 2.7e-9], not [0, 0, 0]."""
+    _check_against_brute_force(([0.0, 5.385168749282029e-09, 5.385168749282029e-09], [True, True, False]))
+    ref = brute_force_projection([0.0, 5.385168749282029e-09, 5.385168749282029e-09], [True, True, False])
+    assert ref[1] == 0.0 and ref[0] < -2e-9 and ref[2] > 2e-9
+
+
+def _check_against_brute_force(case):
     vals, guarded = case
     out = floor_guard(torch.tensor(vals, dtype=torch.float64), torch.tensor(guarded), len(vals)).tolist()
     ref = brute_force_projection(vals, guarded)
