@@ -227,7 +227,12 @@ def test_killed_rank_stops_the_others_and_resume_continues(runs, tmp_path):
     # lost a rank and leaves with fasttrain's error code, not an abort in the broken process group
     assert re.search(r"Failures:.*?rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9.*?SIGKILL", out, re.S), \
         out[-3000:]
-    assert "failed while waiting" in out and "SIGABRT" not in out, out[-3000:]
+    # rank 0 stops too, never by an abort in the broken process group: either its collective reports the
+    # lost rank first, or torchrun's monitor sees rank 1 dead first and ends rank 0 with SIGTERM (a race
+    # between gloo's failure detection and the monitor's poll; both orders were seen on one 2-core host)
+    stopped = "failed while waiting" in out or re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*-15",
+                                                          out) is not None
+    assert stopped and "SIGABRT" not in out, out[-3000:]
     (run_dir,) = list((tmp_path / "runs").iterdir())
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     assert ckpt is not None and ckpt.name == "step_000001"
