@@ -25,7 +25,7 @@ from fasttrain.nn import quantize_model
 sys.path.insert(0, str(Path(__file__).parent))    # the helpers beside this file (pytest's importlib mode)
 from fp8_checkpoints import write_fp8_checkpoint  # noqa: E402
 from test_hybrid_loading import TEXT, _tokenizer  # noqa: E402
-from test_stream_load import TOL, _allocated_peak, _assert_same_bytes, _planned_load  # noqa: E402
+from test_stream_load import TOL, _allocated_peak, _assert_same_bytes  # noqa: E402
 
 BLOCK = (128, 128)
 
@@ -111,11 +111,17 @@ def test_hybrid_vision_language_fp8_with_partial_blocks_loads_its_text_tower(tmp
         assert _assert_same_bytes(model, oracle) > 0
 
 
-def test_fp8_load_peak_is_within_the_plans_load_phase(tmp_path):
+@pytest.mark.parametrize("quantize", ["nf4", "none"])
+def test_fp8_load_peak_is_within_the_plans_load_phase(tmp_path, quantize):
+    from fasttrain.plan import Device, meta_policy, model_config, plan_memory
+    from test_stream_load import SHAPE
+
     path = write_fp8_checkpoint(_llama(), tmp_path, BLOCK, shards=True)
-    _, peak, final = _allocated_peak(lambda: load_streamed(path, torch.bfloat16, "nf4"))
-    planned, resident = _planned_load(path, "bfloat16")
-    print(f"\nFP8 tiny llama: load peak planned {planned / 2**20:.3f} MiB, measured {peak / 2**20:.3f} MiB")
+    _, peak, final = _allocated_peak(lambda: load_streamed(path, torch.bfloat16, quantize))
+    m = meta_policy(model_config(str(path)), dtype="bfloat16", quantize=quantize)
+    load = plan_memory(m, SHAPE, Device("cpu")).phases["load"]
+    planned, resident = sum(load.values()), load["nf4_base"] + load["dense_parts"]
+    print(f"\nFP8 tiny llama, base {quantize}: load peak planned {planned / 2**20:.3f} MiB, measured {peak / 2**20:.3f} MiB")
     assert final == resident
     assert peak <= planned <= (1 + TOL) * peak
 

@@ -13,13 +13,15 @@ projections + unquantised parts) plus one projection in the model dtype and its 
 read buffer of READ_CHUNK_BYTES, while a tensor is cast).
 
 A block-FP8 checkpoint (models/block_fp8.py) is read the same way: each float8_e4m3fn weight is
-decoded with its weight_scale_inv a block row at a time into the model's dtype, then kept or
-quantized like any other; a vision-language checkpoint (qwen3_5) loads its text tower, its keys
-renamed as transformers renames them (models/families.py: `text_tower_key`).
+decoded with its weight_scale_inv a block row at a time into the model's dtype (the decode's buffer
+is block_fp8.dequantize_buffer_bytes), then kept or quantized like any other; a vision-language
+checkpoint (qwen3_5) loads its text tower, its keys renamed as transformers renames them
+(models/families.py: `text_tower_key`).
 
-The result has the same bytes as from_pretrained (for FP8: transformers' own dequantization on
-load) followed by fasttrain.nn.quantize_model (tests/models/test_stream_load.py,
-tests/models/test_fp8_load.py). What it is not: a general from_pretrained. No key renaming for old
+The result has the same bytes as from_pretrained followed by fasttrain.nn.quantize_model
+(tests/models/test_stream_load.py); for FP8, as transformers' own dequantization on load, and
+where it refuses (partial edge blocks: it derives the block from the scale grid) as its FP8
+layer's decode of the weight (tests/models/test_fp8_load.py). What it is not: a general from_pretrained. No key renaming for old
 checkpoint layouts, no pickled .bin files, no remote code, no sharding across devices.
 """
 from __future__ import annotations
