@@ -279,6 +279,25 @@ def eval_(run_dir: Path = typer.Argument(..., help="a finished run folder"),
 
 
 @app.command()
+def export(run_dir: Path = typer.Argument(..., help="a finished run folder"),
+           to: Path = typer.Option(..., "--to", help="the new folder to write"),
+           fmt: str = typer.Option("merged", "--format", help="merged: a 16-bit model folder with the adapter folded "
+                                   "in (transformers, vLLM); peft: the adapter as PEFT reads it; vllm: the LoRA "
+                                   "adapter as vLLM's --lora-modules reads it (not DoRA)"),
+           dtype: Optional[str] = typer.Option(None, "--dtype", help="merged: bfloat16 | float16 (default: the run's "
+                                               "policy.dtype when 16-bit, else bfloat16)")) -> None:
+    """Write the run's shipped checkpoint into a new folder, as a merged model or an adapter."""
+    from fasttrain.train import ConfigError
+    from fasttrain.train.export import export_run
+
+    try:
+        out = export_run(run_dir, to, fmt, dtype)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    console.print(f"exported {run_dir} ({fmt}) -> {out}")
+
+
+@app.command()
 def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path to a .toml"),
          set_: list[str] = typer.Option([], "--set", help=SET_HELP),
          model: Optional[str] = typer.Option(None, "--model", help="bundled config name (e.g. qwen2.5-32b), "

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Family", "FAMILIES", "SUPPORTED_FAMILIES", "family_of", "family_of_type", "adapter_targets", "nf4_targets", "text_config"]
+__all__ = ["Family", "FAMILIES", "SUPPORTED_FAMILIES", "family_of", "family_of_type", "adapter_targets", "nf4_targets",
+           "text_config", "is_composite", "text_tower_key", "released_key"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,35 @@ def text_config(config):
     text_config (the vision tower is never built or loaded); any other config is returned as is."""
     sub = getattr(config, "text_config", None) if config.model_type == "qwen3_5" else None
     return sub if sub is not None else config
+
+
+# A qwen3_5 (vision-language) checkpoint names its text tower's tensors "model.language_model.X" for
+# the text model's "model.X" (lm_head is lm_head); its vision tower ("model.visual.") and its
+# multi-token-prediction head ("mtp.") are not part of the text model. transformers' Qwen3_5ForCausalLM
+# renames and skips the same way when it loads such a checkpoint.
+_TEXT_TOWER = ("model.", "model.language_model.")
+_NOT_TEXT = ("model.visual.", "mtp.")
+
+
+def is_composite(config) -> bool:
+    """Whether a config is a vision-language one whose text tower is what fasttrain loads."""
+    return text_config(config) is not config
+
+
+def text_tower_key(key: str, config) -> str | None:
+    """The text model's name for checkpoint tensor `key` of a checkpoint with `config`, or None for a
+    tensor outside the text tower (the vision tower, the MTP head). Other configs: the key itself."""
+    if config.model_type not in QWEN3_5.model_types:
+        return key
+    if key.startswith(_NOT_TEXT):
+        return None
+    if is_composite(config) and key.startswith(_TEXT_TOWER[1]):
+        return _TEXT_TOWER[0] + key[len(_TEXT_TOWER[1]):]
+    return key
+
+
+def released_key(key: str, config) -> str:
+    """The checkpoint's name for the text model's tensor `key` (the inverse of text_tower_key)."""
+    if is_composite(config) and key.startswith(_TEXT_TOWER[0]):
+        return _TEXT_TOWER[1] + key[len(_TEXT_TOWER[0]):]
+    return key

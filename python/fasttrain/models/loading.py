@@ -61,7 +61,8 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
     quantize: "nf4" (or True) reads the checkpoint tensor by tensor and turns each projection into
     an NF4Linear as it arrives (fasttrain.models.stream_load: the 16-bit model is never whole in
     memory; same bytes as loading and then fasttrain.nn.quantize_model); "none" (or False) loads
-    the model in `dtype`.
+    the model in `dtype`. A block-FP8 checkpoint (fasttrain.models.block_fp8) is decoded tensor by
+    tensor into either; any other quantized checkpoint is refused with a message.
     """
     _offline()
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -69,16 +70,18 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
     path = _resolve(spec)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     family = family_of_type(config.model_type, f"load_policy(spec={str(spec)!r})")
+    from .block_fp8 import block_fp8_format
     from .stream_load import load_streamed, wants_nf4
-    if wants_nf4(quantize) and text_config(config) is config:
-        # tensor by tensor, each of the family's NF4 projections quantized as it arrives
-        model = load_streamed(path, dtype, quantize="nf4",
+    fp8 = block_fp8_format(config, where=f"load_policy(spec={str(spec)!r})") is not None
+    if wants_nf4(quantize) or fp8:
+        # tensor by tensor: each of the family's NF4 projections quantized as it arrives, each
+        # block-FP8 weight decoded as it arrives; a vision-language checkpoint (qwen3_5) gives its
+        # text tower (vision weights skipped)
+        model = load_streamed(path, dtype, quantize=quantize,
                               targets=tuple(t for t in family.projections if t not in family.keep_16bit))
     else:
-        # a vision-language checkpoint (qwen3_5) loads its text tower only: the causal LM of its
-        # text config, whose weight names transformers maps from the checkpoint's (vision weights
-        # skipped). Its names differ from the text model's, so it is not streamed: it loads whole in
-        # `dtype` and build_policy quantizes it afterwards (the peak is the 16-bit text tower).
+        # a 16-bit checkpoint kept 16-bit: transformers' own load (a vision-language checkpoint loads
+        # the causal LM of its text config, whose weight names transformers maps from the checkpoint's)
         model = AutoModelForCausalLM.from_pretrained(
             path, config=text_config(config), local_files_only=True, dtype=dtype, use_safetensors=True)
     model.to(device).eval()

@@ -12,9 +12,17 @@ checkpoint stores them twice with different values (then, as from_pretrained, ea
 projections + unquantised parts) plus one projection in the model dtype and its NF4 codes (or a
 read buffer of READ_CHUNK_BYTES, while a tensor is cast).
 
+A block-FP8 checkpoint (models/block_fp8.py) is read the same way: each float8_e4m3fn weight is
+decoded with its weight_scale_inv a block row at a time into the model's dtype (the decode's buffer
+is block_fp8.dequantize_buffer_bytes), then kept or quantized like any other; a vision-language
+checkpoint (qwen3_5) loads its text tower, its keys renamed as transformers renames them
+(models/families.py: `text_tower_key`).
+
 The result has the same bytes as from_pretrained followed by fasttrain.nn.quantize_model
-(tests/models/test_stream_load.py). What it is not: a general from_pretrained. No key renaming
-for old checkpoint layouts, no pickled .bin files, no remote code, no sharding across devices.
+(tests/models/test_stream_load.py); for FP8, as transformers' own dequantization on load, and
+where it refuses (partial edge blocks: it derives the block from the scale grid) as its FP8
+layer's decode of the weight (tests/models/test_fp8_load.py). What it is not: a general from_pretrained. No key renaming for old
+checkpoint layouts, no pickled .bin files, no remote code, no sharding across devices.
 """
 from __future__ import annotations
 
@@ -27,7 +35,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["load_streamed", "wants_nf4", "checkpoint_files", "READ_CHUNK_BYTES"]
+from .block_fp8 import SCALE_SUFFIX
+
+__all__ = ["load_streamed", "wants_nf4", "checkpoint_files", "checkpoint_tensors", "READ_CHUNK_BYTES"]
 
 READ_CHUNK_BYTES = 8 << 20        # a tensor stored in another dtype is read and cast this much at a time
 
@@ -74,42 +84,113 @@ def _read_header(f, name: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def _tensors(shard: Path):
+def _headers(files: list[Path]) -> dict[str, tuple[Path, int, dict]]:
+    """Every tensor of the checkpoint: key -> (shard, start of its data section, header entry)."""
+    where: dict[str, tuple[Path, int, dict]] = {}
+    for shard in files:
+        with open(shard, "rb") as f:
+            header, base = _read_header(f, shard)
+        for key, info in header.items():
+            where[key] = (shard, base, info)
+    return where
+
+
+def _numel(info: dict) -> int:
+    n = 1
+    for d in info["shape"]:
+        n *= d
+    return n
+
+
+def _read_exact(f, dst: torch.Tensor, shard: Path, key: str) -> None:
+    if f.readinto(dst.view(torch.uint8).reshape(-1).numpy()) != dst.numel() * dst.element_size():
+        raise ValueError(f"{shard}: tensor {key!r} is cut short (truncated file)")
+
+
+def _read_plain(f, shard: Path, base: int, key: str, info: dict, stored: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor in `dtype` (floating tensors; others as stored), read in place, or READ_CHUNK_BYTES
+    at a time into one buffer and cast when the dtypes differ."""
+    start, end = info["data_offsets"]
+    n = _numel(info)
+    if n * stored.itemsize != end - start:
+        raise ValueError(f"{shard}: tensor {key!r} holds {end - start} bytes for shape {info['shape']} {info['dtype']}")
+    out_dtype = dtype if stored.is_floating_point else stored
+    out = torch.empty(info["shape"], dtype=out_dtype)
+    flat = out.reshape(-1)
+    f.seek(base + start)
+    if out_dtype == stored:
+        _read_exact(f, flat, shard, key)
+        return out
+    step = max(1, READ_CHUNK_BYTES // stored.itemsize)
+    buf = torch.empty(min(step, n), dtype=stored)
+    for i in range(0, n, step):
+        k = min(step, n - i)
+        _read_exact(f, buf[:k], shard, key)
+        flat[i:i + k].copy_(buf[:k])
+    return out
+
+
+def _read_fp8(f, shard: Path, base: int, key: str, info: dict, fp8, scale_at, dtype: torch.dtype) -> torch.Tensor:
+    """A block-FP8 weight decoded into `dtype`: its weight_scale_inv read whole (one float32 per
+    block), then block rows of FP8 read and decoded in turn (block_fp8.dequantize_rows)."""
+    from .block_fp8 import dequantize_rows, rows_per_read, scale_shape
+
+    if len(info["shape"]) != 2:
+        raise ValueError(f"{shard}: FP8 tensor {key!r} has shape {info['shape']}; block-FP8 weights are matrices")
+    n, k = info["shape"]
+    if scale_at is None:
+        raise ValueError(f"{shard}: FP8 tensor {key!r} has no {key}{SCALE_SUFFIX} in the checkpoint (a block-FP8 "
+                         "weight needs its float32 scales)")
+    s_shard, s_base, s_info = scale_at
+    want = scale_shape((n, k), fp8.block)
+    if s_info["dtype"] != "F32" or tuple(s_info["shape"]) != want:
+        raise ValueError(f"{s_shard}: {key}{SCALE_SUFFIX} is {s_info['dtype']} {tuple(s_info['shape'])}; a "
+                         f"{fp8.block[0]}x{fp8.block[1]}-block FP8 weight of shape {(n, k)} needs F32 {want}")
+    start, end = info["data_offsets"]
+    if n * k != end - start:
+        raise ValueError(f"{shard}: tensor {key!r} holds {end - start} bytes for shape {info['shape']} F8_E4M3")
+    with open(s_shard, "rb") as sf:
+        scale = _read_plain(sf, s_shard, s_base, key + SCALE_SUFFIX, s_info, torch.float32, torch.float32)
+    out = torch.empty(n, k, dtype=dtype)
+    rows = rows_per_read(n, k, fp8.block)
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
+    f.seek(base + start)
+    for i in range(0, n, rows):
+        r = min(rows, n - i)
+        _read_exact(f, q[:r], shard, key)
+        dequantize_rows(q[:r], scale, fp8.block, i, out[i:i + r])
+    return out
+
+
+def _tensors(shard: Path, fp8=None, where: dict | None = None):
     """(key, info, read) for every tensor of one safetensors shard, in file order; read(dtype)
     returns the tensor in `dtype` (floating tensors; others as stored) in a fresh allocation
     (torch's allocator), so the caller holds its only reference. A tensor stored in another
     dtype is read READ_CHUNK_BYTES at a time into one buffer and cast into place: the whole tensor
-    as stored is never in memory beside its cast."""
+    as stored is never in memory beside its cast. With `fp8` (the checkpoint's BlockFP8 layout,
+    `where` the checkpoint's tensors) an FP8 weight is decoded with its scales, which are not
+    yielded themselves."""
     with open(shard, "rb") as f:
         header, base = _read_header(f, shard)
         for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if info["dtype"] == "F8_E4M3":
+                if fp8 is None:
+                    raise ValueError(f"{shard}: tensor {key!r} is float8_e4m3fn, but config.json declares no FP8 "
+                                     "quantization_config (quant_method \"fp8\" with weight_block_size)")
+
+                def read(dtype: torch.dtype, info=info, key=key) -> torch.Tensor:
+                    return _read_fp8(f, shard, base, key, info, fp8, where.get(key + SCALE_SUFFIX), dtype)
+                yield key, info, read
+                continue
+            if fp8 is not None and key.endswith(SCALE_SUFFIX) and key[:-len(SCALE_SUFFIX)] in where:
+                continue                  # read with its weight
             stored = DTYPES.get(info["dtype"])
             if stored is None:
                 raise ValueError(f"{shard}: tensor {key!r} has dtype {info['dtype']}; fasttrain reads "
-                                 f"{', '.join(DTYPES)}")
+                                 f"{', '.join(DTYPES)} and block-FP8 F8_E4M3 weights")
 
             def read(dtype: torch.dtype, info=info, stored=stored, key=key) -> torch.Tensor:
-                start, end = info["data_offsets"]
-                n = 1
-                for d in info["shape"]:
-                    n *= d
-                if n * stored.itemsize != end - start:
-                    raise ValueError(f"{shard}: tensor {key!r} holds {end - start} bytes for shape "
-                                     f"{info['shape']} {info['dtype']}")
-                out_dtype = dtype if stored.is_floating_point else stored
-                out = torch.empty(info["shape"], dtype=out_dtype)
-                flat = out.reshape(-1)
-                step = n if out_dtype == stored else max(1, READ_CHUNK_BYTES // stored.itemsize)
-                buf = flat if out_dtype == stored else torch.empty(min(step, n), dtype=stored)
-                f.seek(base + start)
-                for i in range(0, n, step):
-                    k = min(step, n - i)
-                    dst = flat[i:i + k] if out_dtype == stored else buf[:k]
-                    if f.readinto(dst.view(torch.uint8).numpy()) != k * stored.itemsize:
-                        raise ValueError(f"{shard}: tensor {key!r} is cut short (truncated file)")
-                    if out_dtype != stored:
-                        flat[i:i + k].copy_(dst)
-                return out
+                return _read_plain(f, shard, base, key, info, stored, dtype)
             yield key, info, read
 
 
@@ -146,9 +227,17 @@ def load_streamed(path: str | os.PathLike, dtype: torch.dtype = torch.float32, q
     from fasttrain.nn.nf4_linear import NF4Linear
     from fasttrain.nn.surgery import PROJECTIONS, _set_module
 
+    from .block_fp8 import block_fp8_format
+    from .families import text_config, text_tower_key
+
     path = Path(path)
     nf4 = wants_nf4(quantize)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    full = AutoConfig.from_pretrained(path, local_files_only=True)
+    fp8 = block_fp8_format(_config_json(path), where=str(path))
+    config = text_config(full)
+    for c in (full, config):            # the loaded model is 16-bit (or NF4): it carries no FP8 config
+        if getattr(c, "quantization_config", None) is not None:
+            del c.quantization_config
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     names = tuple(targets or PROJECTIONS)
@@ -169,8 +258,13 @@ def load_streamed(path: str | os.PathLike, dtype: torch.dtype = torch.float32, q
     loaded: dict[int, nn.Parameter] = {}        # group -> the parameter its places share
     pending: dict[str, dict[str, torch.Tensor]] = {}
     unexpected: list[str] = []
-    for shard in checkpoint_files(path):
-        for key, info, read in _tensors(shard):
+    files = checkpoint_files(path)
+    where = _headers(files) if fp8 is not None else None
+    for shard in files:
+        for stored_key, info, read in _tensors(shard, fp8, where):
+            key = text_tower_key(stored_key, full)
+            if key is None:               # another tower of a vision-language checkpoint, an MTP head
+                continue
             owner, _, leaf = key.rpartition(".")
             if owner in projections:
                 lin = projections[owner]
@@ -224,6 +318,24 @@ def load_streamed(path: str | os.PathLike, dtype: torch.dtype = torch.float32, q
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     return model.eval()
+
+
+def _config_json(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def checkpoint_tensors(path: str | os.PathLike):
+    """(key, info, read) for every tensor of the safetensors checkpoint in `path`, shard by shard in
+    file order, as the loader reads them: read(dtype) returns a fresh tensor, a block-FP8 weight
+    decoded (its scales are not yielded). For copying a checkpoint's tensors through one at a time."""
+    from .block_fp8 import block_fp8_format
+
+    path = Path(path)
+    files = checkpoint_files(path)
+    fp8 = block_fp8_format(_config_json(path), where=str(path))
+    where = _headers(files) if fp8 is not None else None
+    for shard in files:
+        yield from _tensors(shard, fp8, where)
 
 
 def _nf4(cls, lin: nn.Linear, got: dict, blocksize: int):

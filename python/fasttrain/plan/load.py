@@ -7,14 +7,21 @@ Peak = the loaded model (NF4 base + unquantised parts) + the largest transient o
                  model's, the read buffer (READ_CHUNK_BYTES at most) the weight is cast from
   another tensor (embedding, lm_head, norms) the read buffer while it is cast; nothing when the
                  dtypes agree (the tensor read is the tensor kept)
-The checkpoint's dtype is config.json's `dtype` (or `torch_dtype`); the model's when it has none.
-A model without NF4 layers loads through from_pretrained: the same figure is its floor.
+  a block-FP8    projection: beside its weight in the model dtype, the decode's buffer
+                 (fasttrain.models.block_fp8.dequantize_buffer_bytes: the scales, one read of FP8
+                 rows and their float32 products), then the NF4 codes; with a 16-bit base the
+                 decoded weight is the resident one and the buffer is the transient
+The checkpoint's dtype is config.json's `dtype` (or `torch_dtype`); the model's when it has none;
+a block-FP8 checkpoint's projections are FP8 (every adapted projection is counted as FP8, the
+largest decides). A 16-bit model without NF4 layers loads through from_pretrained: the NF4 figure
+is its floor.
 Not modelled: a projection's weight waiting for its bias in another shard, a tied tensor stored
 twice (read to be compared), Python objects, the build's placeholder of each parameter (one at a
 time, before any is loaded).
 """
 from __future__ import annotations
 
+from fasttrain.models.block_fp8 import dequantize_buffer_bytes
 from fasttrain.models.stream_load import READ_CHUNK_BYTES
 from fasttrain.plan.meta_model import ModelShape
 
@@ -36,10 +43,14 @@ def load_phase(m: ModelShape) -> dict:
     def buffer(n: int) -> int:                # the read buffer of a tensor of n elements being cast
         return min(n * sw, READ_CHUNK_BYTES // sw * sw) if cast else 0
     projection = 0
-    if m.resident.get("nf4_base", 0):
+    fp8 = m.fp8_block
+    if fp8 and m.quantize == "none":          # each weight decoded into its resident place
+        projection = max((dequantize_buffer_bytes(o, i, fp8) for o, i in m.projections), default=0)
+    elif m.resident.get("nf4_base", 0):
         for o, i in m.projections:
             n = o * i
-            projection = max(projection, n * w + max(_nf4_bytes(n), buffer(n)))
+            read = dequantize_buffer_bytes(o, i, fp8) if fp8 else buffer(n)
+            projection = max(projection, n * w + max(_nf4_bytes(n), read))
     other = buffer(m.vocab * m.hidden)                       # the largest unquantised tensor: the embedding
     return {"nf4_base": m.resident.get("nf4_base", 0), "dense_parts": m.resident.get("dense_parts", 0),
             "load_transient": max(projection, other)}

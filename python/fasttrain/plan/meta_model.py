@@ -80,6 +80,7 @@ class ModelShape:
     # quantize "none" the model's own 16-bit weights (what decode reads either way)
     resident: dict = field(default_factory=dict)
     stored_w: int = 0                # bytes per element in the checkpoint (config.json's dtype); 0: unknown
+    fp8_block: tuple = ()            # (rows, cols) of the scale blocks when the projections are stored block-FP8
     # hybrids (Gated DeltaNet + full attention): the layers that hold a KV cache (None: all), the
     # fixed per-sequence state of the others (conv window in the model's dtype + float32 recurrent
     # state, bytes per row), and the state math per token (FLOPs, outside the projections)
@@ -113,7 +114,9 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
     from fasttrain.nn import adaptable_model, adapted_layers, attach_adapters, quantize_model
     from fasttrain.nn.nf4_linear import NF4Linear
 
+    from fasttrain.models.block_fp8 import block_fp8_format
     from fasttrain.models.families import text_config
+    fp8 = block_fp8_format(config, where=name)
     if isinstance(config, PretrainedConfig):
         cfg = text_config(config)
         stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -128,6 +131,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
                 raise ValueError(f"{name}: config.json needs a positive integer {key!r}")
         stored = data.pop("dtype", None) or data.pop("torch_dtype", None)
         data.pop("torch_dtype", None)
+        data.pop("quantization_config", None)         # the meta model is built 16-bit (or NF4), as loaded
         cfg = text_config(AutoConfig.for_model(mt, **data))
     if cfg.model_type not in SUPPORTED_FAMILIES:
         raise ValueError(f"{name}: model_type {cfg.model_type!r} is not supported by fasttrain; supported: "
@@ -187,7 +191,8 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         projections=[(m.out_features, m.in_features) for _, m in layers], quantize=quantize,
         adapter_params=sum(p.numel() for p in adapters), adapter_kind=adapter, rank=rank,
         resident={"nf4_base": base, "dense_parts": sum(other.values()), "adapter_masters": adapter_bytes,
-                  "dora_norms": wsq}, stored_w=_stored_w(stored))
+                  "dora_norms": wsq}, stored_w=_stored_w(stored),
+        fp8_block=fp8.block if fp8 is not None else ())
 
 
 def hybrid_state(cfg, dtype: torch.dtype) -> dict:
