@@ -165,6 +165,16 @@ class LossSection:
     zeta_min: float = 1e-4
     zeta_max: float = 0.05
     thermostat_warmup: int = 5
+    # TRL GRPOTrainer's conventions, each a named difference from the recipe (docs/trl.md):
+    # normalize "batch": the loss is the masked sum over the batch's loss tokens (the entropy mask's
+    # when token_mask = "top_entropy") divided by their count (GRPO: by the batch's sequences), and
+    # KL is charged on the loss tokens; "trl": as TRL's GRPOTrainer, every sampled token counts in the
+    # denominator and pays the KL term, the entropy mask only zeroes the policy term, and GRPO's row
+    # means are averaged per micro-batch, then over the micro-batches.
+    normalize: Literal["batch", "trl"] = "batch"
+    # KL weighted by the (differentiable) ratio r = exp(log p - old log p): beta * r * k3, TRL 1.16's
+    # use_bias_correction_kl (its default), the unbiased reverse-KL gradient; false: beta * k3.
+    kl_bias_correction: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ Forward never materialises logits: the decoder's last hidden states at the answe
 through fasttrain.ops.fused_logprob with the lm_head weight. Every micro-batch's loss is divided
 by the whole batch's active token count (token_normalizer; GRPO: its count of sequences), so the sum of micro-batch gradients
 is the gradient of the one-batch loss.
+
+Two settings give TRL GRPOTrainer's conventions instead of the recipe's (docs/trl.md lists them):
+`loss.normalize = "trl"` (every sampled token in the denominator and under the KL term, the entropy
+mask zeroing only the policy term; GRPO's row means averaged per micro-batch, then over micro-batches)
+and `loss.kl_bias_correction` (the KL term weighted by the differentiable ratio, beta * r * k3).
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ import torch
 
 from fasttrain.train.config import LossSection
 
-__all__ = ["answer_logprobs", "BatchScores", "score_batch", "update_policy", "UpdateResult", "NonFiniteLoss"]
+__all__ = ["answer_logprobs", "BatchScores", "score_batch", "update_policy", "UpdateResult", "NonFiniteLoss",
+           "ratio_weighted_kl"]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -120,6 +126,24 @@ def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: boo
                        torch.cat(refs) if need_ref else None)
 
 
+def ratio_weighted_kl(logp, old_logp, ref_logp, mask, per_sequence: bool, normalizer):
+    """(sum of r * k3 over the mask / normalizer, mean k3) with r = exp(log p - old log p) kept in the
+    graph: TRL 1.16's bias-corrected KL (use_bias_correction_kl), whose gradient is the reverse KL's
+    unbiased estimate. per_sequence: GRPO's aggregation (each row's mean over its tokens, summed)."""
+    ct = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    w = mask.to(ct)
+    lp = logp.to(ct)
+    d = torch.where(mask.bool(), ref_logp.detach().to(ct), lp.detach()) - lp
+    k3 = torch.exp(d) - d - 1
+    r = torch.exp(lp - torch.where(mask.bool(), old_logp.detach().to(ct), lp.detach()))
+    per = r * k3 * w
+    if per_sequence:
+        total = (per.sum(-1) / w.sum(-1).clamp(min=1)).sum()
+    else:
+        total = per.sum()
+    return total / normalizer.to(ct), ((k3.detach() * w).sum() / w.sum().clamp(min=1)).float()
+
+
 def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, roll,
                   scores: BatchScores, advantages: torch.Tensor, loss_mask: torch.Tensor,
                   loss_cfg: LossSection, zeta: float, micro_batch: int, grad_clip: float,
@@ -128,15 +152,23 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
     entropies (`scores`' own when it has them, else pass 1's). Raises NonFiniteLoss (after zeroing
     grads) when a pass's loss or gradient norm is not finite; the caller skips the step."""
     from fasttrain.ops import policy_loss
+    from fasttrain.train import distributed
 
     B = roll.completion_ids.shape[0]
+    trl = loss_cfg.normalize == "trl"
+    # The tokens the op sums over: the loss mask, or (TRL's convention) every sampled token, the
+    # advantage set to 0 off the loss mask so that only the KL term reaches those tokens.
+    op_mask = roll.action_mask.bool() & roll.completion_mask.bool() if trl else loss_mask
+    op_adv = advantages
+    if trl and not torch.equal(op_mask, loss_mask.bool()):
+        op_adv = advantages.reshape(B, -1) * loss_mask.to(advantages.dtype)
     # The whole batch's denominator, so micro-batch gradients add up to the one-batch gradient:
     # active tokens (CISPO, DAPO) or sequences with an active token (GRPO's mean of means).
     # Both count the whole batch over every data-parallel rank (distributed.sum_values).
-    from fasttrain.train import distributed
-    count = loss_mask.any(dim=1).sum() if loss_cfg.kind == "grpo" else loss_mask.sum()
-    batch_count, batch_tokens = distributed.sum_values([float(count), float(loss_mask.sum())])
+    count = op_mask.any(dim=1).sum() if loss_cfg.kind == "grpo" else op_mask.sum()
+    batch_count, batch_tokens = distributed.sum_values([float(count), float(op_mask.sum())])
     normalizer = torch.tensor(batch_count, dtype=torch.float32, device=loss_mask.device).clamp_min(1)
+    n_chunks = len(range(0, B, micro_batch)) * distributed.world_size()
     model.train()
     out = []
     fill_old = scores.old_logp is None          # pass 1 provides the old log-probs and entropy
@@ -147,7 +179,7 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
         acc: dict[str, float] = {}
         olds, ents = [], []
         for sl in _chunks(B, micro_batch):
-            m = loss_mask[sl]
+            m = op_mask[sl]
             first_fill = fill_old and k == 0
             if not bool(m.any()) and not first_fill:
                 continue
@@ -163,11 +195,18 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
                 old = old_logp[sl]
             if not bool(m.any()):
                 continue
+            # TRL's GRPO: the mean of this micro-batch's row means, over the micro-batches
+            norm = torch.full_like(normalizer, float((sl.stop - sl.start) * n_chunks)) \
+                if trl and loss_cfg.kind == "grpo" else normalizer
+            ref = None if scores.ref_logp is None else scores.ref_logp[sl]
+            ratio_kl = loss_cfg.kl_bias_correction and ref is not None and loss_cfg.beta != 0
             loss, stats = policy_loss(
-                logp, old, advantages[sl], m, loss=loss_cfg.kind,
-                ref_logp=None if scores.ref_logp is None else scores.ref_logp[sl], beta=loss_cfg.beta,
-                eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high, cispo_cap=loss_cfg.cispo_cap,
-                zeta=zeta, token_normalizer=normalizer)
+                logp, old, op_adv[sl], m, loss=loss_cfg.kind, ref_logp=None if ratio_kl else ref,
+                beta=0.0 if ratio_kl else loss_cfg.beta, eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high,
+                cispo_cap=loss_cfg.cispo_cap, zeta=zeta, token_normalizer=norm)
+            if ratio_kl:
+                kl_loss, stats["kl_mean"] = ratio_weighted_kl(logp, old, ref, m, loss_cfg.kind == "grpo", norm)
+                loss = loss + loss_cfg.beta * kl_loss
             loss.backward()
             total += loss.detach().double().cpu()
             w = float(m.sum()) / batch_tokens                # stats: token-weighted over the batch
