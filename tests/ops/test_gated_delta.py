@@ -240,10 +240,10 @@ def test_a_selftest_case_run_on_its_own_checks_the_real_kernels(monkeypatch):
     from fasttrain import selftest
     from fasttrain.selftest_gated_delta import gated_delta_cases
     monkeypatch.setattr(selftest, "KERNELS", {})
-    name, run, impl = gated_delta_cases(torch.device("cpu"), quick=True)[0]
+    case = gated_delta_cases(torch.device("cpu"), quick=True)[0]
     chk = selftest._Check()
-    run(chk)
-    assert chk.row("gated_delta_rule", name, 0, 0, impl).passed and impl.startswith("gated_delta_rule:")
+    case[1](chk)
+    assert chk.row("gated_delta_rule", case[0], 0, 0).passed and case[2].startswith("gated_delta_rule:")
 
 
 def test_the_selftest_has_rows_at_the_27b_heads_past_one_warp_and_for_held_rows():
