@@ -67,7 +67,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["Row", "run_selftest", "main", "verdict_path", "read_verdict", "record_verdict", "verdict_line",
-           "device_info", "KERNELS"]
+           "device_info", "KERNELS", "kernel", "implementations"]
 
 U = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 DT_NAME = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -85,10 +85,18 @@ def _kernel_faces() -> dict[str, Callable]:
             "nf4_dequantize": F.nf4_dequantize, "nf4_linear": F.nf4_linear, "nf4_dora_norm": F.nf4_dora_norm,
             "nf4_weight_sq_norm": F.nf4_weight_sq_norm, "dense_linear": dense_linear,
             "gated_delta_rule": F.gated_delta_rule, "gated_delta_step": F.gated_delta_step,
-            "causal_conv1d": F.causal_conv1d, "causal_conv1d_step": F.causal_conv1d_step}
+            "gated_delta_step_": F.gated_delta_step_, "causal_conv1d": F.causal_conv1d, "causal_conv1d_step": F.causal_conv1d_step}
 
 
 KERNELS: dict[str, Callable] = {}
+
+
+def kernel(name: str) -> Callable:
+    """The face under test for op `name` (KERNELS, filled with the real faces when empty, so a case
+    run on its own, outside run_selftest, checks the real kernels)."""
+    if not KERNELS:
+        KERNELS.update(_kernel_faces())
+    return KERNELS[name]
 
 
 @dataclass
@@ -102,6 +110,7 @@ class Row:
     kernel_ms: float = 0.0
     ref_ms: float = 0.0
     detail: str = ""          # what failed beyond a value (dtype, shape, exception)
+    impl: str = ""            # "face:implementation" the case ran (e.g. gated_delta_rule:fla)
 
 
 # ---- comparison -------------------------------------------------------------------------------
@@ -143,10 +152,11 @@ class _Check:
         if r > self.worst[3]:
             self.worst = (name, float(diff), 0.0, r)
 
-    def row(self, op, case, t_kernel, t_ref) -> Row:
+    def row(self, op, case, t_kernel, t_ref, impl: str = "") -> Row:
         name, err, tol, ratio = self.worst
         ok = ratio <= 1.0 and not self.problems
-        return Row(op, case, ok, name, err, tol, 1e3 * t_kernel, 1e3 * t_ref, "; ".join(self.problems))
+        return Row(op, case, ok, name, err, tol, 1e3 * t_kernel, 1e3 * t_ref, "; ".join(self.problems),
+                   impl or f"{op}:kernel")
 
 
 def _timed(fn: Callable, device: torch.device):
@@ -603,7 +613,7 @@ def _package_case(dev, package: str) -> tuple[str, Callable]:
         # error against the float64 model, tolerance twice the plain bf16 model's error (+ u·|logit|)
         check.close("logits", torch.tensor([res["max_err"]]), torch.tensor([0.0]), res["tol"])
         return t, 0.0
-    return f"tiny Llama bf16 logits with {package} vs float64 (plain bf16 error x2)", run
+    return f"tiny Llama bf16 logits with {package} vs float64 (plain bf16 error x2)", run, f"gpu_packages:{package}"
 
 
 def _package_cases(dev, quick: bool):
@@ -690,19 +700,33 @@ def run_selftest(device: str | torch.device = "cpu", quick: bool = False, ops: l
             "failing": failing, "rows": [asdict(r) for r in rows]}
 
 
+def _case_impl(op: str, case: tuple) -> str:
+    """A case is (name, run) or (name, run, "face:implementation"); the plain ones run op's kernel."""
+    return case[2] if len(case) > 2 else f"{op}:kernel"
+
+
+def implementations(device: str | torch.device, quick: bool = False) -> set[str]:
+    """The "face:implementation" pairs the selftest's rows check on `device` with the packages
+    installed now (building the cases runs nothing). The fake-CUDA trace of a training step asserts
+    that every implementation the step dispatches to is among them."""
+    dev = torch.device(device)
+    return {_case_impl(op, c) for op, cases in CASES.items() for c in cases(dev, quick)}
+
+
 def _run_cases(dev, quick, ops, rows, progress) -> None:
     from fasttrain.ops.kernels import fused_only
     with fused_only():
         for op, cases in CASES.items():
             if ops and op not in ops:
                 continue
-            for name, run in cases(dev, quick):
+            for case in cases(dev, quick):
+                name, run, impl = case[0], case[1], _case_impl(op, case)
                 check = _Check()
                 try:
                     tk, tr = run(check)
-                    row = check.row(op, name, tk, tr)
+                    row = check.row(op, name, tk, tr, impl)
                 except Exception as e:  # a kernel that raises fails its case; the others still run
-                    row = Row(op, name, False, detail=f"{type(e).__name__}: {e}"[:500])
+                    row = Row(op, name, False, detail=f"{type(e).__name__}: {e}"[:500], impl=impl)
                 rows.append(row)
                 if progress:
                     progress(row)

@@ -1,7 +1,12 @@
 """`fasttrain selftest` cases of the linear-attention ops: gated_delta_rule (chunked, forward and
-backward, from an initial state), gated_delta_step and causal_conv1d, each through its face in
-fasttrain.ops (whatever runs on the device: flash-linear-attention, causal-conv1d or the torch
-chunked form) against fasttrain.ops.reference in float64 on the same (rounded) inputs.
+backward, from an initial state), gated_delta_step, the decoder's in-place gated_delta_step_ with
+held rows, and causal_conv1d, each through its face in fasttrain.ops (whatever runs on the device:
+flash-linear-attention, causal-conv1d, the chunked torch form or fasttrain's kernel; each case
+names it, `[fla]`, and returns it as its implementation) against fasttrain.ops.reference in
+float64 on the same (rounded) inputs. The shapes include Qwen3.5-27B's (key and value head dim
+128, 48 value heads over 16 key heads, with q, k and g in float32 and v, beta in the model's dtype,
+as the hybrid decoder and the update pass them), a head dim of 96 (three warps on a GPU) and
+unequal head dims.
 
 Tolerances (derived; the selftest module's header states the shared conventions u_d, u_a):
   The recurrence is non-expansive: with ‖k‖ = 1 and 0 <= β <= 1, I − βkkᵀ has norm <= 1 and the
@@ -25,17 +30,16 @@ Tolerances (derived; the selftest module's header states the shared conventions 
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from fasttrain import selftest as _selftest
-from fasttrain.selftest import DT_NAME, U, _Check, _gen, _leaf, _rounding, _timed, _u_acc
+from fasttrain.selftest import DT_NAME, U, _Check, _gen, _leaf, _rounding, _timed, _u_acc, kernel
 
 __all__ = ["gated_delta_cases", "conv_cases"]
 
 
-def _inputs(dev, B, T, Hk, Hv, Dk, Dv, dtype, seed, state: bool):
+def _inputs(dev, B, T, Hk, Hv, Dk, Dv, dtype, seed, state: bool, callers: bool = False):
+    """Random inputs in `dtype`; `callers`: q, k and g in float32 (the callers' L2 norm and decay),
+    v and beta in `dtype`, as the hybrid decoder and the update pass them."""
     g = _gen(seed)
     q = torch.randn(B, T, Hk, Dk, generator=g)
     k = torch.nn.functional.normalize(torch.randn(B, T, Hk, Dk, generator=g), dim=-1)
@@ -45,7 +49,8 @@ def _inputs(dev, B, T, Hk, Hv, Dk, Dv, dtype, seed, state: bool):
     s0 = torch.randn(B, Hv, Dk, Dv, generator=g) if state else None
     do = torch.randn(B, T, Hv, Dv, generator=g)
     dS = torch.randn(B, Hv, Dk, Dv, generator=g)
-    cast = [t.to(dtype) for t in (q, k, v, gl, beta)]
+    wide = torch.float32 if callers else dtype
+    cast = [q.to(wide), k.to(wide), v.to(dtype), gl.to(wide), beta.to(dtype)]
     return [t.to(dev) for t in cast], (None if s0 is None else s0.to(dev)), do.to(dtype).to(dev), dS.to(dev)
 
 
@@ -61,13 +66,16 @@ def _bounds(q, k, v, beta, s0, scale):
     return s_max, float(scale * qn * s_max)
 
 
-def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0) -> tuple[str, Callable]:
-    name = f"B={B} T={T} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} {DT_NAME[dtype]} chunk={chunk}{' state' if state else ''}"
+def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, callers=False):
+    from fasttrain.ops.gated_delta import gated_delta_backend
+    backend = gated_delta_backend(dev, dtype, head_dim=Dk)
+    name = (f"B={B} T={T} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} {DT_NAME[dtype]}{' q/k/g fp32' if callers else ''} "
+            f"chunk={chunk}{' state' if state else ''} [{backend}]")
     scale = Dk ** -0.5
 
     def run(check: _Check):
         from fasttrain.ops import reference as R
-        ins, s0, do, dS = _inputs(dev, B, T, Hk, Hv, Dk, Dv, dtype, seed, state)
+        ins, s0, do, dS = _inputs(dev, B, T, Hk, Hv, Dk, Dv, dtype, seed, state, callers)
         kin = [_leaf(t, dev) for t in ins]
         ks0 = _leaf(s0, dev, torch.float32 if dtype != torch.float64 else torch.float64)
         rin = [_leaf(t, dev, torch.float64) for t in ins]
@@ -81,14 +89,12 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0) -> 
             return o, S
 
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        (ok, Sk), tk = _timed(lambda: go(_selftest.KERNELS["gated_delta_rule"], kin, ks0, acc), dev)
+        (ok, Sk), tk = _timed(lambda: go(kernel("gated_delta_rule"), kin, ks0, acc), dev)
         (orf, Sr), tr = _timed(lambda: go(R.gated_delta_rule, rin, rs0, torch.float64), dev)
         op, Sp = go(R.gated_delta_rule, pin, ps0, acc)
-        from fasttrain.ops.gated_delta import gated_delta_backend
         ua = _u_acc(dtype)
         low = dtype in (torch.bfloat16, torch.float16)
-        backend = gated_delta_backend(dev)
-        uc = U[dtype] if low and backend == "fla" else 0.0
+        uc = U[dtype if low else torch.bfloat16] if backend == "fla" else 0.0    # fla rounds q, k, v to 16 bits
         # fasttrain's kernel runs the recurrence itself: per token a recall of Dk terms, the write,
         # the decay and the difference, carried without growth, then a read-out
         L = T * (Dk + 4) + Dk if backend == "fused" else T * (1 + Dk / chunk) + chunk + Dk
@@ -111,48 +117,85 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0) -> 
                             gk.dtype)
         return tk, tr
 
-    return name, run
+    return name, run, f"gated_delta_rule:{backend}"
 
 
-def _step_case(dev, B, Hk, Hv, Dk, Dv, dtype, seed=0) -> tuple[str, Callable]:
-    name = f"step B={B} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} {DT_NAME[dtype]} fp32 state"
+def _step_case(dev, B, Hk, Hv, Dk, Dv, dtype, seed=0, held=False):
+    """One token per row from a float32 state (float64 for float64): gated_delta_step, or with `held`
+    the decoder's in-place gated_delta_step_ with every other row held (its state kept bit for bit,
+    its output 0)."""
+    from fasttrain.ops.gated_delta import gated_delta_backend
+    backend = gated_delta_backend(dev, dtype, step=True)
+    face = "gated_delta_step_" if held else "gated_delta_step"
+    name = f"{'in-place step, rows held' if held else 'step'} B={B} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} " \
+           f"{DT_NAME[dtype]} fp32 state [{backend}]"
 
     def run(check: _Check):
         from fasttrain.ops import reference as R
         ins, s0, _, _ = _inputs(dev, B, 1, Hk, Hv, Dk, Dv, dtype, seed, True)
         one = [t[:, 0] for t in ins]
         sdt = torch.float64 if dtype == torch.float64 else torch.float32
-        (ok, Sk), tk = _timed(lambda: _selftest.KERNELS["gated_delta_step"](*one, s0.to(sdt)), dev)
+        start = s0.to(sdt)
+        active = torch.arange(B, device=dev) % 2 == 0
+
+        def kern():
+            if not held:
+                return kernel(face)(*one, start)
+            state = start.clone()
+            with torch.no_grad():
+                o = kernel(face)(state, *one, active=active)
+            return o, state
+
+        (ok, Sk), tk = _timed(kern, dev)
         (orf, Sr), tr = _timed(lambda: R.gated_delta_step(*[t.double() for t in one], s0.double()), dev)
         ua = _u_acc(dtype)
         s_max, o_max = _bounds(*ins[:3], ins[4], s0, Dk ** -0.5)
         f = 4 * (2 * Dk + 4) * ua
-        check.close("o", ok, orf, f * o_max + _rounding(orf, dtype), dtype)
-        check.close("state", Sk, Sr, f * s_max, sdt)
+        rows = active if held else torch.ones(B, dtype=torch.bool, device=dev)
+        check.close("o", ok[rows], orf[rows], f * o_max + _rounding(orf[rows], dtype), dtype)
+        check.close("state", Sk[rows], Sr[rows], f * s_max, sdt)
+        if held:
+            check.exact("held state", Sk[~rows], start[~rows])
+            check.exact("held o", ok[~rows], torch.zeros_like(ok[~rows]))
         return tk, tr
 
-    return name, run
+    return name, run, f"{face}:{backend}"
 
 
 def gated_delta_cases(dev, quick: bool):
+    bf16, f32 = torch.bfloat16, torch.float32
+    # Qwen3.5-27B's Gated DeltaNet heads (16 q/k heads of 128, 48 value heads of 128) in the dtypes
+    # the callers pass; T = 70 leaves a partial chunk of 64
+    big = _delta_case(dev, 1, 70 if not quick else 16, 16, 48, 128, 128, bf16, 64, seed=20, callers=True)
     if quick:
-        return [_delta_case(dev, 2, 37, 2, 6, 16, 8, torch.float32, 16, seed=1),
-                _step_case(dev, 3, 2, 4, 16, 8, torch.bfloat16, seed=2)]
-    out = [_delta_case(dev, 2, 37, 2, 6, 16, 8, torch.float32, 16, seed=1),
-           _delta_case(dev, 1, 130, 3, 3, 32, 16, torch.float32, 64, seed=2),
-           _delta_case(dev, 2, 70, 1, 3, 16, 16, torch.bfloat16, 64, state=False, seed=3),
+        return [_delta_case(dev, 2, 37, 2, 6, 16, 8, f32, 16, seed=1), big,
+                _step_case(dev, 3, 2, 4, 16, 8, bf16, seed=2),
+                _step_case(dev, 4, 16, 48, 128, 128, bf16, seed=21, held=True)]
+    out = [_delta_case(dev, 2, 37, 2, 6, 16, 8, f32, 16, seed=1),
+           _delta_case(dev, 1, 130, 3, 3, 32, 16, f32, 64, seed=2),
+           _delta_case(dev, 2, 70, 1, 3, 16, 16, bf16, 64, state=False, seed=3),
            _delta_case(dev, 2, 33, 2, 2, 8, 8, torch.float16, 8, seed=4),
-           _delta_case(dev, 1, 1, 2, 4, 8, 8, torch.float32, 64, seed=5),
-           _step_case(dev, 3, 2, 4, 16, 8, torch.bfloat16, seed=6),
-           _step_case(dev, 3, 2, 2, 16, 8, torch.float32, seed=7)]
+           _delta_case(dev, 1, 1, 2, 4, 8, 8, f32, 64, seed=5),
+           big,
+           _delta_case(dev, 2, 45, 2, 4, 96, 96, bf16, 32, seed=22, callers=True),     # three warps
+           _delta_case(dev, 1, 40, 2, 4, 128, 64, f32, 32, seed=23),                   # unequal head dims
+           _delta_case(dev, 1, 40, 2, 2, 64, 128, bf16, 32, seed=24, callers=True),
+           _step_case(dev, 3, 2, 4, 16, 8, bf16, seed=6),
+           _step_case(dev, 3, 2, 2, 16, 8, f32, seed=7),
+           _step_case(dev, 2, 16, 48, 128, 128, bf16, seed=25),
+           _step_case(dev, 5, 2, 6, 96, 96, f32, seed=26, held=True),
+           _step_case(dev, 4, 16, 48, 128, 128, bf16, seed=21, held=True)]
     if dev.type == "cpu":
         out += [_delta_case(dev, 2, 45, 2, 4, 8, 8, torch.float64, 16, seed=8),
                 _step_case(dev, 2, 1, 3, 8, 8, torch.float64, seed=9)]
     return out
 
 
-def _conv_case(dev, B, T, C, K, dtype, state, step=False, seed=0) -> tuple[str, Callable]:
-    name = f"{'step ' if step else ''}B={B} T={T} C={C} K={K} {DT_NAME[dtype]}{' state' if state else ''}"
+def _conv_case(dev, B, T, C, K, dtype, state, step=False, seed=0):
+    from fasttrain.ops.gated_delta import causal_conv1d_backend
+    face = "causal_conv1d_step" if step else "causal_conv1d"
+    backend = "torch" if step else causal_conv1d_backend(dev, dtype, C, K)
+    name = f"{'step ' if step else ''}B={B} T={T} C={C} K={K} {DT_NAME[dtype]}{' state' if state else ''} [{backend}]"
 
     def run(check: _Check):
         from fasttrain.ops import reference as R
@@ -161,11 +204,11 @@ def _conv_case(dev, B, T, C, K, dtype, state, step=False, seed=0) -> tuple[str, 
         w = torch.randn(C, K, generator=g).to(dtype).to(dev)
         s = torch.randn(B, K - 1, C, generator=g).to(dtype).to(dev) if state else None
         if step:
-            (yk, sk), tk = _timed(lambda: _selftest.KERNELS["causal_conv1d_step"](x[:, 0], w, s), dev)
+            (yk, sk), tk = _timed(lambda: kernel("causal_conv1d_step")(x[:, 0], w, s), dev)
             (yr, sr), tr = _timed(lambda: R.causal_conv1d_step(x[:, 0].double(), w.double(), s.double()), dev)
             xs = torch.cat([s, x[:, :1]], 1).double()
         else:
-            (yk, sk), tk = _timed(lambda: _selftest.KERNELS["causal_conv1d"](x, w, s), dev)
+            (yk, sk), tk = _timed(lambda: kernel("causal_conv1d")(x, w, s), dev)
             (yr, sr), tr = _timed(lambda: R.causal_conv1d(x.double(), w.double(), None if s is None else s.double()), dev)
             xs = torch.cat([s if s is not None else x.new_zeros(B, K - 1, C), x], 1).double()
         n = 1 if step else yr.shape[1]
@@ -176,7 +219,7 @@ def _conv_case(dev, B, T, C, K, dtype, state, step=False, seed=0) -> tuple[str, 
         check.exact("state", sk, sr.to(sk.dtype))
         return tk, tr
 
-    return name, run
+    return name, run, f"{face}:{backend}"
 
 
 def conv_cases(dev, quick: bool):

@@ -8,13 +8,20 @@ Shapes: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv] (Hv a multiple of Hk: q/k head h s
 h·Hv/Hk ...); g (log decay, <= 0) and beta [B, T, Hv]; state [B, Hv, Dk, Dv]. The definition is
 fasttrain.ops.reference.gated_delta_rule (one token at a time); this face computes the same thing.
 
-Which implementation runs (gated_delta_backend): the reference when the kernels are set to
-"reference"; on CUDA, flash-linear-attention's chunked kernel when the package is installed
-(`fasttrain[gpu]`); otherwise fasttrain's own kernel, "fused" (csrc/cpu/gated_delta.cpp and
-csrc/cuda/gated_delta.cu: the recurrence one token at a time per (row, value head), the state kept in
-cache, states checkpointed every `chunk_size` tokens and recomputed span by span in the backward).
-The chunked form below in plain PyTorch ("torch", its backward autograd's) stays as the
-implementation to compare with: `set_gated_delta_backend("torch")`. Measured on 2 cores
+Which implementation runs (gated_delta_backend; the reference whenever the kernels are set to
+"reference"):
+  one token per row (gated_delta_step, the decoder's gated_delta_step_): fasttrain's own kernel,
+    "fused" (csrc/cpu/gated_delta.cpp, csrc/cuda/gated_delta.cu: the recurrence one token at a time
+    per (row, value head), the state kept in cache), on every device;
+  a sequence (gated_delta_rule: a prefill, the update's forward and backward) on CUDA: a chunked
+    form, never the token kernel (built for decode, it would take seconds per 4K-token sequence on
+    a GPU): flash-linear-attention's chunked kernel ("fla", `fasttrain[gpu]`) when it is installed
+    and the values are 16-bit (fla takes bf16/fp16 q, k, v only: the callers' float32 q/k are
+    rounded to v's dtype for it, the state stays float32), else the chunked PyTorch form below
+    ("torch", its backward autograd's);
+  a sequence on the CPU: the token kernel, "fused" (states checkpointed every `chunk_size` tokens
+    and recomputed span by span in the backward).
+`set_gated_delta_backend("fused" | "torch" | "fla")` forces one for comparisons. Measured on 2 cores
 (bench/results/cpu-2c-AMD-EPYC-2026-12-01-gated-delta.md): the kernel's decode step is 12x the torch
 ops it replaced; its forward + backward over sequences is 1.4-1.55x the chunked torch form's.
 
@@ -44,16 +51,18 @@ _load()
 _ops = torch.ops.fasttrain
 
 __all__ = ["gated_delta_rule", "gated_delta_step", "gated_delta_step_", "causal_conv1d", "causal_conv1d_step",
-           "gated_delta_backend", "set_gated_delta_backend"]
+           "gated_delta_backend", "set_gated_delta_backend", "causal_conv1d_backend"]
 
-_BACKENDS = ("auto", "fused", "torch")
+_BACKENDS = ("auto", "fused", "torch", "fla")
 _chosen_backend = "auto"
+FLA_MAX_HEAD_DIM = 256          # flash-linear-attention's chunked kernels assert K <= 256
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def set_gated_delta_backend(kind: str) -> str:
-    """"auto" (default: fla on CUDA when installed, else fasttrain's fused kernel), "fused" or
-    "torch" (the chunked PyTorch form, for comparisons). Returns the previous choice. The reference
-    still wins when the kernels are set to "reference"."""
+    """"auto" (default: see the module header), "fused", "torch" (the chunked PyTorch form) or
+    "fla" (flash-linear-attention's chunked kernel for sequences), for comparisons. Returns the
+    previous choice. The reference still wins when the kernels are set to "reference"."""
     global _chosen_backend
     if kind not in _BACKENDS:
         raise ValueError(f"set_gated_delta_backend: {kind!r}; allowed: {', '.join(_BACKENDS)}")
@@ -65,15 +74,20 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def gated_delta_backend(device: torch.device | str) -> str:
-    """What gated_delta_rule runs on `device` now: "reference", "fla", "fused" or "torch"."""
+def gated_delta_backend(device: torch.device | str, dtype: torch.dtype = torch.float32, *, step: bool = False,
+                        head_dim: int = 0) -> str:
+    """What runs on `device` now for values (v) in `dtype` with key head dim `head_dim`: over a
+    sequence (gated_delta_rule), or one token per row (`step`: gated_delta_step and
+    gated_delta_step_). "reference", "fla", "fused" or "torch"."""
     if _use_reference():
         return "reference"
     if _chosen_backend != "auto":
         return _chosen_backend
-    if torch.device(device).type == "cuda" and _installed("fla"):
+    if step or torch.device(device).type != "cuda":
+        return "fused"
+    if dtype in _HALF and head_dim <= FLA_MAX_HEAD_DIM and _installed("fla"):
         return "fla"
-    return "fused"
+    return "torch"
 
 
 def _check(q, k, v, g, beta, initial_state) -> None:
@@ -98,14 +112,14 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """(o [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32, float64 for float64 inputs).
     Autograd: q, k, v, g, beta, initial_state. scale defaults to Dk^-1/2. chunk_size: the torch
     path's chunk (32 measured fastest forward+backward at head dim 128 on a CPU, against 16 and 64;
-    flash-linear-attention picks its own)."""
+    flash-linear-attention picks its own). Which implementation runs: gated_delta_backend."""
     _check(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
         raise ValueError(f"gated_delta_rule: chunk_size must be >= 1, got {chunk_size}")
-    backend = gated_delta_backend(q.device)
+    backend = gated_delta_backend(q.device, v.dtype, head_dim=q.shape[-1])
     if backend == "reference":
         return _reference.gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
-    if backend == "fla" and q.dtype != torch.float64:
+    if backend == "fla" and v.dtype != torch.float64:
         return _fla(q, k, v, g, beta, scale, initial_state)
     if backend == "torch":
         return _chunked(q, k, v, g, beta, scale, initial_state, chunk_size)
@@ -175,12 +189,18 @@ torch.library.register_autograd("fasttrain::gated_delta_forward", _backward, set
 
 
 def _fla(q, k, v, g, beta, scale, initial_state):
+    """flash-linear-attention's chunk_gated_delta_rule with the inputs its source accepts (0.3 asserts
+    q, k, v of one 16-bit dtype and q/k heads equal to v's): q, k (float32 from the callers' L2
+    norm) and beta rounded to v's dtype (the model's, bf16/fp16; float32 v goes to the torch form),
+    q/k heads repeated per value head, g and the state float32. Returns o in v's dtype and the
+    state float32."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    half = v.dtype if v.dtype in _HALF else torch.bfloat16
     Hk, Hv = q.shape[2], v.shape[2]
     if Hv != Hk:
         q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
     s0 = None if initial_state is None else initial_state.float()
-    o, S = chunk_gated_delta_rule(q, k, v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
+    o, S = chunk_gated_delta_rule(q.to(half), k.to(half), v.to(half), g.float(), beta.to(half), scale=scale,
                                   initial_state=s0, output_final_state=True)
     return o.to(v.dtype), S.float()
 
@@ -246,7 +266,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     state in the state's dtype), computed in the state's dtype."""
     if _use_reference():
         return _reference.gated_delta_step(q, k, v, g, beta, state, scale=scale)
-    if gated_delta_backend(q.device) == "fused":               # one kernel call instead of ~10 small ops
+    if gated_delta_backend(q.device, step=True) == "fused":   # one kernel call instead of ~10 small ops
         *one, sc = _one_token(q, k, v, g, beta, state.dtype, scale)
         o, S, _ = _ops.gated_delta_forward(*one, state.contiguous(), sc, 1, False)
         return o[:, 0].to(v.dtype), S
@@ -271,7 +291,7 @@ def gated_delta_step_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     `active` [B] bool is False keep their state (their output is 0). Returns o [B, Hv, Dv] in v's
     dtype. On fasttrain's kernel this reads the state twice and writes it once, with no
     temporaries; elsewhere it is gated_delta_step followed by a copy."""
-    if gated_delta_backend(q.device) == "fused" and not _use_reference() and not torch.is_grad_enabled():
+    if gated_delta_backend(q.device, step=True) == "fused" and not torch.is_grad_enabled():
         *one, sc = _one_token(q, k, v, g, beta, state.dtype, scale)
         o = _ops.gated_delta_decode_(state, *one, None if active is None else active.contiguous(), sc)
         return o[:, 0].to(v.dtype)
@@ -288,36 +308,59 @@ def _(state, q, k, v, g, beta, active, scale):
     return torch.empty_like(v)
 
 
+def causal_conv1d_backend(device: torch.device | str, dtype: torch.dtype, channels: int, width: int) -> str:
+    """What causal_conv1d runs on `device` for x in `dtype`: "reference", "causal_conv1d" (Tri Dao's
+    CUDA kernel, `fasttrain[gpu]`, on CUDA when installed and the shape is one it takes: widths 2-4
+    and, in the channels-last layout the projections give, channels a multiple of 8) or "torch"."""
+    if _use_reference():
+        return "reference"
+    if (torch.device(device).type == "cuda" and dtype in (torch.float32, *_HALF) and 2 <= width <= 4
+            and channels % 8 == 0 and _installed("causal_conv1d")):
+        return "causal_conv1d"
+    return "torch"
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
                   activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over time with SiLU: x [B, T, C], weight [C, K], state [B, K-1, C] (the
     inputs before x, zeros when None). Returns (y [B, T, C] in x's dtype, new state [B, K-1, C]).
-    Computed in float32 (float64 for float64 x); on CUDA by causal-conv1d when installed and no state
-    is passed in."""
+    Computed in float32 (float64 for float64 x); which implementation: causal_conv1d_backend."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
         raise ValueError(f"causal_conv1d: x must be [B, T, C] and weight [C, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
-    if _use_reference():
+    backend = causal_conv1d_backend(x.device, x.dtype, x.shape[2], weight.shape[1])
+    if backend == "reference":
         return _reference.causal_conv1d(x, weight, state, activation)
     B, T, Cn = x.shape
     K = weight.shape[1]
     if state is None:
         state = x.new_zeros(B, K - 1, Cn)
     xt = torch.cat([state.to(x.dtype), x], 1)                 # [B, K-1+T, C]
-    if x.is_cuda and x.dtype != torch.float64 and _installed("causal_conv1d") and not state.any():
-        from causal_conv1d import causal_conv1d_fn
-        y = causal_conv1d_fn(x.transpose(1, 2), weight.to(x.dtype), None, activation="silu" if activation else None)
-        return y.transpose(1, 2), xt[:, T:]
-    # K shifted multiply-adds over [B, T, C] (channels last, as the projections give them): on the
-    # CPU this is several times faster than F.conv1d's depthwise path on the transposed layout
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if backend == "causal_conv1d":
+        return _conv_package(x, weight, state.to(x.dtype), activation), xt[:, T:]
+    return _conv_torch(xt, weight, T, activation).to(x.dtype), xt[:, T:]
+
+
+def _conv_package(x, weight, state, activation: bool) -> torch.Tensor:
+    """causal-conv1d's causal_conv1d_fn in the channels-last layout (x as [B, C, T] with stride 1 over
+    channels), the carried inputs as its initial_states [B, C, K-1] (channels-last too, x's dtype):
+    no data-dependent test of whether the state is zero."""
+    from causal_conv1d import causal_conv1d_fn
+    xc = x.contiguous().transpose(1, 2)
+    s0 = state.contiguous().transpose(1, 2)
+    y = causal_conv1d_fn(xc, weight.to(x.dtype), None, initial_states=s0, activation="silu" if activation else None)
+    return y.transpose(1, 2)
+
+
+def _conv_torch(xt, weight, T: int, activation: bool) -> torch.Tensor:
+    """K shifted multiply-adds over [B, T, C] (channels last, as the projections give them): on the
+    CPU this is several times faster than F.conv1d's depthwise path on the transposed layout."""
+    acc = torch.float64 if xt.dtype == torch.float64 else torch.float32
     xa, w = xt.to(acc), weight.to(acc)
     y = xa[:, :T] * w[:, 0]
-    for j in range(1, K):
+    for j in range(1, weight.shape[1]):
         y = y + xa[:, j:j + T] * w[:, j]
-    if activation:
-        y = F.silu(y)
-    return y.to(x.dtype), xt[:, T:]
+    return F.silu(y) if activation else y
 
 
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
