@@ -2,8 +2,11 @@
 
 Phases (what is live at each one's peak):
   load     the model being read and quantized tensor by tensor (fasttrain.plan.load)
-  rollout  resident + KV cache [L, 2, B, kv_heads, P+T, head_dim] + prefill of the n distinct
-           prompts (their own cache, the masks, one layer's activations) or a decode step's
+  rollout  one wave (fasttrain.plan.picks: the rollout's B rows decoded s.wave_prompts prompts at a
+           time, the earlier waves' outputs kept): resident + KV cache [L, 2, B_wave, kv_heads,
+           P+T, head_dim] (a hybrid's recurrent state and conv windows per row, apart) + a prefill
+           chunk of s.prefill_prompts prompts (their own cache, the masks, one layer's
+           activations) or a decode step's
            sampling buffers ([B, V] fp32 logits, log-probs, Gumbel noise, their difference), whichever
            is larger; with dense rollout weights (rollout.base_weights) the projections run as one
            GEMM per group (q/k/v, gate/up) whose output stays whole while a part of it is used

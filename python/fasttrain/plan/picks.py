@@ -68,6 +68,12 @@ def _largest(values: list[int], ok) -> int | None:
     return values[hi]
 
 
+def _of(nbytes: int, gpu: GPU) -> str:
+    """'X GiB of Y' as the fit check counts them: the peak, its 5% margin and the CUDA context."""
+    return f"{gib(gpu.memory_bytes - fits(nbytes, gpu.memory_bytes, gpu.context_bytes)[1]):.2f} GiB with the " \
+           f"allocator margin and the CUDA context, of {gib(gpu.memory_bytes):.1f}"
+
+
 def _fit(parts: dict | None, gpu: GPU) -> bool:
     return parts is None or fits(sum(parts.values()), gpu.memory_bytes, gpu.context_bytes)[0]
 
@@ -90,7 +96,7 @@ def _pick_rollout(m, s: RunShape, gpu: GPU, dev: Device, probe: bool) -> tuple[R
         if getattr(s, wave_f):
             knobs = f"{SETTINGS[wave_f]} (set to {getattr(s, wave_f)}; 0 lets the plan pick), " + knobs
         return s, (f"the {what} does not fit even {rows} answers at a time at full length "
-                   f"({gib(need):.2f} GiB of {gib(gpu.memory_bytes):.1f}): lower {knobs}")
+                   f"({_of(need, gpu)}): lower {knobs}")
     s = s.with_(**{wave_f: min(wave, n)})
     chunk = getattr(s, chunk_f) or _largest(_sizes(min(wave, n)), lambda v: ok(s.with_(**{chunk_f: v})))
     if chunk is None or not ok(s.with_(**{chunk_f: chunk})):
@@ -114,7 +120,7 @@ def _pick_micro_batch(m, s: RunShape, gpu: GPU, dev: Device) -> tuple[RunShape, 
     one = s.with_(micro_batch=1, gradient_checkpointing=True)
     need = max(sum(update_phase(m, one, dev).values()), sum((scores_phase(m, one, dev) or {}).values()))
     return s, (f"the update does not fit even one answer per micro-batch with gradient checkpointing "
-               f"({gib(need):.2f} GiB of {gib(gpu.memory_bytes):.1f}): lower rollout.max_new_tokens")
+               f"({_of(need, gpu)}): lower rollout.max_new_tokens")
 
 
 def pick_settings(m: ModelShape, s: RunShape, gpu: GPU, dev: Device) -> Picks:
@@ -138,11 +144,11 @@ def _picks(m: ModelShape, s: RunShape, gpu: GPU, dev: Device) -> Picks:
     if not fits(resident, gpu.memory_bytes, gpu.context_bytes)[0]:
         return Picks(s, {f: getattr(s, f) for f in SETTINGS}, fixed, (
             f"the resident parts alone (frozen base, unquantised parts, adapters and their AdamW moments"
-            f"{', the dense rollout weights' if base['rollout_weights'] else ''}) are {gib(resident):.2f} GiB "
-            f"of {gib(gpu.memory_bytes):.1f}: use a larger GPU or a smaller model",))
+            f"{', the dense rollout weights' if base['rollout_weights'] else ''}) need {_of(resident, gpu)}: "
+            f"use a larger GPU or a smaller model",))
     if not _fit(load_phase(m), gpu):
-        blocked.append(f"the model alone ({gib(sum(load_phase(m).values())):.2f} GiB while it loads) does not fit "
-                       f"{gib(gpu.memory_bytes):.1f} GiB: use policy.quantize = \"nf4\", a larger GPU or a smaller model")
+        blocked.append(f"the model alone does not fit while it loads ({_of(sum(load_phase(m).values()), gpu)}): "
+                       f"use policy.quantize = \"nf4\", a larger GPU or a smaller model")
     out = s
     for step in (lambda x: _pick_rollout(m, x, gpu, dev, probe=False),
                  lambda x: _pick_rollout(m, x, gpu, dev, probe=True),
