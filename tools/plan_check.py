@@ -162,7 +162,9 @@ def main() -> None:
                 patch.close()
         seconds = time.perf_counter() - t0
     m = meta_policy(trainer.model.config, dtype=a.dtype, rank=32, alpha=64.0)
-    dev = Device("cuda") if a.device == "cuda" else Device("cpu", threads=torch.get_num_threads())
+    from fasttrain.plan.gpus import gpu_for_device
+    from fasttrain.plan.report import device_for
+    dev = device_for(gpu_for_device(a.device))      # with the free memory the "auto" rollout weights rule reads
     plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]), dev)
     rows = {ph: {"planned": plan.total(ph), "measured": measured[ph]} for ph in ("rollout", "scores", "update")
             if ph in measured and ph in plan.phases}
