@@ -183,6 +183,8 @@ class Trainer:
         if p is not None and p.picks is not None and not p.picks.fits:
             raise ConfigError(f"{self.cfg.policy.model} on {p.gpu.title}: " + "; ".join(p.picks.blocked)
                               + " (run.plan = \"warn\" runs it anyway)")
+        if p is not None:
+            self._apply_plan(p.shape)           # refuses a run that needs gradient checkpointing turned on
 
     def _print_plan(self) -> None:
         """The plan's one-line summary before the first step, and with run.plan = "apply" its
@@ -209,6 +211,9 @@ class Trainer:
 
     def _apply_plan(self, s) -> None:
         """The plan's picks as the phases' sizes (what the recipe fixes, the plan kept as it is)."""
+        if s.gradient_checkpointing and not self.cfg.policy.gradient_checkpointing:
+            raise ConfigError("the update does not fit without gradient checkpointing even at one answer per "
+                              "micro-batch: set policy.gradient_checkpointing = true (run.plan = \"warn\" runs it anyway)")
         self.sizes["rollout"] = s.wave_prompts if s.wave_prompts < s.prompts else None
         self.sizes["scores"] = self.sizes["update"] = s.micro_batch
         self.prefill = {"rollout": s.prefill_prompts if s.prefill_prompts < s.wave_prompts else 0,
