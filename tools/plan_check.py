@@ -8,6 +8,8 @@ reset at each start); on the CPU, the profiler's allocator events (tests/plan/me
 Writes plan_check.json and prints planned / measured per phase.
 
   PYTHONPATH=python python tools/plan_check.py --model smollm2-135m --device cuda --out DIR
+  (--layers N keeps the first N layers of the same widths, for long answers on a CPU: the plan is
+  built from the same config, so it is told the same shape)
 """
 from __future__ import annotations
 
@@ -46,6 +48,12 @@ def policy(dtype: str = "bfloat16"):
 
     data = model_config(ARGS["model"])
     data.pop("torch_dtype", None)
+    if ARGS.get("layers"):                    # fewer layers of the same widths (the plan reads this config)
+        data["num_hidden_layers"] = ARGS["layers"]
+        if "layer_types" in data:
+            data["layer_types"] = data["layer_types"][:ARGS["layers"]]
+    # room for the prompt and the answers (SmolLM2's published context is 2,048 positions)
+    data["max_position_embeddings"] = max(data.get("max_position_embeddings", 0), ARGS.get("context", 0))
     cfg = AutoConfig.for_model(data.pop("model_type"), **data)
     cfg.eos_token_id = cfg.bos_token_id = 2
     cfg.pad_token_id = 0
@@ -116,9 +124,11 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
+    ap.add_argument("--probe-prompts", type=int, default=50)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    ARGS.update(model=a.model, device=a.device)
+    ARGS.update(model=a.model, device=a.device, layers=a.layers, context=a.prompt_tokens + a.new + 64)
     import padded_world
 
     from fasttrain.plan import Device, meta_policy, plan_memory, run_shape
@@ -135,6 +145,7 @@ def main() -> None:
             "advantages": {"priorities": {"core": 3.0}, "floor": -1e9},
             "loss": {"kind": "cispo", "repo_r": True, "passes": 2, "token_mask": "all"},
             "optim": {"micro_batch": a.micro_batch},
+            "probe": {"prompts": a.probe_prompts},
         }
         sys.modules.setdefault("plan_check", sys.modules[__name__])
         cfg = load_config(recipe)
@@ -151,7 +162,9 @@ def main() -> None:
                 patch.close()
         seconds = time.perf_counter() - t0
     m = meta_policy(trainer.model.config, dtype=a.dtype, rank=32, alpha=64.0)
-    dev = Device("cuda") if a.device == "cuda" else Device("cpu", threads=torch.get_num_threads())
+    from fasttrain.plan.gpus import gpu_for_device
+    from fasttrain.plan.report import device_for
+    dev = device_for(gpu_for_device(a.device))      # with the free memory the "auto" rollout weights rule reads
     plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]), dev)
     rows = {ph: {"planned": plan.total(ph), "measured": measured[ph]} for ph in ("rollout", "scores", "update")
             if ph in measured and ph in plan.phases}
@@ -160,7 +173,8 @@ def main() -> None:
            "shape": vars(a), "prompt_tokens": measured["prompt_tokens"], "phases": rows, "seconds": seconds,
            "driver_used_minus_allocated": measured.get("driver_used_minus_allocated")}
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / f"plan_check_{a.model}.json").write_text(json.dumps(out, indent=2))
+    tag = f"{a.model}" + (f"-{a.layers}layers-{a.new}new" if a.layers else "")
+    (Path(a.out) / f"plan_check_{tag}.json").write_text(json.dumps(out, indent=2))
     print(f"plan vs measured peak allocated, {a.model} {a.dtype} on {out['device_name']} "
           f"({a.prompts}x{a.group} rows, prompt {measured['prompt_tokens']} + {a.new}, micro-batch {a.micro_batch})")
     for ph, r in rows.items():

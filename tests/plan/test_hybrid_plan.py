@@ -33,10 +33,13 @@ def test_27b_size_layers_and_state(m27):
 def test_rollout_memory_counts_kv_of_full_layers_and_the_state_per_row(m27):
     s = RunShape(prompts=2, group=8, prompt_tokens=360, new_tokens=32, micro_batch=8, passes=2)
     plan = plan_memory(m27, s, Device("cuda"))
-    kv = plan.phases["rollout"]["kv_cache"]
+    r = plan.phases["rollout"]
     B, n, S = 16, 2, 392
-    # the B rows' cache; the n prompts' own states live during the prefill only, with its activations
-    assert kv == 16 * 2 * B * 4 * S * 256 * 2 + B * m27.state_bytes
+    # the B rows' cache, each row's states apart; the n prompts' own states live during the prefill
+    # only, with its activations
+    assert r["kv_cache"] == 16 * 2 * B * 4 * S * 256 * 2
+    assert (r["recurrent_state"], r["conv_state"]) == (B * m27.recurrent_bytes, B * m27.conv_bytes)
+    assert r["recurrent_state"] + r["conv_state"] == B * m27.state_bytes
 
 
 def test_forward_flops_add_the_state_math(m27):

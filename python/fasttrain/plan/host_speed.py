@@ -97,7 +97,8 @@ def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: 
     rep = 2.0 * m.heads * m.head_dim if m.heads != m.kv_heads else 0.0   # the prefill repeats K/V per head
     rollout += n * P * proj / mm + _attn(m, n * P * P) / r.attention(compute_dtype, False)
     rollout += L * n * P * (_elementwise(m, not dense_rollout) + rep) / ew
-    rollout += (0 if dense_rollout else dequant) + L * r.forward_layer + r.forward_call
+    chunks = -(-n // s.prefill_prompts)                     # prefill chunks: each pays the per-call costs
+    rollout += chunks * ((0 if dense_rollout else dequant) + L * r.forward_layer + r.forward_call)
     rollout += 2.0 * n * H * V / r.rows_matmul(compute_dtype, n) + n * V / r.sampling
     weights = (m.linear_params * cb if dense_rollout else nf4_bytes) + V * H * m.w
     kv_col = L * 2 * m.kv_heads * m.head_dim * m.w            # bytes of one cache column of one row

@@ -2,8 +2,11 @@
 
 Phases (what is live at each one's peak):
   load     the model being read and quantized tensor by tensor (fasttrain.plan.load)
-  rollout  resident + KV cache [L, 2, B, kv_heads, P+T, head_dim] + prefill of the n distinct
-           prompts (their own cache, the masks, one layer's activations) or a decode step's
+  rollout  one wave (fasttrain.plan.picks: the rollout's B rows decoded s.wave_prompts prompts at a
+           time, the earlier waves' outputs kept): resident + KV cache [L, 2, B_wave, kv_heads,
+           P+T, head_dim] (a hybrid's recurrent state and conv windows per row, apart) + a prefill
+           chunk of s.prefill_prompts prompts (their own cache, the masks, one layer's
+           activations) or a decode step's
            sampling buffers ([B, V] fp32 logits, log-probs, Gumbel noise, their difference), whichever
            is larger; with dense rollout weights (rollout.base_weights) the projections run as one
            GEMM per group (q/k/v, gate/up) whose output stays whole while a part of it is used
@@ -56,7 +59,8 @@ from fasttrain.plan.load import load_phase
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
 
-__all__ = ["Device", "MemoryPlan", "PARTS", "plan_memory", "update_tokens"]
+__all__ = ["Device", "MemoryPlan", "PARTS", "plan_memory", "probe_phase", "resident_base", "rollout_phase",
+           "scores_phase", "update_phase", "update_tokens"]
 
 # Table rows, in order, with the words the table prints.
 PARTS = {
@@ -69,7 +73,9 @@ PARTS = {
     "adapter_grads": "adapters: gradients",
     "workspace": "workspace (dequantised NF4 projection)",
     "batch": "step batch (ids, masks, log-probs)",
-    "kv_cache": "KV cache",
+    "kv_cache": "KV cache (full-attention layers)",
+    "recurrent_state": "recurrent state (Gated DeltaNet, fp32)",
+    "conv_state": "conv windows (Gated DeltaNet)",
     "activations": "activations",
     "logprob_head": "log-prob head (fused: N x H buffers)",
     "undo_copy": "host copy of adapters + AdamW (out-of-memory retry, k > 1 passes)",
@@ -290,23 +296,42 @@ def _logprob_head(m: ModelShape, dev: Device, n_tok: int, grad: bool) -> int:
     return b + _logprob_scratch(m, dev, n_tok)
 
 
-def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int, dense: bool) -> dict:
+def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: int, T: int, dense: bool) -> dict:
+    """One wave of a rollout of n_all prompts: n prompts' G answers decoded at once, prefilled c
+    prompts at a time, the earlier waves' outputs kept (the trainer joins the waves at the end)."""
     w, L, H, V, D = m.w, m.layers, m.hidden, m.vocab, m.head_dim
-    c = _compute_bytes(m, dev)
     lay = _layers_of(m)
     B, S = n * G, P + T
     L = m.kv_layers                   # a hybrid's KV lives in its full-attention layers only
-    kv = L * 2 * B * m.kv_heads * S * D * w + B * m.state_bytes   # + a hybrid's fixed per-row state
+    caches = {"kv_cache": L * 2 * B * m.kv_heads * S * D * w,       # + a hybrid's fixed per-row states
+              "recurrent_state": B * m.recurrent_bytes, "conv_state": B * m.conv_bytes}
     book = B * S + B * T * (8 + 4 + 1) + n * S * 8 + 2 * n * P
+    book += (n_all - n) * G * (S * 24 + T * 13)    # the earlier waves' rollouts: ids, masks, positions, log-probs
     rot = m.rotary_dim or D           # the rotary tables [., S, rot] (a hybrid turns part of head_dim)
     rope_b = 2 * B * S * rot * w
-    # prefill: the prompts' own cache (and a hybrid's states for them), masks [n, P, P] and [P, P],
-    # the residual, one layer
-    small = L * 2 * n * m.kv_heads * P * D * w + n * m.state_bytes
-    masks = 2 * P * P + 2 * n * P * P
-    prefill = small + masks + n * P * H * w + 2 * n * S * rot * w + \
-        lay.prefill_layer_peak(m, n, P, _live_output_bytes(m, dev), dense) + n * V * (w + 4)
-    # decode: [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
+    # prefill of c prompts: their own cache (and a hybrid's states for them), masks [c, P, P] and
+    # [P, P], the residual, one layer; the wave's rotary tables and the earlier chunks' hidden rows
+    small = L * 2 * c * m.kv_heads * P * D * w + c * m.state_bytes
+    masks = 2 * P * P + 2 * c * P * P
+    prefill = small + masks + c * P * H * w + 2 * n * S * rot * w + n * H * w + \
+        lay.prefill_layer_peak(m, c, P, _live_output_bytes(m, dev), dense) + c * V * (w + 4)
+    sampling, step = _decode_step(m, dev, B, S, dense)
+    decode = rope_b + sampling + step
+    # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64)
+    merge = max(o * i for o, i in m.projections) * (8 if w == 8 else 4) if dense else 0
+    prefill = max(prefill, merge)
+    if decode >= prefill:
+        return {**caches, "activations": rope_b + step + book, "sampling": sampling}
+    return {**caches, "activations": prefill + book, "sampling": 0}
+
+
+def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tuple[int, int]:
+    """(sampling buffers, a layer's locals) of one decode step of B rows over S cache columns."""
+    w = m.w
+    c = _compute_bytes(m, dev)
+    lay = _layers_of(m)
+    V, H = m.vocab, m.hidden
+    # [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
     sampling = B * V * (16 + (w if w != 4 else 0))
     # a layer's locals: attention's fp32 scores [B, heads, S], or a hybrid's Gated DeltaNet step
     step = B * (4 * H * w + 3 * m.intermediate * w) + max(B * m.heads * S * 4, lay.decode_locals(m, B))
@@ -318,13 +343,7 @@ def _rollout(m: ModelShape, dev: Device, n: int, G: int, P: int, T: int, dense: 
     elif dev.kind == "cpu":
         tile = max(min(o, max(8, CPU_DECODE_TILE // (i * c))) * i * c for o, i in m.projections)
         step += dev.threads * tile + 2 * B * max(o for o, _ in m.projections) * c
-    decode = rope_b + sampling + step
-    # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64)
-    merge = max(o * i for o, i in m.projections) * (8 if w == 8 else 4) if dense else 0
-    prefill = max(prefill, merge)
-    if decode >= prefill:
-        return {"kv_cache": kv, "activations": rope_b + step + book, "sampling": sampling}
-    return {"kv_cache": kv, "activations": prefill + book, "sampling": 0}
+    return sampling, step
 
 
 def _prefix_shape(s: RunShape) -> tuple[int, int, int, int]:
@@ -382,8 +401,9 @@ def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dic
     return {"activations": act + shared + s.rows * T * 4 * 3, "logprob_head": head_part}
 
 
-def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPlan:
-    """Bytes by part for each phase of a step (steady state: AdamW moments exist)."""
+def resident_base(m: ModelShape, s: RunShape, dev: Device) -> dict:
+    """{part: bytes} live in every phase of a step: the model, the adapters and their AdamW
+    moments, the dense rollout weights when the run keeps them, the kernels' workspace."""
     res = dict(m.resident)
     c = _compute_bytes(m, dev)
     # CPU: the NF4 kernels' reusable dequantisation scratch (thread-local, kept). CUDA: the dequantised
@@ -399,20 +419,44 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
         workspace = 0
     resident = res["nf4_base"] + res["dense_parts"] + res["adapter_masters"] + res.get("dora_norms", 0)
     dense = use_dense(s.rollout_weights, m.linear_params * m.w, dev.free - resident)
-    base = {"nf4_base": res["nf4_base"], "dense_parts": res["dense_parts"],
+    return {"nf4_base": res["nf4_base"], "dense_parts": res["dense_parts"],
             "adapter_masters": res["adapter_masters"], "dora_norms": res.get("dora_norms", 0),
-            "rollout_weights": m.linear_params * m.w if dense else 0, "adam_moments": 2 * res["adapter_masters"], "adapter_grads": 0, "workspace": workspace,
-            "batch": 0, "kv_cache": 0, "activations": 0, "logprob_head": 0, "sampling": 0}
+            "rollout_weights": m.linear_params * m.w if dense else 0, "adam_moments": 2 * res["adapter_masters"],
+            "adapter_grads": 0, "workspace": workspace, "batch": 0, "kv_cache": 0, "recurrent_state": 0,
+            "conv_state": 0, "activations": 0, "logprob_head": 0, "sampling": 0}
+
+
+def rollout_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict:
+    """{part: bytes} at the rollout's peak: one wave of s.wave_prompts prompts, prefilled
+    s.prefill_prompts at a time."""
+    base = resident_base(m, s, dev)
+    return {**base, **_rollout(m, dev, s.prompts, s.wave_prompts, s.prefill_prompts, s.group, s.prompt_tokens,
+                               s.new_tokens, base["rollout_weights"] > 0)}
+
+
+def probe_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict:
+    """{part: bytes} at the probe's peak (the rollout's formula with the probe's shape and waves)."""
+    base = resident_base(m, s, dev)
+    return {**base, **_rollout(m, dev, s.probe_prompts, s.probe_wave_prompts, s.probe_prefill_prompts,
+                               s.probe_samples, s.prompt_tokens, s.probe_new_tokens, base["rollout_weights"] > 0)}
+
+
+def _batch_bytes(s: RunShape) -> int:
     B, S, T = s.rows, s.seq, s.new_tokens
-    batch = B * S * 24 + B * T * (8 + 1 + 4) + B * (8 * 2 + 1 + 4)
-    plan = MemoryPlan()
-    plan.phases["load"] = load_phase(m)                 # before the first step (fasttrain.plan.load)
-    plan.phases["rollout"] = {**base, **_rollout(m, dev, s.prompts, s.group, s.prompt_tokens, T, dense)}
-    plan.phases["probe"] = {**base, **_rollout(m, dev, s.probe_prompts, s.probe_samples, s.prompt_tokens,
-                                                s.probe_new_tokens, dense)}
-    if s.need_ref or s.need_old:
-        plan.phases["scores"] = {**base, "batch": batch, **_scores(m, dev, s)}
-    upd = _update(m, dev, s, s.gradient_checkpointing)
+    return B * S * 24 + B * T * (8 + 1 + 4) + B * (8 * 2 + 1 + 4)
+
+
+def scores_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict | None:
+    """{part: bytes} at the no-grad scores' peak, or None when the recipe needs none."""
+    if not (s.need_ref or s.need_old):
+        return None
+    return {**resident_base(m, s, dev), "batch": _batch_bytes(s), **_scores(m, dev, s)}
+
+
+def update_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict:
+    """{part: bytes} at the update's peak: one micro-batch's forward + backward."""
+    res = m.resident
+    B = s.rows
     # Gradients: all of them once a micro-batch has run backward, so a second full micro-batch peaks
     # with every gradient present; a step of one micro-batch (per pass: zero_grad frees them) peaks in
     # its last layer's backward, when only that layer's gradients exist.
@@ -422,7 +466,20 @@ def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPla
     # update, so an out-of-memory retry can undo the passes that stepped; on a CPU host memory is
     # the device's memory (on a GPU it is not counted)
     undo = 3 * res["adapter_masters"] if dev.kind == "cpu" and s.passes > 1 else 0
-    plan.phases["update"] = {**base, "batch": batch, "adapter_grads": grads, "undo_copy": undo, **upd}
+    return {**resident_base(m, s, dev), "batch": _batch_bytes(s), "adapter_grads": grads, "undo_copy": undo,
+            **_update(m, dev, s, s.gradient_checkpointing)}
+
+
+def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPlan:
+    """Bytes by part for each phase of a step (steady state: AdamW moments exist)."""
+    plan = MemoryPlan()
+    plan.phases["load"] = load_phase(m)                 # before the first step (fasttrain.plan.load)
+    plan.phases["rollout"] = rollout_phase(m, s, dev)
+    plan.phases["probe"] = probe_phase(m, s, dev)
+    scores = scores_phase(m, s, dev)
+    if scores is not None:
+        plan.phases["scores"] = scores
+    plan.phases["update"] = update_phase(m, s, dev)
     other = _update(m, dev, s, not s.gradient_checkpointing)
     n_tok = update_tokens(s)
     plan.notes = {

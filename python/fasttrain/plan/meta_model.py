@@ -85,10 +85,13 @@ class ModelShape:
     # fixed per-sequence state of the others (conv window in the model's dtype + float32 recurrent
     # state, bytes per row), and the state math per token (FLOPs, outside the projections)
     full_layers: int | None = None
-    state_bytes: int = 0
+    state_bytes: int = 0             # conv_bytes + recurrent_bytes
+    conv_bytes: int = 0              # per row: the conv windows of every Gated DeltaNet layer (model dtype)
+    recurrent_bytes: int = 0         # per row: the recurrent states [Hv, Dk, Dv] of every such layer (float32)
     state_flops: float = 0.0
     delta: tuple = ()                # Gated DeltaNet heads: (Hk, Dk, Hv, Dv, conv kernel K); () for none
     rotary_dim: int = 0              # dims the rotary embedding turns (0: all of head_dim)
+    context: int = 0                 # max_position_embeddings (prompt + answer); 0: not given
 
     @property
     def kv_layers(self) -> int:
@@ -192,11 +195,12 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         adapter_params=sum(p.numel() for p in adapters), adapter_kind=adapter, rank=rank,
         resident={"nf4_base": base, "dense_parts": sum(other.values()), "adapter_masters": adapter_bytes,
                   "dora_norms": wsq}, stored_w=_stored_w(stored),
-        fp8_block=fp8.block if fp8 is not None else ())
+        fp8_block=fp8.block if fp8 is not None else (),
+        context=int(getattr(cfg, "max_position_embeddings", 0) or 0))
 
 
 def hybrid_state(cfg, dtype: torch.dtype) -> dict:
-    """full_layers, state_bytes, state_flops, delta (the Gated DeltaNet head dims) and rotary_dim of a
+    """full_layers, state_bytes (= conv_bytes + recurrent_bytes), state_flops, delta (the Gated DeltaNet head dims) and rotary_dim of a
     hybrid's config (nothing for a plain transformer).
     Per Gated DeltaNet layer and sequence: the conv window (K-1 inputs of the 2·Hk·Dk + Hv·Dv conv
     channels, model dtype) and the recurrent state [Hv, Dk, Dv] in float32 (float64 for a float64
@@ -210,11 +214,13 @@ def hybrid_state(cfg, dtype: torch.dtype) -> dict:
     Dk, Dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     w = torch.empty((), dtype=dtype).element_size()
     channels = 2 * Hk * Dk + Hv * Dv
-    state = (K - 1) * channels * w + Hv * Dk * Dv * (8 if dtype == torch.float64 else 4)
+    conv = (K - 1) * channels * w
+    recurrent = Hv * Dk * Dv * (8 if dtype == torch.float64 else 4)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    return {"full_layers": len(kinds) - n_lin, "state_bytes": n_lin * state,
+    return {"full_layers": len(kinds) - n_lin, "state_bytes": n_lin * (conv + recurrent),
+            "conv_bytes": n_lin * conv, "recurrent_bytes": n_lin * recurrent,
             "state_flops": n_lin * (8.0 * Hv * Dk * Dv + 2.0 * K * channels), "delta": (Hk, Dk, Hv, Dv, K),
             "rotary_dim": int(head_dim * factor)}
 

@@ -8,10 +8,11 @@ from fasttrain.plan.gpus import GPU
 from fasttrain.plan.limits import largest_settings
 from fasttrain.plan.memory import PARTS, Device, MemoryPlan, fits, gib, plan_memory
 from fasttrain.plan.meta_model import ModelShape, meta_policy
+from fasttrain.plan.picks import Picks, pick_settings
 from fasttrain.plan.run_shape import RunShape
-from fasttrain.plan.speed import StepTime, plan_time
+from fasttrain.plan.speed import StepTime, plan_time, waves
 
-__all__ = ["Plan", "make_plan", "render", "summary_line", "as_json", "device_for"]
+__all__ = ["Plan", "make_plan", "render", "summary_line", "as_json", "device_for", "plan_run", "plan_for_run"]
 
 
 def device_for(gpu: GPU) -> Device:
@@ -33,6 +34,11 @@ class Plan:
     fits: bool
     headroom: int
     limits: dict
+    picks: Picks | None = None
+    pick_seconds: dict | None = None      # RunShape field -> seconds its pick adds (a step's, or a probe's)
+    recipe_micro_batch: int = 0
+    recipe_rollout_weights: str = "auto"
+    prompt_estimated: bool = False        # the prompt tokens were estimated (no tokenizer at hand)
 
     @property
     def peak(self) -> int:
@@ -41,22 +47,63 @@ class Plan:
 
 def make_plan(config, shape: RunShape, gpu: GPU, name: str = "model", env: str = "", mfu: float = 0.4,
               verifier_answers_per_s: float | None = None, with_limits: bool = True,
-              decode_share: float = 1.0, measure_shapes: bool = True) -> Plan:
-    """Plan `shape` for the model of `config` (dict or transformers config) on `gpu`."""
-    m = meta_policy(config, name=name, dtype=shape.dtype, adapter=shape.adapter, rank=shape.rank,
-                    alpha=shape.alpha, targets=shape.targets, quantize=shape.quantize)
+              decode_share: float = 1.0, measure_shapes: bool = True, model: ModelShape | None = None) -> Plan:
+    """Plan `shape` for the model of `config` (dict or transformers config) on `gpu`; `model`: the
+    ModelShape meta_policy built for that config and shape already (it is not built again)."""
+    m = model or meta_policy(config, name=name, dtype=shape.dtype, adapter=shape.adapter, rank=shape.rank,
+                             alpha=shape.alpha, targets=shape.targets, quantize=shape.quantize)
     dev = device_for(gpu)
-    mem = plan_memory(m, shape, dev)
+    picks = pick_settings(m, shape, gpu, dev)
+    mem = plan_memory(m, picks.shape, dev)
     ok, headroom = fits(mem.peak, gpu.memory_bytes, gpu.context_bytes)
     # what the projections compute in: the model's dtype on CUDA; on a CPU bf16 where it has
     # avx512_bf16 (fasttrain.ops.nf4_linear), else fp32
     compute = shape.dtype if dev.kind == "cuda" else (
         "bfloat16" if shape.dtype == "bfloat16" and dev.cpu_bf16 else "float32")
-    t = plan_time(m, shape, gpu, env=env, mfu=mfu, verifier_answers_per_s=verifier_answers_per_s,
-                  decode_share=decode_share, compute_dtype=compute,
-                  dense_rollout=mem.phases["rollout"].get("rollout_weights", 0) > 0, measure_shapes=measure_shapes)
+    dense = mem.phases["rollout"].get("rollout_weights", 0) > 0
+
+    def timed(s: RunShape) -> StepTime:
+        return plan_time(m, s, gpu, env=env, mfu=mfu, verifier_answers_per_s=verifier_answers_per_s,
+                         decode_share=decode_share, compute_dtype=compute, dense_rollout=dense,
+                         measure_shapes=measure_shapes)
+    t = timed(picks.shape)
     lim = largest_settings(m, shape, gpu, dev) if with_limits else {}
-    return Plan(m, shape, gpu, mem, t, ok, headroom, lim)
+    return Plan(m, picks.shape, gpu, mem, t, ok and picks.fits, headroom, lim, picks,
+                _pick_seconds(shape, picks, t, timed), shape.micro_batch, shape.rollout_weights)
+
+
+def _probe_shape(s: RunShape) -> RunShape:
+    """The probe as a rollout: its prompts, samples, answer length, waves and prefill chunk."""
+    return s.with_(prompts=s.probe_prompts, group=s.probe_samples, new_tokens=s.probe_new_tokens,
+                   wave=s.probe_wave, prefill_chunk=s.probe_prefill_chunk)
+
+
+def _pick_seconds(recipe: RunShape, picks: Picks, picked: StepTime, timed) -> dict:
+    """Seconds each pick adds over running its phase whole (one wave, one prefill, the recipe's
+    micro-batch and checkpointing), applied one after the other: a step's for the rollout's and the
+    update's settings, a probe's for the probe's. Settings that change nothing are not priced."""
+    s = picks.shape.with_(wave=0, prefill_chunk=0, probe_wave=0, probe_prefill_chunk=0,
+                          micro_batch=recipe.micro_batch, gradient_checkpointing=recipe.gradient_checkpointing)
+    effective = {"wave": "wave_prompts", "prefill_chunk": "prefill_prompts", "micro_batch": "micro_batch",
+                 "gradient_checkpointing": "gradient_checkpointing"}
+    out: dict = {}
+    before = None
+    for f, prop in effective.items():
+        nxt = s.with_(**{f: getattr(picks.shape, f)})
+        if getattr(nxt, prop) != getattr(s, prop):
+            before = before or timed(s)
+            after = picked if nxt == picks.shape else timed(nxt)
+            out[f] = after.total - before.total
+            before = after
+        s = nxt
+    probe = _probe_shape(s.with_(probe_wave=0, probe_prefill_chunk=0))
+    for f, g, prop in (("probe_wave", "wave", "wave_prompts"), ("probe_prefill_chunk", "prefill_chunk",
+                                                                "prefill_prompts")):
+        nxt = probe.with_(**{g: getattr(picks.shape, f)})
+        if getattr(nxt, prop) != getattr(probe, prop):
+            out[f] = timed(nxt).seconds["rollout"] - timed(probe).seconds["rollout"]
+        probe = nxt
+    return out
 
 
 def _per_s(v: float, unit: str) -> str:
@@ -70,9 +117,13 @@ def _g(b: float) -> str:
 
 def summary_line(p: Plan) -> str:
     verdict = "fits" if p.fits else "DOES NOT FIT"
+    s = p.shape
     return (f"plan: {p.model.name} on {p.gpu.title}: peak {gib(p.peak):.2f} GiB in {p.memory.peak_phase} "
             f"of {gib(p.gpu.memory_bytes):.1f} GiB -> {verdict} (headroom {gib(p.headroom):.2f} GiB); "
-            f"step ~{p.time.total:.1f} s on paper ({p.time.dominant} dominates)")
+            f"rollout {s.wave_prompts} prompt(s) a wave, prefill {s.prefill_prompts}; probe "
+            f"{s.probe_wave_prompts} a wave, prefill {s.probe_prefill_prompts}; micro-batch {s.micro_batch}; "
+            f"step ~{p.time.total:.1f} s on paper ({p.time.dominant} dominates)"
+            + "".join(f"; DOES NOT FIT: {why}" for why in (p.picks.blocked if p.picks else ())))
 
 
 def render(p: Plan) -> str:
@@ -118,36 +169,51 @@ def render(p: Plan) -> str:
     total = p.time.total
     probe = 0.0
     if s.probe_every:
-        from fasttrain.plan.speed import plan_time as _pt
-        probe_shape = s.with_(prompts=s.probe_prompts, group=s.probe_samples, new_tokens=s.probe_new_tokens)
-        probe = _pt(m, probe_shape, g).seconds["rollout"] * (s.steps // s.probe_every + 1) / max(1, s.steps)
+        probe = plan_time(m, _probe_shape(s), g).seconds["rollout"] * (s.steps // s.probe_every + 1) / max(1, s.steps)
     lines += [f"  {'step':10s}{total:10.2f}   ({p.time.dominant} dominates)",
               f"  {s.steps} steps (+ probes): {(total + probe) * s.steps / 3600:.1f} GPU-hours"]
     lines += [f"  assumption: {a}" for a in p.time.assumptions]
+    if p.picks is not None:
+        lines += ["", "picked so that every phase fits (largest that fits; a positive recipe value is kept)"]
+        lines += [f"  {line}" for line in pick_lines(p)]
+        lines += [f"  DOES NOT FIT: {why}" for why in p.picks.blocked]
     if p.limits:
-        lines += ["", "largest settings that fit (the others at the recipe's values)"]
+        lines += ["", "largest settings that fit (the others at the recipe's values; waves, prefill chunks and "
+                      "the micro-batch picked)"]
         for k, v in p.limits.items():
-            cap = {"micro_batch": f" (all {s.rows} rows)" if v == s.rows else ""}.get(k, "")
-            lines.append(f"  {k:16s}{'none: does not fit even at the smallest' if v is None else str(v) + cap}")
-        if p.limits.get("micro_batch") is None:
-            knobs = {"rollout": "rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens",
-                     "probe": "probe.prompts or probe.max_new_tokens (the probe prefills all its prompts at once)",
-                     "scores": "optim.micro_batch", "update": "optim.micro_batch"}
-            upd = p.memory.phases["update"]
-            resident = sum(upd[k] for k in ("nf4_base", "dense_parts", "adapter_masters", "adam_moments",
-                                              "dora_norms", "workspace"))
-            worst = max((ph for ph in p.memory.phases if ph != "update"), key=p.memory.total)
-            if resident + g.context_bytes >= g.memory_bytes:
-                lines.append(
-                    f"  this run does not fit even at micro_batch 1: the resident parts alone (frozen base, unquantised "
-                    f"parts, adapters and their AdamW moments) are {gib(resident):.2f} GiB of {gib(g.memory_bytes):.1f}; "
-                    f"use a larger GPU or a smaller model")
-            else:
-                lines.append(
-                    f"  this run does not fit even at micro_batch 1: the resident parts alone are {gib(resident):.2f} GiB "
-                    f"and the {worst} phase needs {gib(p.memory.total(worst)):.2f} GiB of {gib(g.memory_bytes):.1f}; "
-                    f"lower {knobs[worst]}, or use a larger GPU or a smaller model")
+            cap = {"micro_batch": f" (all {s.rows} rows)" if v == s.rows else "",
+                   "max_new_tokens": " (the model's context less the prompt)" if "max_new_tokens_memory" in p.limits
+                   else ""}.get(k, "")
+            label = "memory alone" if k == "max_new_tokens_memory" else k
+            lines.append(f"  {label:16s}{'none: does not fit even at the smallest' if v is None else str(v) + cap}")
     return "\n".join(lines)
+
+
+def pick_lines(p: Plan) -> list[str]:
+    """One line per picked setting: its value, whether the recipe set it, what it costs in time."""
+    s, pk, sec = p.shape, p.picks, p.pick_seconds or {}
+
+    def cost(f: str, per: str = "step") -> str:
+        what = "one wave" if "wave" in f else "one prefill" if "chunk" in f else "the recipe's"
+        return f"; +{sec[f]:.2f} s per {per} over {what}" if f in sec else ""
+
+    def own(f: str) -> str:
+        return " (the recipe's)" if f in pk.fixed else ""
+    n_waves = -(-s.prompts // s.wave_prompts)
+    p_waves = -(-s.probe_prompts // s.probe_wave_prompts)
+    return [
+        f"rollout waves   {s.wave_prompts} prompt(s) x {s.group} = {s.wave_prompts * s.group} answers decoded at once, "
+        f"{n_waves} wave(s){own('wave')}{cost('wave')}",
+        f"rollout prefill {s.prefill_prompts} prompt(s) at a time{own('prefill_chunk')}{cost('prefill_chunk')}",
+        f"probe waves     {s.probe_wave_prompts} prompt(s) x {s.probe_samples} answers at once, {p_waves} wave(s)"
+        f"{own('probe_wave')}{cost('probe_wave', 'probe')}",
+        f"probe prefill   {s.probe_prefill_prompts} prompt(s) at a time{own('probe_prefill_chunk')}"
+        f"{cost('probe_prefill_chunk', 'probe')}",
+        f"micro-batch     {s.micro_batch} answer(s) (recipe: at most {p.recipe_micro_batch}){cost('micro_batch')}",
+        f"checkpointing   {'on' if s.gradient_checkpointing else 'off'}{cost('gradient_checkpointing')}",
+    ] + ([f"rollout weights the NF4 layers (rollout.base_weights \"auto\" would keep a dense copy of "
+          f"{gib(p.model.linear_params * p.model.w):.2f} GiB, which leaves no setting that fits)"]
+         if s.rollout_weights != p.recipe_rollout_weights else [])
 
 
 def as_json(p: Plan) -> dict:
@@ -162,14 +228,17 @@ def as_json(p: Plan) -> dict:
         "peak_bytes": p.peak, "peak_phase": p.memory.peak_phase, "fits": p.fits, "headroom_bytes": p.headroom,
         "seconds": {**p.time.seconds, "step": p.time.total}, "dominant": p.time.dominant,
         "assumptions": p.time.assumptions, "largest": p.limits,
+        "picks": None if p.picks is None else {
+            "settings": p.picks.chosen, "fixed_by_recipe": list(p.picks.fixed), "blocked": list(p.picks.blocked),
+            "seconds_added": p.pick_seconds or {}},
     }
 
 
-def plan_for_run(cfg, model_config, prompt_tokens: int, device, world: int = 1) -> tuple[str, bool]:
-    """(one-line summary, fits) for a run about to start on `device` (the trainer's faces); with
-    `world` data-parallel ranks, each rank holds prompts_per_step / world prompts and its share
-    of the probe. Times come from this host's measured rates when `fasttrain plan` has cached
-    them (the trainer never stops to measure)."""
+def plan_run(cfg, model_config, prompt_tokens: int, device, world: int = 1) -> Plan:
+    """The plan of a run about to start on `device` (the trainer's face); with `world`
+    data-parallel ranks, each rank holds prompts_per_step / world prompts and its share of the
+    probe. Times come from this host's measured rates when `fasttrain plan` has cached them (the
+    trainer never stops to measure)."""
     import torch
 
     from fasttrain.plan.gpus import gpu_for_device, measured
@@ -180,6 +249,11 @@ def plan_for_run(cfg, model_config, prompt_tokens: int, device, world: int = 1) 
         shape = shape.with_(prompts=max(1, shape.prompts // world),
                             probe_prompts=max(1, -(-shape.probe_prompts // world)))
     kind = torch.device(device).type
-    p = make_plan(model_config, shape, measured(gpu_for_device(device), kind, cached_only=True),
-                  name=str(cfg.policy.model), env=cfg.env.name, with_limits=False, measure_shapes=False)
+    return make_plan(model_config, shape, measured(gpu_for_device(device), kind, cached_only=True),
+                     name=str(cfg.policy.model), env=cfg.env.name, with_limits=False, measure_shapes=False)
+
+
+def plan_for_run(cfg, model_config, prompt_tokens: int, device, world: int = 1) -> tuple[str, bool]:
+    """(one-line summary, fits) of plan_run."""
+    p = plan_run(cfg, model_config, prompt_tokens, device, world)
     return summary_line(p), p.fits

@@ -33,6 +33,13 @@ class RunShape:
     probe_new_tokens: int = 128
     probe_every: int = 100
     rollout_weights: str = "auto"   # rollout.base_weights: "auto" | "nf4" | "dequantized"
+    # Rollout waves: prompts whose G answers decode at once (the others wait for the next wave),
+    # and prompts per prefill chunk within a wave; the same for the probe. 0: the plan picks
+    # (fasttrain.plan.picks); a positive value is the recipe's own and is kept.
+    wave: int = 0
+    prefill_chunk: int = 0
+    probe_wave: int = 0
+    probe_prefill_chunk: int = 0
 
     @property
     def rows(self) -> int:
@@ -41,6 +48,24 @@ class RunShape:
     @property
     def seq(self) -> int:
         return self.prompt_tokens + self.new_tokens
+
+    @property
+    def wave_prompts(self) -> int:
+        """Prompts decoded at once in the rollout (all of them when no wave size is set)."""
+        return min(self.wave or self.prompts, self.prompts)
+
+    @property
+    def prefill_prompts(self) -> int:
+        """Prompts per prefill chunk of the rollout (a whole wave when not set)."""
+        return min(self.prefill_chunk or self.wave_prompts, self.wave_prompts)
+
+    @property
+    def probe_wave_prompts(self) -> int:
+        return min(self.probe_wave or self.probe_prompts, self.probe_prompts)
+
+    @property
+    def probe_prefill_prompts(self) -> int:
+        return min(self.probe_prefill_chunk or self.probe_wave_prompts, self.probe_wave_prompts)
 
     def with_(self, **kw) -> "RunShape":
         return replace(self, **kw)
@@ -59,4 +84,6 @@ def run_shape(cfg, prompt_tokens: int) -> RunShape:
         adapter=p.adapter, rank=p.rank,
         alpha=p.alpha, targets=tuple(p.targets), steps=cfg.run.steps, probe_prompts=cfg.probe.prompts,
         probe_samples=cfg.probe.samples, probe_new_tokens=cfg.probe.max_new_tokens or r.max_new_tokens,
-        probe_every=cfg.probe.every, rollout_weights=getattr(r, "base_weights", "auto"))
+        probe_every=cfg.probe.every, rollout_weights=getattr(r, "base_weights", "auto"),
+        wave=getattr(r, "wave_prompts", 0), prefill_chunk=getattr(r, "prefill_prompts", 0),
+        probe_wave=getattr(cfg.probe, "wave_prompts", 0), probe_prefill_chunk=getattr(cfg.probe, "prefill_prompts", 0))

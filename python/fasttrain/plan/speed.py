@@ -1,10 +1,12 @@
 """Time of one training step on paper, from first principles.
 
   prefill   2·(projection weights)·n·P FLOPs + attention 4·L·heads·head_dim·n·P² + the lm_head
-            on the n last positions, at `mfu` of the device's dense bf16 peak
+            on the n last positions, at `mfu` of the device's dense bf16 peak; per prefill chunk
+            at least one read of the weights
   decode    T steps, each at the larger of two floors: reading the NF4 weights (packed + absmax),
             the adapters, the lm_head and the KV cache of B rows once from memory at full
-            bandwidth, or 2·(weights)·B FLOPs at `mfu` of the peak
+            bandwidth, or 2·(weights)·B FLOPs at `mfu` of the peak; in waves (rows decoded at
+            once, fasttrain.plan.picks), each wave's T steps over its own rows
   verify    B answers at the environment's measured answers per second
   scores    no-grad forwards over the batch (reference with adapters off; the pre-update policy
             when the token mask needs entropies first), each micro-batch running each of its
@@ -25,7 +27,7 @@ from fasttrain.plan.gpus import GPU
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
 
-__all__ = ["StepTime", "plan_time", "prompt_runs", "VERIFIER_ANSWERS_PER_S"]
+__all__ = ["StepTime", "plan_time", "prompt_runs", "waves", "VERIFIER_ANSWERS_PER_S"]
 
 # The built-in verifiers' measured throughput (bench/bench_env.py, warm cache, one core of a quiet
 # 2-core AMD EPYC; bench/results/cpu-2c-AMD-EPYC-2026-11-30.md).
@@ -64,6 +66,46 @@ def _forward_flops(m: ModelShape, tokens: int, keys_per_token: float) -> float:
     return 2.0 * m.linear_params * tokens + attn + m.state_flops * tokens + _lora_flops(m, tokens)
 
 
+def waves(s: RunShape, probe: bool = False) -> list[tuple[int, int, int]]:
+    """(prompts, prefill chunk, how many) of the rollout's waves (or the probe's): full waves and
+    the last, smaller one."""
+    n = s.probe_prompts if probe else s.prompts
+    w = s.probe_wave_prompts if probe else s.wave_prompts
+    c = s.probe_prefill_prompts if probe else s.prefill_prompts
+    full, rest = divmod(n, w)
+    return [(w, c, full)] + ([(rest, min(c, rest), 1)] if rest else [])
+
+
+def _rollout_seconds(m: ModelShape, s: RunShape, n: int, chunk: int, flops: float, bw: float) -> float:
+    """One wave of n prompts: the prefill, chunk prompts at a time (each chunk at the larger of
+    its FLOPs and one read of the weights), then T decode steps of its n·G rows."""
+    B, P, T = n * s.group, s.prompt_tokens, s.new_tokens
+    H, V, w = m.hidden, m.vocab, m.w
+    weights = m.resident["nf4_base"] + m.resident["adapter_masters"] + V * H * w
+    full, rest = divmod(n, chunk)
+    prefill = 0.0
+    for c, k in ((chunk, full), (rest, 1 if rest else 0)):
+        if k:
+            prefill += k * max((_forward_flops(m, c * P, P) + 2.0 * H * V * c) / flops, weights / bw)
+    # step t (0-based) reads the weights, the B rows' KV of P + t + 1 columns and a hybrid's fixed
+    # state (read and written): a + k·t seconds at the bandwidth floor, against c at the FLOP floor
+    kv_row_col = m.kv_layers * 2 * m.kv_heads * m.head_dim * w
+    a = (weights + B * kv_row_col * (P + 1) + 2 * B * m.state_bytes) / bw
+    k = B * kv_row_col / bw
+    c = (2.0 * (m.linear_params + V * H) * B + _lora_flops(m, B) + m.state_flops * B) / flops
+    return prefill + _sum_of_max(a, k, c, T)
+
+
+def _sum_of_max(a: float, k: float, c: float, T: int) -> float:
+    """sum over t = 0..T-1 of max(a + k·t, c), k >= 0, in closed form (the compute floor c holds
+    until the bytes' line a + k·t reaches it)."""
+    if T <= 0:
+        return 0.0
+    first = T if k == 0 and a < c else 0 if a >= c else min(T, int(-(-(c - a) // k)))   # first t with a + k·t >= c
+    rest = T - first
+    return c * first + rest * a + k * (first + T - 1) * rest / 2
+
+
 def _verify(s: RunShape, env: str, rate: float | None, t: "StepTime") -> None:
     rate = rate or VERIFIER_ANSWERS_PER_S.get(env)
     if rate:
@@ -89,7 +131,10 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
         t = StepTime()
         phases, t.assumptions = measured_step_time(m, s, gpu.rates, compute_dtype, gpu.name == "cpu", dense_rollout,
                                                    measure_shapes)
-        t.seconds["rollout"] = phases["rollout"]
+        t.seconds["rollout"] = phases["rollout"] if len(waves(s)) == 1 and waves(s)[0][2] == 1 else sum(
+            k * measured_step_time(m, s.with_(prompts=p, wave=0, prefill_chunk=c), gpu.rates, compute_dtype,
+                                   gpu.name == "cpu", dense_rollout, measure_shapes)[0]["rollout"]
+            for p, c, k in waves(s))
         _verify(s, env, verifier_answers_per_s, t)
         t.seconds["scores"], t.seconds["update"] = phases["scores"], phases["update"]
         return t
@@ -105,17 +150,8 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
                              f"(no GPU run has measured the share reached yet; --decode-share sets it)")
     else:
         t.assumptions.append(f"decode at {decode_share:.0%} of {gpu.bandwidth / 1e12:.2f} TB/s (given)")
-    # rollout: prefill of the distinct prompts, then T decode steps
-    prefill = _forward_flops(m, n * P, P) + 2.0 * H * V * n
-    weights = m.resident["nf4_base"] + m.resident["adapter_masters"] + V * H * w
-    decode = 0.0
-    kv_row_col = m.kv_layers * 2 * m.kv_heads * m.head_dim * w
-    for step in range(T):
-        # a hybrid's rows read and write their fixed state every step
-        bytes_read = weights + B * kv_row_col * (P + step + 1) + 2 * B * m.state_bytes
-        step_flops = 2.0 * (m.linear_params + V * H) * B + _lora_flops(m, B) + m.state_flops * B
-        decode += max(bytes_read / bw, step_flops / flops)
-    t.seconds["rollout"] = prefill / flops + decode
+    # rollout: per wave, the prefill of its prompts (chunk by chunk), then T decode steps
+    t.seconds["rollout"] = sum(k * _rollout_seconds(m, s, p, c, flops, bw) for p, c, k in waves(s))
     _verify(s, env, verifier_answers_per_s, t)
     # no-grad scores over the whole batch, shared prefix
     head_fwd = 2.0 * B * T * H * V

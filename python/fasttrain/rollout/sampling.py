@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .compiled_decode import compiled_decode
 from .families import decoder_for
+from .prefill import prefill_in_chunks
 
 
 @dataclass
@@ -123,7 +124,8 @@ def left_padded(prompt_ids: Sequence[Sequence[int]], P: int, pad: int, device) -
 def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int,
            temperature: float = 1.0, eos_token_ids: Sequence[int] | int | None, seed: int | Sequence[int],
            pad_token_id: int | None = None, stop_strings: Sequence[str] = (),
-           token_text: Callable[[int], str] | None = None, weights=None, compile: bool | str = False) -> Rollout:
+           token_text: Callable[[int], str] | None = None, weights=None, compile: bool | str = False,
+           prefill_chunk: int = 0) -> Rollout:
     """Sample `group_size` completions of at most `max_new_tokens` for each prompt.
 
     eos_token_ids: ids that end a row (included in its completion); [] or None never stops
@@ -137,7 +139,8 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     caller after each optimizer step) used in place of the NF4 projections; None runs the modules.
     compile: run the decode step through torch.compile (fasttrain.rollout.compiled_decode; the
     compiled step is kept per model, its first call per batch shape compiles); True is inductor,
-    a string names another torch.compile backend.
+    a string names another torch.compile backend. prefill_chunk: prompts prefilled at once
+    (fasttrain.rollout.prefill; 0: all), which bounds the prefill's activations, not the answers.
 
     seed: an int seeds one generator for the whole batch; a list of one int per prompt seeds one
     generator per group, so each group draws the same answers whatever else is in the batch (how
@@ -180,13 +183,8 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     else:
         cache = dec.new_cache(B, S)
         width = S
-    small = dec.new_cache(n, P)
-    h_last = dec.prefill(ids, valid, cos[:, :P], sin[:, :P], small)  # [n, H]
-    if step is not None:
-        width = step.fill(small, cache, G, P)
-    else:
-        dec.copy_prompts(small, cache, G, P)
-    del small
+    h_last, filled = prefill_in_chunks(dec, step, ids, valid, cos, sin, cache, G, prefill_chunk)  # [n, H]
+    width = filled if step is not None else width
     logits = dec.lm_head(h_last).float().repeat_interleave(G, dim=0)  # [B, V]
     cos, sin = cos.repeat_interleave(G, 0), sin.repeat_interleave(G, 0)
 

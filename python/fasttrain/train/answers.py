@@ -66,12 +66,13 @@ def answer_token_ids(roll) -> list[list[int]]:
 def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
                    max_new_tokens: int, temperature: float, seed: int | Sequence[int], answer_prefix: str = "",
                    stop_strings: Sequence[str] = (), weights=None, compile_decode: bool = False,
-                   tool_settings: dict | None = None):
+                   tool_settings: dict | None = None, prefill_chunk: int = 0):
     """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
     Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn;
     a row stops at EOS or once its text contains one of `stop_strings`. `weights`: dense rollout
     weights (fasttrain.nn.RolloutWeights), re-merged here if the adapters changed since the last
-    call; `compile_decode`: the decode step through torch.compile. An environment with tools
+    call; `compile_decode`: the decode step through torch.compile; `prefill_chunk`: prompts
+    prefilled at once (0: all). An environment with tools
     (`env.tool_workers`) gets multi-turn answers (fasttrain.train.tool_rollout) with
     `tool_settings` (max_tool_calls); the rollout then carries the conversations."""
     from fasttrain.models import extract_answer
@@ -98,7 +99,8 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
         roll = sample(model, prompt_token_ids(tokenizer, env, prompts, answer_prefix), group_size=group_size,
                       max_new_tokens=max_new_tokens, temperature=temperature,
                       eos_token_ids=eos_ids(model, tokenizer), seed=seed, stop_strings=stop_strings,
-                      token_text=lambda i: tokenizer.decode([i]), weights=weights, compile=compile_decode)
+                      token_text=lambda i: tokenizer.decode([i]), weights=weights, compile=compile_decode,
+                      prefill_chunk=prefill_chunk)
     finally:
         if cfg is not None:
             cfg.use_cache = use_cache

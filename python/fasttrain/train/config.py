@@ -52,6 +52,10 @@ class RunSection:
     report_to: tuple[str, ...] = ()
     stop_timeout: float = 60.0              # after SIGTERM/SIGUSR1: seconds to reach a safe point and
                                             # checkpoint, else leave (the last checkpoint stands)
+    # What the run does with `fasttrain plan`'s picks (rollout and probe waves and prefill chunks,
+    # the micro-batch, fasttrain.plan.picks): "apply" uses them and refuses, before the model
+    # loads, a recipe that fits at no wave size; "warn" keeps the recipe's sizes and only warns.
+    plan: Literal["apply", "warn"] = "apply"
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,11 @@ class RolloutSection:
     # Tool-calling rounds per answer (TRL's max_tool_calling_iterations); 0: no limit but the
     # budget, max_new_tokens, which the model's and the tools' tokens fill together.
     max_tool_calls: int = 0
+    # Waves: prompts whose G answers decode at once (the next wave starts when they have all
+    # ended) and prompts prefilled at once within a wave. 0: `fasttrain plan`'s pick, the most that
+    # fit the device with every answer at max_new_tokens (fasttrain.plan.picks).
+    wave_prompts: int = 0
+    prefill_prompts: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,6 +206,8 @@ class ProbeSection:
     temperature: float = 1.0
     max_new_tokens: int = 0                 # 0 = rollout.max_new_tokens
     seed: int = 1234                        # the same seed at every probe: scores compare policies
+    wave_prompts: int = 0                   # as rollout.wave_prompts, for the probe (0: the plan's pick)
+    prefill_prompts: int = 0                # as rollout.prefill_prompts (0: the plan's pick)
 
 
 @dataclass(frozen=True)
@@ -246,6 +257,10 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "env.worker_memory_mb": (lambda v: v == 0 or 64 <= v < math.inf, "0 (a quarter of the host's memory) or a number of MB >= 64"),
     "env.tool_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
     "rollout.max_tool_calls": (lambda v: v >= 0, "an integer >= 0 (0: no limit but max_new_tokens)"),
+    "rollout.wave_prompts": (lambda v: v >= 0, "an integer >= 0 (0: the plan picks)"),
+    "rollout.prefill_prompts": (lambda v: v >= 0, "an integer >= 0 (0: the plan picks)"),
+    "probe.wave_prompts": (lambda v: v >= 0, "an integer >= 0 (0: the plan picks)"),
+    "probe.prefill_prompts": (lambda v: v >= 0, "an integer >= 0 (0: the plan picks)"),
     "advantages.floor": (lambda v: not math.isnan(v) and v != math.inf, "a number or -inf"),
     "advantages.warn_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "advantages.warn_steps": (lambda v: v >= 1, "an integer >= 1"),

@@ -55,27 +55,48 @@ def _reward_check(trainer) -> str:
         ", ".join(f"{k} {v:+.3g}" for k, v in s.channels.items())
 
 
+def plan_before_load(cfg: Config, trainer, world: int = 1):
+    """The plan of the recipe's model from its config.json alone (no weights read), or None for a
+    model factory or a model whose config is not found; the prompt tokens are counted by the
+    model's tokenizer when one is on disk, else 4 characters are taken as a token (the plan's
+    `prompt_estimated` attribute says which)."""
+    from fasttrain.plan import model_config
+    from fasttrain.plan.report import plan_run
+
+    spec = cfg.policy.model
+    if ":" in spec and not Path(spec).exists():
+        return None
+    try:
+        config = model_config(_config_spec(spec))
+    except (FileNotFoundError, ValueError):
+        return None
+    tok = _tokenizer_without_weights(spec)
+    if tok is not None:
+        from fasttrain.train.answers import prompt_token_ids
+        n = max(len(i) for i in prompt_token_ids(tok, trainer.env, trainer.train_prompts[:64], cfg.rollout.answer_prefix))
+    else:
+        n = max(len(p.spec) for p in trainer.train_prompts[:64]) // 4 + 32
+    p = plan_run(cfg, config, n, trainer.device, world=world)
+    p.prompt_estimated = tok is None
+    return p
+
+
 def _plan_line(cfg: Config, trainer) -> str:
     """The plan's summary for the recipe's model; its tokenizer counts the prompt tokens when one
     is on disk (no weights are read), else 4 characters are taken as a token."""
-    from fasttrain.plan import model_config
-    from fasttrain.plan.report import plan_for_run
+    from fasttrain.plan.report import summary_line
 
     spec = cfg.policy.model
     if ":" in spec and not Path(spec).exists():
         return f"plan: not available for a model factory ({spec}); `fasttrain plan --model config.json` plans it"
     try:
-        tok = _tokenizer_without_weights(spec)
-        if tok is not None:
-            from fasttrain.train.answers import prompt_token_ids
-            n = max(len(i) for i in prompt_token_ids(tok, trainer.env, trainer.train_prompts[:64], cfg.rollout.answer_prefix))
-            how = "tokens counted"
-        else:
-            n = max(len(p.spec) for p in trainer.train_prompts[:64]) // 4 + 32
-            how = "tokens estimated at 4 characters each"
-        line, _ = plan_for_run(cfg, model_config(_config_spec(spec)),
-                               n, trainer.device)
-        return f"{line} (longest prompt {n} {how})"
+        p = plan_before_load(cfg, trainer)
+        if p is None:
+            from fasttrain.plan import model_config
+            model_config(_config_spec(spec))          # the error that says why
+            return "plan: not available"
+        how = "tokens estimated at 4 characters each" if p.prompt_estimated else "tokens counted"
+        return f"{summary_line(p)} (longest prompt {p.shape.prompt_tokens} {how})"
     except (FileNotFoundError, ValueError) as e:
         return f"plan: not available ({e})"
 

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 from fasttrain.envs import Prompt
 from fasttrain.train import distributed
-from fasttrain.train.answers import (answer_token_ids, group_seeds, has_slice, sample_answers, score_answers,
-                                    tool_settings)
+from fasttrain.train.answers import (answer_token_ids, group_seeds, has_slice, join_rollouts, sample_answers,
+                                    score_answers, tool_settings)
 from fasttrain.train.config import Config
 
 __all__ = ["run_probe", "select_shipped"]
@@ -30,20 +30,29 @@ def _summary(scores, prefix: str) -> dict[str, float]:
 
 
 def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, step: int,
-              weights=None) -> dict[str, Any]:
+              weights=None, wave: int = 0, prefill_chunk: int = 0) -> dict[str, Any]:
     """Sample the probe prompts (rollout.base_weights applies: `weights` are the trainer's dense
-    rollout weights, or None to decode from the model's own layers) and score them."""
+    rollout weights, or None to decode from the model's own layers) and score them. `wave`:
+    prompts decoded at once (0: all; each prompt's sampler has its own seed, so waves draw the
+    answers of one batch), `prefill_chunk`: prompts prefilled at once (0: a whole wave)."""
     t0 = time.perf_counter()
     G = cfg.probe.samples
     lo, hi = distributed.shard_bounds(len(prompts))
     texts, train, hold = [], [], []
     holdout = has_slice(env, cfg.env.holdout_slice)
     if hi > lo:
-        roll, texts = sample_answers(model, tokenizer, env, prompts[lo:hi], group_size=G,
-                                     max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
-                                     temperature=cfg.probe.temperature, seed=group_seeds([cfg.probe.seed], lo, hi),
-                                     answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings,
-                                     weights=weights, tool_settings=tool_settings(cfg))
+        seeds, n, parts = group_seeds([cfg.probe.seed], lo, hi), wave or hi - lo, []
+        for a in range(lo, hi, n):
+            part, tx = sample_answers(model, tokenizer, env, prompts[a:min(hi, a + n)], group_size=G,
+                                      max_new_tokens=cfg.probe.max_new_tokens or cfg.rollout.max_new_tokens,
+                                      temperature=cfg.probe.temperature, seed=seeds[a - lo:a - lo + n],
+                                      answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings,
+                                      weights=weights, prefill_chunk=prefill_chunk,
+                                      tool_settings={**tool_settings(cfg), "first_slot": (a - lo) * G})
+            parts.append(part)
+            texts += tx
+        pad = getattr(model.config, "pad_token_id", None)
+        roll = join_rollouts(parts, pad if isinstance(pad, int) else 0)
         rep = [p for p in prompts[lo:hi] for _ in range(G)]
         kw = dict(record=False, completion_ids=answer_token_ids(roll), conversations=roll.conversations)
         train = score_answers(env, rep, texts, cfg.env.train_slice, **kw)

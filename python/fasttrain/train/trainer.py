@@ -103,6 +103,12 @@ class Trainer:
         # each phase's batch, halved on out-of-memory (saved in checkpoints)
         self.sizes: dict[str, int | None] = {"rollout": None, "scores": cfg.optim.micro_batch,
                                              "update": cfg.optim.micro_batch}
+        # prompts prefilled at once in the rollout and the probe, and the probe's wave (prompts
+        # decoded at once); 0: all. The recipe's, or the plan's picks (_apply_plan)
+        self.prefill = {"rollout": cfg.rollout.prefill_prompts, "probe": cfg.probe.prefill_prompts}
+        self.probe_wave = cfg.probe.wave_prompts
+        if cfg.rollout.wave_prompts:
+            self.sizes["rollout"] = cfg.rollout.wave_prompts
         self._oom_retries = 0
         self._checkpointed_step = -1
         self._mid_step = False                     # a step's scoring, update and logging under way
@@ -145,6 +151,8 @@ class Trainer:
         if self._setup_done:
             return
         cfg = self.cfg
+        if cfg.run.plan == "apply":
+            self._refuse_what_cannot_fit()
         self.model, self.tokenizer, self.named_params = build_policy(cfg, self.device)
         from fasttrain.train.prompt_length import check_prompt_lengths
         kept = check_prompt_lengths(cfg, self.tokenizer, self.env, self.model,
@@ -165,20 +173,54 @@ class Trainer:
         self._setup_done = True
         self._print_plan()
 
+    def _refuse_what_cannot_fit(self) -> None:
+        """Before any weight is read: the plan from the model's config.json (where one is found
+        without loading: a bundled name, a model folder) and the prompts' tokens (counted by its
+        tokenizer when on disk, else estimated); a recipe that fits at no wave size is refused,
+        naming the setting to change."""
+        from fasttrain.train.dry_run import plan_before_load
+        p = plan_before_load(self.cfg, self, world=distributed.world_size())
+        if p is not None and p.picks is not None and not p.picks.fits:
+            raise ConfigError(f"{self.cfg.policy.model} on {p.gpu.title}: " + "; ".join(p.picks.blocked)
+                              + " (run.plan = \"warn\" runs it anyway)")
+        if p is not None:
+            self._apply_plan(p.shape)           # refuses a run that needs gradient checkpointing turned on
+
     def _print_plan(self) -> None:
-        """The plan's one-line summary before the first step; a warning when it will not fit."""
-        from fasttrain.plan.report import plan_for_run
+        """The plan's one-line summary before the first step, and with run.plan = "apply" its
+        picks applied (rollout waves and prefill chunks, the probe's, the micro-batch); a warning
+        when it will not fit (run.plan = "warn") or a refusal (run.plan = "apply")."""
+        from fasttrain.plan.report import plan_run, summary_line
         from fasttrain.train.answers import prompt_token_ids
         try:
             ids = prompt_token_ids(self.tokenizer, self.env, self.train_prompts[:16], self.cfg.rollout.answer_prefix)
-            line, ok = plan_for_run(self.cfg, self.model.config, max(len(i) for i in ids), self.device,
-                                    world=distributed.world_size())
+            p = plan_run(self.cfg, self.model.config, max(len(i) for i in ids), self.device,
+                         world=distributed.world_size())
+            line, ok = summary_line(p), p.fits
         except Exception as e:  # the plan informs; it never stops a run
-            line, ok = f"plan: not available ({type(e).__name__}: {e})", True
+            p, line, ok = None, f"plan: not available ({type(e).__name__}: {e})", True
         if distributed.is_main():
             self.console.print(line, markup=False, highlight=False)
-        if not ok:
+        if p is not None and self.cfg.run.plan == "apply":
+            if p.picks is not None and not p.picks.fits:
+                raise ConfigError(f"{self.cfg.policy.model} on {p.gpu.title}: " + "; ".join(p.picks.blocked)
+                                  + " (run.plan = \"warn\" runs it anyway)")
+            self._apply_plan(p.shape)
+        elif not ok:
             self._warn(0, f"{line}; see `fasttrain plan` for the largest micro_batch, group_size and max_new_tokens that fit")
+
+    def _apply_plan(self, s) -> None:
+        """The plan's picks as the phases' sizes (what the recipe fixes, the plan kept as it is)."""
+        if s.gradient_checkpointing and not self.cfg.policy.gradient_checkpointing:
+            raise ConfigError("the update does not fit without gradient checkpointing even at one answer per "
+                              "micro-batch: set policy.gradient_checkpointing = true (run.plan = \"warn\" runs it anyway)")
+        self.sizes["rollout"] = s.wave_prompts if s.wave_prompts < s.prompts else None
+        self.sizes["scores"] = self.sizes["update"] = s.micro_batch
+        self.prefill = {"rollout": s.prefill_prompts if s.prefill_prompts < s.wave_prompts else 0,
+                        "probe": s.probe_prefill_prompts if s.probe_prefill_prompts < s.probe_wave_prompts else 0}
+        self.probe_wave = s.probe_wave_prompts if s.probe_wave_prompts < s.probe_prompts else 0
+        if s.rollout_weights == "nf4" and self.cfg.rollout.base_weights == "auto":
+            self.rollout_weights = None          # its bytes go to the cache (fasttrain.plan.picks)
 
     def _prompts_for_step(self, step: int):
         n, P = len(self.train_prompts), self.cfg.rollout.prompts_per_step
@@ -340,7 +382,7 @@ class Trainer:
                                       max_new_tokens=R.max_new_tokens, temperature=R.temperature,
                                       seed=seeds[a:a + n], answer_prefix=R.answer_prefix,
                                       stop_strings=R.stop_strings, weights=self.rollout_weights,
-                                      compile_decode=R.compile,
+                                      compile_decode=R.compile, prefill_chunk=self.prefill["rollout"],
                                       tool_settings={**tool_settings(self.cfg), "first_slot": a * R.group_size})
             parts.append(roll)
             texts += tx
@@ -462,7 +504,7 @@ class Trainer:
         from fasttrain.nn import save_adapter
         t = time.perf_counter()
         res = run_probe(self.model, self.tokenizer, self.env, self.probe_prompts, self.cfg, step,
-                        weights=self.rollout_weights)
+                        weights=self.rollout_weights, wave=self.probe_wave, prefill_chunk=self.prefill["probe"])
         if self.main:
             save_adapter(self.model, self.dir / "probes" / f"step_{step:06d}" / "adapter", base_model=self.cfg.policy.model)
         res["seconds_with_save"] = time.perf_counter() - t
