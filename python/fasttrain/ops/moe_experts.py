@@ -127,7 +127,8 @@ def _project(stack: ExpertStack, e: int, x: torch.Tensor, lora, scale: float) ->
     y = F.linear(x, stack.weight[e])
     if a is None:
         return y
-    return (y.float() + F.linear(F.linear(x.float(), a), b) * scale).to(x.dtype)
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (y.to(ct) + F.linear(F.linear(x.to(ct), a.to(ct)), b.to(ct)) * scale).to(x.dtype)
 
 
 def moe_experts(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: torch.Tensor, gate_up: ExpertStack,
