@@ -37,8 +37,12 @@ def renormalizes(model) -> bool:
     config.norm_topk_prob)."""
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    fam = family_of(model)
-    return fam.name == "qwen3_5_moe" or bool(getattr(model.config, "norm_topk_prob", False))
+    return family_renormalizes(family_of(model), model.config)
+
+
+def family_renormalizes(family, config) -> bool:
+    """renormalizes() from a family and a (text) config."""
+    return family.name == "qwen3_5_moe" or bool(getattr(config, "norm_topk_prob", False))
 
 
 def hf_sparse_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

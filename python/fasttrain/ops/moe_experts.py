@@ -77,15 +77,18 @@ class ExpertStack:
     def quantize(cls, experts, blocksize: int = 64, double_quant: bool = False) -> "ExpertStack":
         """NF4 of each expert weight [out, in] of `experts` (a [E, out, in] tensor or a sequence of
         E tensors), one expert at a time (the 16-bit stack need not exist whole)."""
-        packed, states = [], []
-        for w in experts:
-            wq = w.float() if w.dtype == torch.float64 else w
-            p, s = nf4_quantize(wq.contiguous(), blocksize=blocksize, double_quant=double_quant)
-            packed.append(p)
-            states.append(s)
+        return cls.from_quantized([nf4_quantize((w.float() if w.dtype == torch.float64 else w).contiguous(),
+                                                blocksize=blocksize, double_quant=double_quant) for w in experts],
+                                  experts[0].dtype)
+
+    @classmethod
+    def from_quantized(cls, quantized, dtype: torch.dtype) -> "ExpertStack":
+        """The stack of E experts each already quantized: [(packed, NF4State)] in expert order."""
+        packed, states = [p for p, _ in quantized], [s for _, s in quantized]
         s0 = states[0]
+        blocksize, double_quant = s0.blocksize, s0.double_quant
         out_f, in_f = s0.shape
-        stack = cls(len(packed), out_f, in_f, experts[0].dtype, blocksize=blocksize, qweight=torch.stack(packed))
+        stack = cls(len(packed), out_f, in_f, dtype, blocksize=blocksize, qweight=torch.stack(packed))
         if double_quant:
             stack.qabsmax = torch.stack([s.qabsmax for s in states])
             stack.absmax2 = torch.stack([s.absmax2 for s in states])
