@@ -22,13 +22,13 @@ def _worlds(monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
 
 
-def recipe(out: Path, family: str, steps: int) -> dict:
+def recipe(out: Path, family: str, steps: int, group: int = 8, tokens: int = 8) -> dict:
     return {
         "run": {"name": family, "seed": 7, "steps": steps, "out": str(out), "device": "cpu", "threads": 1},
         "policy": {"model": POLICIES[family], "dtype": "float32", "quantize": "nf4", "rank": 4, "alpha": 8.0,
                    "gradient_checkpointing": True},
         "env": {"name": "hybrid_world:make_env"},
-        "rollout": {"prompts_per_step": 2, "group_size": 8, "max_new_tokens": 8},
+        "rollout": {"prompts_per_step": 2, "group_size": group, "max_new_tokens": tokens},
         "advantages": {"priorities": {"core": 1.0}, "floor": -1e9},
         "loss": {"kind": "cispo", "passes": 1, "token_mask": "all"},
         "optim": {"lr": 0.04, "micro_batch": 16},
@@ -61,10 +61,10 @@ def test_a_tiny_moe_learns_through_fasttrain_run(family, tmp_path):
 
 @pytest.mark.parametrize("family", list(POLICIES))
 def test_moe_resume_equals_uninterrupted(family, tmp_path):
-    full = Trainer(load_config(recipe(tmp_path / "a", family, 4)), progress=False)
+    full = Trainer(load_config(recipe(tmp_path / "a", family, 3, group=4, tokens=5)), progress=False)
     full.train()
-    part = Trainer(load_config(recipe(tmp_path / "b", family, 2)), progress=False)
+    part = Trainer(load_config(recipe(tmp_path / "b", family, 2, group=4, tokens=5)), progress=False)
     part.train()
-    Trainer.resume(part.dir, ["run.steps=4"], progress=False).train()
+    Trainer.resume(part.dir, ["run.steps=3"], progress=False).train()
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("seconds_")} for r in rows]  # noqa: E731
     assert strip(_metrics(full.dir)) == strip(_metrics(part.dir))
