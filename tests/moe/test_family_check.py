@@ -38,3 +38,10 @@ def test_the_moe_families_from_a_factory_are_built_with_expert_adapters(factory)
     assert blocks and all(b.experts.nf4 and b.experts.adapter == "lora" for b in blocks)
     assert any(".experts.gate_up_lora_A" in n for n in params)
     assert not any(n.endswith("mlp.gate.weight") for n in params)          # the router is frozen
+
+
+def test_dora_on_the_experts_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="DoRA on mixture-of-experts experts is not built. PEFT's target_parameters"):
+        _build("qwen3_moe", adapter="dora")
+    model, _, params = _build("qwen3_moe", adapter="dora", targets=["q_proj", "v_proj"])   # DoRA elsewhere is fine
+    assert params and not any("experts" in n for n in params)

@@ -85,8 +85,11 @@ def build_policy(cfg: Config, device: torch.device):
     if kept_16bit:                                        # "none", or a family's 16-bit projections under NF4
         adaptable_model(model, targets=kept_16bit)
     torch.manual_seed(cfg.run.seed)                       # adapter init is part of the run's seed
-    params = attach_adapters(model, kind=p.adapter, r=p.rank, alpha=p.alpha, rslora=p.rslora,
-                             targets=list(p.targets) or None)
+    try:
+        params = attach_adapters(model, kind=p.adapter, r=p.rank, alpha=p.alpha, rslora=p.rslora,
+                                 targets=list(p.targets) or None)
+    except ValueError as e:                               # e.g. DoRA asked for on MoE experts: one paragraph
+        raise ConfigError(str(e)) from None
     params += train_router(model, cfg.moe.train_router)
     model.to(device)
     if p.gradient_checkpointing:
