@@ -45,3 +45,13 @@ def test_dora_on_the_experts_is_refused_with_the_reason():
         _build("qwen3_moe", adapter="dora")
     model, _, params = _build("qwen3_moe", adapter="dora", targets=["q_proj", "v_proj"])   # DoRA elsewhere is fine
     assert params and not any("experts" in n for n in params)
+
+
+def test_a_llama_family_checkpoint_with_sliding_window_layers_still_passes():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fasttrain.models.family_check import drivable_problem
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, use_sliding_window=True, max_window_layers=1, sliding_window=16)
+    assert "sliding_attention" in cfg.layer_types
+    assert drivable_problem(Qwen2ForCausalLM(cfg)) is None

@@ -3,7 +3,8 @@ is this a model one of fasttrain's families drives, layer by layer? One paragrap
 found otherwise, before anything trains (never a traceback from inside the model's own code).
 
 A model whose model_type names a family (models/families.py) must have that family's layer kinds
-and, if the family is not a mixture of experts, no routed experts. A model of another model_type
+(a Llama-family checkpoint may also have sliding-window layers: the decoder refuses a sequence
+longer than the window) and, if the family is not a mixture of experts, no routed experts. A model of another model_type
 (a user's factory) is driven as a Llama-family model only when it has that shape: every layer a
 self_attn with q/k/v/o projections and a dense MLP with gate/up/down projections, full attention
 only, no experts. What is refused, with the reason named: another mixture of experts (Mixtral,
@@ -48,6 +49,8 @@ def drivable_problem(model) -> str | None:
         return f"a {type(model).__name__} is not a causal LM with .model.layers and .lm_head"
     family = _family(getattr(cfg, "model_type", None))
     allowed = (family or LLAMA).layer_kinds
+    if family is LLAMA:               # Qwen2/Qwen3 with use_sliding_window: the decoder checks the window
+        allowed = allowed + ("sliding_attention",)
     kinds = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers))
     unknown = sorted(set(kinds) - set(allowed))
     if unknown:
