@@ -79,12 +79,16 @@ def moe_block(hf_block: nn.Module, top_k: int, renormalize: bool, nf4: bool, blo
 
 def moe_surgery(model: nn.Module, nf4: bool, blocksize: int = 64, double_quant: bool = False) -> nn.Module:
     """Replace every transformers sparse MoE block of `model` by a MoEBlock (in place; see the module
-    header). The model is frozen afterwards. A model without such blocks is returned unchanged."""
+    header). The model is frozen afterwards. A model without such blocks (a dense model) is returned
+    unchanged."""
     from fasttrain.nn.surgery import _set_module
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    blocks = hf_sparse_blocks(base)
+    if not blocks:
+        return model
     renorm = renormalizes(base)
     top_k = int(base.config.num_experts_per_tok)
-    for name, block in hf_sparse_blocks(base):
+    for name, block in blocks:
         _set_module(base, name, moe_block(block, top_k, renorm, nf4, blocksize, double_quant))
         del block
     for p in base.parameters():
