@@ -85,7 +85,8 @@ def _kernel_faces() -> dict[str, Callable]:
             "nf4_dequantize": F.nf4_dequantize, "nf4_linear": F.nf4_linear, "nf4_dora_norm": F.nf4_dora_norm,
             "nf4_weight_sq_norm": F.nf4_weight_sq_norm, "dense_linear": dense_linear,
             "gated_delta_rule": F.gated_delta_rule, "gated_delta_step": F.gated_delta_step,
-            "gated_delta_step_": F.gated_delta_step_, "causal_conv1d": F.causal_conv1d, "causal_conv1d_step": F.causal_conv1d_step}
+            "gated_delta_step_": F.gated_delta_step_, "causal_conv1d": F.causal_conv1d, "causal_conv1d_step": F.causal_conv1d_step,
+            "moe_experts": F.moe_experts}
 
 
 KERNELS: dict[str, Callable] = {}
@@ -634,9 +635,15 @@ def _conv_cases(dev, quick: bool):
     return conv_cases(dev, quick)
 
 
+def _moe_cases(dev, quick: bool):
+    from fasttrain.selftest_moe import moe_cases
+    return moe_cases(dev, quick)
+
+
 CASES = {"fused_logprob": _logprob_cases, "policy_loss": _policy_cases, "nf4_quantize": _nf4_cases,
          "nf4_linear": _linear_cases, "nf4_dora_norm": _norm_cases, "dense_linear": _dense_cases,
-         "gated_delta_rule": _gated_delta_cases, "causal_conv1d": _conv_cases, "gpu_packages": _package_cases}
+         "gated_delta_rule": _gated_delta_cases, "causal_conv1d": _conv_cases, "moe_experts": _moe_cases,
+         "gpu_packages": _package_cases}
 
 
 # ---- the run ----------------------------------------------------------------------------------

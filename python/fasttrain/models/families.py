@@ -24,6 +24,7 @@ class Family:
     projections: tuple[str, ...]     # nn.Linear names (last part) that take NF4 and adapters
     keep_16bit: tuple[str, ...]      # of those, the ones left in 16-bit under NF4 (they still take adapters)
     layer_kinds: tuple[str, ...]     # the token mixers its decoder layers use
+    moe: bool = False                # routed experts in (some of) its layers (models/moe.py)
 
 
 LLAMA = Family(
@@ -44,7 +45,19 @@ QWEN3_5 = Family(
                  "out_proj", "gate_proj", "up_proj", "down_proj"),
     keep_16bit=("in_proj_b", "in_proj_a"), layer_kinds=("linear_attention", "full_attention"))
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3_5)
+# Mixtures of experts (models/moe.py builds their expert blocks): the routed experts are fused 3-D
+# stacks, not nn.Linear; they take NF4 and LoRA through fasttrain.nn.moe_experts. The projections
+# named here are the attention ones, the dense MLP of qwen3_moe's mlp_only / non-sparse layers and
+# qwen3_5_moe's shared expert. The router (mlp.gate) and the shared-expert gate are not among them:
+# they stay 16-bit and frozen (docs/models.md: the measured logit error of each in NF4).
+QWEN3_MOE = Family(
+    name="qwen3_moe", model_types=("qwen3_moe",), projections=LLAMA.projections, keep_16bit=(),
+    layer_kinds=("full_attention",), moe=True)
+QWEN3_5_MOE = Family(
+    name="qwen3_5_moe", model_types=("qwen3_5_moe", "qwen3_5_moe_text"), projections=QWEN3_5.projections,
+    keep_16bit=QWEN3_5.keep_16bit, layer_kinds=QWEN3_5.layer_kinds, moe=True)
+
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE)
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 
 
@@ -85,9 +98,9 @@ def nf4_targets(model) -> tuple[str, ...]:
 
 
 def text_config(config):
-    """The config of the text tower: a composite vision-language config (qwen3_5) gives its
+    """The config of the text tower: a composite vision-language config (qwen3_5, qwen3_5_moe) gives its
     text_config (the vision tower is never built or loaded); any other config is returned as is."""
-    sub = getattr(config, "text_config", None) if config.model_type == "qwen3_5" else None
+    sub = getattr(config, "text_config", None) if config.model_type in ("qwen3_5", "qwen3_5_moe") else None
     return sub if sub is not None else config
 
 

@@ -47,10 +47,11 @@ def _conv_update(hidden_states, conv_state, weight, bias=None, activation=None):
 
 
 @contextmanager
-def hf_float64_oracle():
-    """Inside the block transformers' qwen3_5 modeling computes its delta rule and conv with
-    fasttrain.ops.reference (float64 for float64 inputs)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as M
+def hf_float64_oracle(family: str = "qwen3_5"):
+    """Inside the block transformers' qwen3_5 modeling (or `family`'s: "qwen3_5_moe") computes its
+    delta rule and conv with fasttrain.ops.reference (float64 for float64 inputs)."""
+    import importlib
+    M = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     names = {"torch_chunk_gated_delta_rule": _delta_rule, "torch_recurrent_gated_delta_rule": _delta_rule,
              "causal_conv1d_fn": _conv_fn, "causal_conv1d_update": _conv_update}
     saved = {n: getattr(M, n) for n in names}

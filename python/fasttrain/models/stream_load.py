@@ -218,10 +218,12 @@ def _check_shape(info: dict, like: torch.Tensor, shard: Path, key: str) -> None:
 
 
 def load_streamed(path: str | os.PathLike, dtype: torch.dtype = torch.float32, quantize: bool | str = False,
-                  targets: tuple[str, ...] | None = None, blocksize: int = 64):
+                  targets: tuple[str, ...] | None = None, blocksize: int = 64, claim=None):
     """The causal LM of the Hugging Face directory `path` (config.json + safetensors) in `dtype`,
     with its `targets` projections (default fasttrain.nn.surgery.PROJECTIONS) as NF4Linear when
-    `quantize` asks for NF4. Frozen (requires_grad False), eval mode, on the CPU."""
+    `quantize` asks for NF4. Frozen (requires_grad False), eval mode, on the CPU. `claim`: a family's
+    piece offered every tensor first (`take(key, info, read, dtype)`; True: it took it) and called
+    as `finish(model, dtype)` after the last shard (fasttrain.models.moe_stream: the routed experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from fasttrain.nn.nf4_linear import NF4Linear
@@ -265,6 +267,8 @@ def load_streamed(path: str | os.PathLike, dtype: torch.dtype = torch.float32, q
             key = text_tower_key(stored_key, full)
             if key is None:               # another tower of a vision-language checkpoint, an MTP head
                 continue
+            if claim is not None and claim.take(key, info, read, dtype):
+                continue
             owner, _, leaf = key.rpartition(".")
             if owner in projections:
                 lin = projections[owner]
@@ -300,6 +304,8 @@ def load_streamed(path: str | os.PathLike, dtype: torch.dtype = torch.float32, q
                 loaded[group] = new
             elif not torch.equal(new, loaded[group]):
                 mod._parameters[leaf] = new        # stored twice with other values: not tied
+    if claim is not None:
+        claim.finish(model, dtype)
     if pending:
         raise ValueError(f"{path}: the checkpoint has part of projection(s) {sorted(pending)[:4]} "
                          f"(got {sorted(next(iter(pending.values())))} of weight and bias)")

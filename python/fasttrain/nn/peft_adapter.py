@@ -5,7 +5,8 @@ use_rslora) and adapter_model.safetensors with keys
   base_model.model.<module path>.lora_A.weight         [r, in]
   base_model.model.<module path>.lora_B.weight         [out, r]
   base_model.model.<module path>.lora_magnitude_vector [out]   (DoRA)
-(PEFT drops the adapter name from saved keys.) Tensors are fp32, as trained.
+(PEFT drops the adapter name from saved keys.) Tensors are fp32, as trained. LoRA on the routed
+experts of a mixture of experts is saved in PEFT's target_parameters format (fasttrain.nn.moe_peft).
 """
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ _PREFIX = "base_model.model."
 
 
 def _adapted(model: nn.Module):
+    from fasttrain.nn.moe_peft import moe_adapter_kind
     layers = [(n, m) for n, m in adapted_layers(model) if m.adapter is not None]
-    if not layers:
+    experts = moe_adapter_kind(model)
+    if not layers and not experts:
         raise ValueError("save_adapter: the model has no adapters (call attach_adapters first)")
-    kinds = {(m.adapter, m.r, m.alpha, m.rslora) for _, m in layers}
+    kinds = {(m.adapter, m.r, m.alpha, m.rslora) for _, m in layers} | experts
     if len(kinds) != 1:
         raise ValueError(f"save_adapter: PEFT's format holds one (kind, r, alpha, rslora) per file, found {kinds}")
     return layers, kinds.pop()
@@ -52,6 +55,11 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str
         "use_dora": kind == "dora", "use_rslora": rslora, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None,
     }
+    from fasttrain.nn.moe_peft import TARGET_PARAMETERS, moe_adapter_tensors
+    experts = moe_adapter_tensors(model, _PREFIX)       # routed experts: PEFT's target_parameters format
+    if experts:
+        tensors.update(experts)
+        config["target_parameters"] = TARGET_PARAMETERS
     # Atomic writes: a crash mid-save never leaves a half-written adapter behind.
     tmp = d / (WEIGHTS_NAME + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -75,13 +83,15 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> list[nn.Para
     r, alpha, rslora = int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora", False))
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError("load_adapter: per-module rank_pattern/alpha_pattern is not supported")
+    from fasttrain.nn.moe_peft import load_moe_adapter_tensors
+    params, used = load_moe_adapter_tensors(model, tensors, _PREFIX, r, alpha, rslora)
     layers = dict(adapted_layers(model))
-    names = sorted({k[len(_PREFIX):].rpartition(".lora_")[0] for k in tensors if k.startswith(_PREFIX)})
+    names = sorted({k[len(_PREFIX):].rpartition(".lora_")[0] for k in tensors if k.startswith(_PREFIX)
+                    and k not in used})
     missing = [n for n in names if n not in layers]
     if missing:
         raise ValueError(f"load_adapter: the model has no adaptable layer named {missing[:3]} "
                          "(call quantize_model or adaptable_model first)")
-    params: list[nn.Parameter] = []
     for name in names:
         layer = layers[name]
         params += layer.attach_adapter(kind, r, alpha, rslora)

@@ -14,6 +14,7 @@ from torch import nn
 
 from fasttrain.nn.adapted_linear import adapted_layers
 from fasttrain.nn.dense_linear import DenseLinear
+from fasttrain.nn.moe_experts import moe_expert_layers
 from fasttrain.nn.nf4_linear import NF4Linear
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,7 +74,8 @@ def attach_adapters(model: nn.Module, kind: str = "lora", r: int = 32, alpha: fl
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed)
     params: list[nn.Parameter] = []
-    layers = [(n, m) for n, m in adapted_layers(model) if targets is None or n.rpartition(".")[2] in tuple(targets)]
+    layers = [(n, m) for n, m in list(adapted_layers(model)) + moe_expert_layers(model)
+              if targets is None or n.rpartition(".")[2] in tuple(targets)]
     if not layers:
         raise ValueError("attach_adapters: the model has no matching NF4Linear or DenseLinear layers "
                          "(call quantize_model or adaptable_model first)")
@@ -89,7 +91,7 @@ def attach_adapters(model: nn.Module, kind: str = "lora", r: int = 32, alpha: fl
 @contextmanager
 def adapters_disabled(model: nn.Module):
     """Inside the block every adapted layer runs its base only: the reference policy, with no copy."""
-    layers = [m for _, m in adapted_layers(model)]
+    layers = [m for _, m in list(adapted_layers(model)) + moe_expert_layers(model)]
     before = [m.adapters_enabled for m in layers]
     for m in layers:
         m.adapters_enabled = False

@@ -29,7 +29,8 @@ import torch
 __all__ = ["NF4_LEVELS", "fused_logprob", "policy_loss", "nf4_quantize", "nf4_dequantize", "nf4_linear",
            "nf4_dora_norm", "nf4_weight_sq_norm", "nf4_quantize_blocks", "nf4_dequantize_blocks",
            "blockwise8_quantize", "blockwise8_dequantize", "nf4_state_absmax", "nf4_decode_weight",
-           "policy_loss_terms", "gated_delta_rule", "gated_delta_step", "causal_conv1d", "causal_conv1d_step"]
+           "policy_loss_terms", "gated_delta_rule", "gated_delta_step", "causal_conv1d", "causal_conv1d_step",
+           "moe_experts"]
 
 # The 16 NF4 levels of QLoRA (Dettmers et al. 2023) as bitsandbytes stores them (float32 values).
 NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -416,3 +417,37 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tenso
     """One token: x [B, C], state [B, K-1, C] -> (y [B, C], new state [B, K-1, C])."""
     y, s = causal_conv1d(x[:, None], weight, state, activation)
     return y[:, 0], s
+
+
+# ---- moe_experts -------------------------------------------------------------------------------
+def _expert_weights(stack, dtype: torch.dtype) -> torch.Tensor:
+    """The whole stack [E, out, in] in dtype (each NF4 expert decoded from its own blocks)."""
+    if stack.weight is not None:
+        return stack.weight.to(dtype)
+    return torch.stack([nf4_decode_weight(stack.qweight[e], stack.expert_state(e), dtype) for e in range(stack.E)])
+
+
+def moe_experts(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: torch.Tensor, gate_up, down,
+                gate_up_lora=None, down_lora=None, scale: float = 1.0) -> torch.Tensor:
+    """y_n = Σ_j w_nj · D_e(silu(G_e x_n) ⊙ U_e x_n), e = expert_index[n, j], each projection plus
+    scale·B_e·A_e·(its input): every (token, slot) pair with its own gathered weights, in float32
+    (float64 for float64 x), returned in x.dtype."""
+    from fasttrain.ops.moe_experts import check_moe_args  # the face's argument errors
+
+    check_moe_args(x, expert_index, routing_weights, gate_up, down, gate_up_lora, down_lora)
+    ct = _acc(x.dtype)
+    idx = expert_index.long()
+    xc = x.to(ct)
+
+    def project(stack, lora, inp):              # inp [N, k, in] or [N, in] -> [N, k, out]
+        w = _expert_weights(stack, ct)[idx]            # [N, k, out, in]
+        y = torch.einsum("nkoi,nki->nko", w, inp) if inp.dim() == 3 else torch.einsum("nkoi,ni->nko", w, inp)
+        if lora is not None:
+            a, b = lora[0].to(ct)[idx], lora[1].to(ct)[idx]      # [N, k, r, in], [N, k, out, r]
+            xa = torch.einsum("nkri,nki->nkr", a, inp) if inp.dim() == 3 else torch.einsum("nkri,ni->nkr", a, inp)
+            y = y + scale * torch.einsum("nkor,nkr->nko", b, xa)
+        return y
+
+    g, u = project(gate_up, gate_up_lora, xc).chunk(2, dim=-1)
+    o = project(down, down_lora, torch.nn.functional.silu(g) * u)   # [N, k, H]
+    return (o * routing_weights.to(ct)[..., None]).sum(1).to(x.dtype)

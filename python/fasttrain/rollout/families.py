@@ -1,6 +1,6 @@
 """The rollout's piece of each model family: which decoder drives it on the static cache.
 
-    dec = decoder_for(model, weights)   # LlamaFamilyDecoder or HybridDecoder
+    dec = decoder_for(model, weights)   # LlamaFamilyDecoder, HybridDecoder or their MoE pieces
 
 Both decoders take the same calls from the sampling loop (new_cache, rotary_table, prefill,
 copy_prompts, decode with a per-row `active` mask, lm_head); what their caches hold differs by
@@ -12,10 +12,12 @@ from fasttrain.models.families import family_of
 
 from .decoder import LlamaFamilyDecoder
 from .hybrid_decoder import HybridDecoder
+from .moe_decoder import MoEDecoder, MoEHybridDecoder
 
 __all__ = ["DECODERS", "decoder_for"]
 
-DECODERS = {"llama": LlamaFamilyDecoder, "qwen3_5": HybridDecoder}
+DECODERS = {"llama": LlamaFamilyDecoder, "qwen3_5": HybridDecoder, "qwen3_moe": MoEDecoder,
+            "qwen3_5_moe": MoEHybridDecoder}
 
 
 def decoder_for(model, weights=None):

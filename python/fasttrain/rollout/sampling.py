@@ -49,6 +49,9 @@ class Rollout:
     # (assistant, tool, ..., assistant) and the rollout's tool counts; None for single-turn answers.
     conversations: list | None = None
     tool_stats: dict | None = None
+    # Mixture-of-experts policies: the experts each MoE layer chose for every forwarded token
+    # [B, P+T, L_moe, k] (fasttrain.rollout.moe_decoder), replayed by the update; None otherwise.
+    routing: Tensor | None = None
 
     def completion_texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
         """Decoded completions (masked tokens only)."""
@@ -265,4 +268,5 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         prompt_len=P, completion_ids=completion_ids, completion_mask=completion_mask, action_mask=completion_mask,
         lengths=lengths, prompt_index=torch.arange(B, device=device) // G,
-        logprobs=logps[:, :T].contiguous(), finished=finished, group_size=G)
+        logprobs=logps[:, :T].contiguous(), finished=finished, group_size=G,
+        routing=dec.routing_record(G, T) if hasattr(dec, "routing_record") else None)

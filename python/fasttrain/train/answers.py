@@ -117,6 +117,7 @@ def join_rollouts(parts: Sequence, pad_id: int):
     the longest prompt, completions right-padded to the longest; the padding is masked out, so
     every row's tokens, positions and log-probs are its chunk's."""
     from fasttrain.rollout import Rollout
+    from fasttrain.rollout.moe_routing import join_routing
     if len(parts) == 1:
         return parts[0]
     P = max(r.prompt_len for r in parts)
@@ -146,7 +147,8 @@ def join_rollouts(parts: Sequence, pad_id: int):
                    conversations=(None if parts[0].conversations is None
                                   else [c for r in parts for c in r.conversations]),
                    tool_stats=(None if parts[0].tool_stats is None
-                               else {k: sum(r.tool_stats[k] for r in parts) for k in parts[0].tool_stats}))
+                               else {k: sum(r.tool_stats[k] for r in parts) for k in parts[0].tool_stats}),
+                   routing=join_routing(parts, P, T))
 
 
 def has_slice(env, name: str) -> bool:

@@ -219,6 +219,20 @@ class FilterSection:
 
 
 @dataclass(frozen=True)
+class MoESection:
+    """Mixture-of-experts policies (qwen3_moe, qwen3_5_moe); dense models ignore it (docs/models.md)."""
+    # "rollout": the update's policy forwards force the experts the rollout chose for each token,
+    # their weights from the update's own router (the R3 routing replay); "off": it routes by itself
+    routing_replay: Literal["rollout", "off"] = "rollout"
+    # the router stays frozen: in RL its choices drift between the rollout and the update, and a
+    # trained router moves them further; true trains its [E, H] weight (full rank, fp32 master)
+    train_router: bool = False
+    # the load-balancing auxiliary loss is off: added to an RL loss it grew the gradient norm about
+    # tenfold in published Qwen3.5-MoE GRPO runs and would reach the adapters through the hidden states
+    router_aux_loss_coef: float = 0.0
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunSection = field(default_factory=RunSection)
     policy: PolicySection = field(default_factory=PolicySection)
@@ -229,6 +243,7 @@ class Config:
     optim: OptimSection = field(default_factory=OptimSection)
     probe: ProbeSection = field(default_factory=ProbeSection)
     filter: FilterSection = field(default_factory=FilterSection)
+    moe: MoESection = field(default_factory=MoESection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: _section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -289,6 +304,8 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "filter.samples": (lambda v: v >= 1, "an integer >= 1"),
     "filter.min_keep": (lambda v: v >= 1, "an integer >= 1"),
     "filter.max_prompts": (lambda v: v >= 0, "an integer >= 0"),
+    "moe.router_aux_loss_coef": (lambda v: v == 0, "0 (the load-balancing loss is not built into fasttrain's "
+                                                   "update: it hurts RL, see docs/models.md)"),
 }
 
 

@@ -75,20 +75,27 @@ def build_policy(cfg: Config, device: torch.device):
 
     p = cfg.policy
     model, tokenizer = _load_base(p.model, p.dtype, p.quantize)
+    _check_family(p.model, model)
     set_template_kwargs(tokenizer, p.chat_template_kwargs)   # the one reader: every prompt renders with them
     model.to(device)
     _use_gpu_packages(model, p, device)
     for prm in model.parameters():
         prm.requires_grad_(False)
     from fasttrain.models.families import adapter_targets, nf4_targets
+    from fasttrain.models.moe import moe_surgery, train_router
+    moe_surgery(model, nf4=p.quantize == "nf4")          # the MoE families' experts (dense models: no-op)
     if p.quantize == "nf4" and next(nf4_layers(model), None) is None:   # not streamed: quantize here
         quantize_model(model, targets=nf4_targets(model))
     kept_16bit = tuple(t for t in adapter_targets(model) if p.quantize == "none" or t not in nf4_targets(model))
     if kept_16bit:                                        # "none", or a family's 16-bit projections under NF4
         adaptable_model(model, targets=kept_16bit)
     torch.manual_seed(cfg.run.seed)                       # adapter init is part of the run's seed
-    params = attach_adapters(model, kind=p.adapter, r=p.rank, alpha=p.alpha, rslora=p.rslora,
-                             targets=list(p.targets) or None)
+    try:
+        params = attach_adapters(model, kind=p.adapter, r=p.rank, alpha=p.alpha, rslora=p.rslora,
+                                 targets=list(p.targets) or None)
+    except ValueError as e:                               # e.g. DoRA asked for on MoE experts: one paragraph
+        raise ConfigError(str(e)) from None
+    params += train_router(model, cfg.moe.train_router)
     model.to(device)
     if p.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):          # transformers >= 5.2x
@@ -98,6 +105,15 @@ def build_policy(cfg: Config, device: torch.device):
     if hasattr(model, "config"):
         model.config.use_cache = False                   # training forward; rollout asks for its cache
     return model, tokenizer, adapter_parameters(model, params)
+
+
+def _check_family(spec: str, model) -> None:
+    """A folder's model and a factory's alike: one fasttrain drives, or one paragraph saying why not."""
+    from fasttrain.models.family_check import check_drivable
+    try:
+        check_drivable(model, f"policy.model = {spec!r}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _use_gpu_packages(model, p, device: torch.device) -> None:

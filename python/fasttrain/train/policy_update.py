@@ -42,7 +42,8 @@ def _decoder(model):
 
 
 def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completion_ids, completion_mask,
-                    temperature: float, shared_prefix: bool = True, position_ids=None, prompt_index=None):
+                    temperature: float, shared_prefix: bool = True, position_ids=None, prompt_index=None,
+                    routing=None):
     """log p and entropy [B, T] of the answer tokens (zeros where completion_mask is 0).
 
     `shared_prefix`: run each distinct prompt once and let its answers attend to its keys and
@@ -50,7 +51,9 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
     or without gradient checkpointing; the model's own forward runs where that one does not apply).
     `position_ids` [B, P+T] and `prompt_index` [B]: the rollout's own (Rollout.position_ids,
     Rollout.prompt_index), which the update passes; callers holding only ids and a mask omit them
-    and get cumsum(mask) - 1 positions and groups of equal prompt tokens."""
+    and get cumsum(mask) - 1 positions and groups of equal prompt tokens. `routing`: a mixture of
+    experts' rollout record of these rows (fasttrain.rollout.moe_routing.ReplayRouting), replayed by
+    the shared-prefix forward; None routes by the model's own router."""
     from fasttrain.ops import fused_logprob
     from fasttrain.train.prefix_forward import shared_prefix_hidden
 
@@ -60,7 +63,8 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
     T = completion_ids.shape[1]
     h = None
     if shared_prefix:
-        h = shared_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index)
+        h = shared_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index,
+                                 routing=routing)
     if h is None:
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=False).last_hidden_state
@@ -93,6 +97,14 @@ def _rollout_args(roll, sl):
     return dict(position_ids=roll.position_ids[sl], prompt_index=roll.prompt_index[sl])
 
 
+def _replay(roll, sl, replay: bool):
+    """The rollout's routing record of rows `sl` for one forward (None: no record, a dense model)."""
+    if getattr(roll, "routing", None) is None:
+        return None
+    from fasttrain.rollout.moe_routing import ReplayRouting
+    return ReplayRouting(roll.routing[sl], replay=replay)
+
+
 def _chunks(n: int, size: int):
     for s in range(0, n, size):
         yield slice(s, min(n, s + size))
@@ -100,7 +112,7 @@ def _chunks(n: int, size: int):
 
 @torch.no_grad()
 def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: bool,
-                need_old: bool = True) -> BatchScores:
+                need_old: bool = True, routing_replay: bool = True) -> BatchScores:
     """No-grad scores of the batch. `need_old=False` skips the pre-update policy's forward: the
     update's first pass runs on that same policy and returns old_logp and entropy from its own
     forward (the recipe's old log-probs are the first pass's), which saves one forward per
@@ -115,7 +127,7 @@ def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: boo
         args = (roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len, roll.completion_ids[sl],
                 roll.completion_mask[sl], temperature)
         if need_old:
-            lp, ent = answer_logprobs(model, *args, **_rollout_args(roll, sl))
+            lp, ent = answer_logprobs(model, *args, **_rollout_args(roll, sl), routing=_replay(roll, sl, routing_replay))
             olds.append(lp)
             ents.append(ent)
         if need_ref:
@@ -147,10 +159,12 @@ def ratio_weighted_kl(logp, old_logp, ref_logp, mask, per_sequence: bool, normal
 def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, roll,
                   scores: BatchScores, advantages: torch.Tensor, loss_mask: torch.Tensor,
                   loss_cfg: LossSection, zeta: float, micro_batch: int, grad_clip: float,
-                  temperature: float) -> UpdateResult:
+                  temperature: float, routing_replay: bool = True) -> UpdateResult:
     """k passes; returns one stats dict per pass and the pre-update policy's log-probs and
     entropies (`scores`' own when it has them, else pass 1's). Raises NonFiniteLoss (after zeroing
-    grads) when a pass's loss or gradient norm is not finite; the caller skips the step."""
+    grads) when a pass's loss or gradient norm is not finite; the caller skips the step.
+    `routing_replay`: a mixture of experts' forwards force the rollout's experts (roll.routing);
+    pass 1's stats then hold the router disagreement and expert load (rollout.moe_routing)."""
     from fasttrain.ops import policy_loss
     from fasttrain.train import distributed
 
@@ -177,16 +191,19 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         acc: dict[str, float] = {}
-        olds, ents = [], []
+        olds, ents, routed = [], [], []
         for sl in _chunks(B, micro_batch):
             m = op_mask[sl]
             first_fill = fill_old and k == 0
             if not bool(m.any()) and not first_fill:
                 continue
+            replay = _replay(roll, sl, routing_replay)
             with torch.set_grad_enabled(bool(m.any())):
                 logp, ent = answer_logprobs(model, roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len,
                                             roll.completion_ids[sl], roll.completion_mask[sl], temperature,
-                                            **_rollout_args(roll, sl))
+                                            **_rollout_args(roll, sl), routing=replay)
+            if replay is not None and k == 0:
+                routed.append(replay.counts(_num_experts(model)))
             if first_fill:
                 olds.append(logp.detach())
                 ents.append(ent)
@@ -223,6 +240,19 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLoss(f"loss {loss_v}, gradient norm {gn}", UpdateResult(out, old_logp, entropy))
         optimizer.step()
-        out.append({"loss": loss_v, "grad_norm": gn, **acc})
+        out.append({"loss": loss_v, "grad_norm": gn, **acc, **_routing_metrics(routed)})
     optimizer.zero_grad(set_to_none=True)
     return UpdateResult(out, old_logp, entropy)
+
+
+def _num_experts(model) -> int:
+    from fasttrain.nn.moe_experts import moe_blocks
+    return moe_blocks(model)[0][1].num_experts
+
+
+def _routing_metrics(routed) -> dict[str, float]:
+    """A mixture of experts' router disagreement and expert load (empty for dense models)."""
+    if not routed:
+        return {}
+    from fasttrain.rollout.moe_routing import routing_metrics
+    return routing_metrics(routed)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from fasttrain.rollout.decoder import LlamaFamilyDecoder, _rotate_half
 
-__all__ = ["shared_prefix_hidden", "prompt_groups", "prefix_masks"]
+__all__ = ["shared_prefix_hidden", "llama_prefix_hidden", "prompt_groups", "prefix_masks"]
 
 
 def _family(model) -> LlamaFamilyDecoder | None:
@@ -47,13 +47,17 @@ def _family(model) -> LlamaFamilyDecoder | None:
 
 def _family_piece(model):
     """The shared-prefix forward of a family other than Llama's (train/prefix_forward_hybrid.py for
-    Qwen3.5 hybrids), or None for the Llama family run below."""
+    Qwen3.5 hybrids, train/prefix_forward_moe.py for the mixtures of experts), or None for the
+    Llama family run below."""
     from fasttrain.models.families import family_of
     try:
-        name = family_of(model).name
+        family = family_of(model)
     except ValueError:
         return None
-    if name == "qwen3_5":
+    if family.moe:
+        from fasttrain.train.prefix_forward_moe import shared_prefix_hidden_moe
+        return shared_prefix_hidden_moe
+    if family.name == "qwen3_5":
         from fasttrain.train.prefix_forward_hybrid import shared_prefix_hidden_hybrid
         return shared_prefix_hidden_hybrid
     return None
@@ -96,17 +100,28 @@ def prefix_masks(attention_mask: Tensor, first: Tensor, P: int, A: int) -> tuple
 
 
 def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                         prompt_len: int, T: int, prompt_index: Tensor | None = None) -> Tensor | None:
+                         prompt_len: int, T: int, prompt_index: Tensor | None = None, routing=None,
+                         wrap=None) -> Tensor | None:
     """Final-norm hidden states [B, T, H] whose row b, column t predicts answer token t of row b
     (the full forward's hidden[:, P-1 : P-1+T]), with each distinct prompt run once.
 
     input_ids/attention_mask/position_ids [B, P+T]: left-padded prompts then answers.
     `prompt_index` [B]: the rollout's group of each row (rows of one group share their prompt);
-    without it, rows whose prompt tokens and mask are equal are grouped. Returns None when the
+    without it, rows whose prompt tokens and mask are equal are grouped. `routing`: a mixture of
+    experts' rollout record for these rows (fasttrain.rollout.moe_routing.ReplayRouting), ignored by
+    other families. `wrap(i, run)`: what runs decoder layer i in place of `run` (the MoE piece sets
+    each layer's routing there, so a checkpoint recompute sees it too). Returns None when the
     model is not one this forward drives (the caller runs the model's own forward)."""
     piece = _family_piece(model)
     if piece is not None:
-        return piece(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index)
+        return piece(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index, routing=routing,
+                     wrap=wrap)
+    return llama_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index, wrap)
+
+
+def llama_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int,
+                        T: int, prompt_index: Tensor | None = None, wrap=None) -> Tensor | None:
+    """shared_prefix_hidden of the Llama family's layers (the attention of every layer is full)."""
     dec = _family(model)
     if dec is None:
         return None
@@ -140,6 +155,8 @@ def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, posit
     runs = [functools.partial(_layer, dec, layer, inverse, cos_p[:, None], sin_p[:, None], prompt_mask,
                               None if cos_a is None else cos_a[:, None], None if sin_a is None else sin_a[:, None],
                               answer_mask) for layer in dec.layers]
+    if wrap is not None:
+        runs = [wrap(i, run) for i, run in enumerate(runs)]
     x_p, x_a = run_layers(dec, runs, x_p, x_a)
     h = torch.cat([x_p[inverse, P - 1:P], x_a], dim=1)                 # [B, T, H]
     return dec.norm(h)

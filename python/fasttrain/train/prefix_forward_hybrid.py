@@ -30,9 +30,11 @@ __all__ = ["shared_prefix_hidden_hybrid"]
 
 
 def shared_prefix_hidden_hybrid(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                                prompt_len: int, T: int, prompt_index: Tensor | None = None) -> Tensor | None:
+                                prompt_len: int, T: int, prompt_index: Tensor | None = None, routing=None,
+                                wrap=None) -> Tensor | None:
     """As fasttrain.train.prefix_forward.shared_prefix_hidden: final-norm hidden states [B, T, H]
-    predicting each row's answer tokens, every distinct prompt run once."""
+    predicting each row's answer tokens, every distinct prompt run once (`routing`: unused here;
+    `wrap(i, run)` runs layer i)."""
     dec = HybridDecoder(model)
     if dec.model.training and float(getattr(dec.model.config, "attention_dropout", 0.0) or 0.0) > 0:
         return None
@@ -48,8 +50,8 @@ def shared_prefix_hidden_hybrid(model, input_ids: Tensor, attention_mask: Tensor
     x_a = dec.embed(input_ids[:, P:P + A])
     ctx = _Context(dec, inverse, cos_p[:, None], sin_p[:, None], cos_a[:, None], sin_a[:, None], prompt_mask,
                    answer_mask, valid_p, valid_a)
-    x_p, x_a = run_layers(dec, [functools.partial(_layer, ctx, i, layer) for i, layer in enumerate(dec.layers)],
-                          x_p, x_a)
+    runs = [functools.partial(_layer, ctx, i, layer) for i, layer in enumerate(dec.layers)]
+    x_p, x_a = run_layers(dec, runs if wrap is None else [wrap(i, run) for i, run in enumerate(runs)], x_p, x_a)
     return dec.norm(torch.cat([x_p[inverse, P - 1:P], x_a], dim=1))
 
 

@@ -278,7 +278,8 @@ class Trainer:
         # the entropy mask needs the entropies before the update; otherwise pass 1 of the update
         # gives the old log-probs and entropy from its own forward (one forward less per step)
         batch = self._with_oom_retry(step, "scores", lambda mb: score_batch(
-            self.model, roll, mb, R.temperature, need_ref=L.beta > 0, need_old=top_entropy))
+            self.model, roll, mb, R.temperature, need_ref=L.beta > 0, need_old=top_entropy,
+            routing_replay=cfg.moe.routing_replay == "rollout"))
         mask = roll.action_mask.bool()          # the model's own tokens: every consumer below reads it
         loss_mask = mask
         if top_entropy:                                        # over every rank's answer tokens
@@ -291,7 +292,8 @@ class Trainer:
         try:
             result = self._with_oom_retry(step, "update", lambda mb: update_policy(
                 self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
-                cfg.optim.grad_clip, R.temperature), undo=self._undo_update() if L.passes > 1 else None)
+                cfg.optim.grad_clip, R.temperature, routing_replay=cfg.moe.routing_replay == "rollout"),
+                undo=self._undo_update() if L.passes > 1 else None)
             self.nonfinite_in_row = 0
         except NonFiniteLoss as e:
             skipped, result = True, e.result
@@ -333,6 +335,7 @@ class Trainer:
             "cap_frac": last.get("cap_frac", math.nan),
             "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
             **gap,
+            **{k: v for k, v in (passes[0] if passes else {}).items() if k.startswith("moe_")},   # MoE routing
             "tokens": n_tok, "loss_tokens": n_loss,
             "mean_length": n_tok / len(scores), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
