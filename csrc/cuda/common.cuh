@@ -58,6 +58,17 @@ __device__ __forceinline__ float nf4_decode_at(const uint8_t* __restrict__ q, co
   T* name = reinterpret_cast<T*>(ft_dynamic_shared_raw)
 #endif
 
+// `__shared__ T name dims;` (dims such as [8][9], or nothing for a scalar). On the emulator the
+// variable is filled with 0xFF when the first thread of each block reaches it, as a kernel may find
+// anything there (one copy serves every block: blocks run one at a time).
+#ifdef FASTTRAIN_CUDA_EMU
+#define FT_SHARED(T, name, dims) \
+  static T name dims;            \
+  ::cuda_emu::poison_shared(&name, sizeof(name))
+#else
+#define FT_SHARED(T, name, dims) __shared__ T name dims
+#endif
+
 // kernel<<<grid, block, smem, stream>>>(args...) and the launch check; on the emulator, the same
 // kernel run on the CPU (the stream is ignored: one grid runs at a time).
 template <typename... P, typename... A>

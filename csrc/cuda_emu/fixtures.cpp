@@ -20,7 +20,7 @@ namespace fc = fasttrain::cuda;
 // have not written yet (0xFF poison: NaN).
 template <bool kBarrier>
 __global__ void block_sum(const float* in, float* out, int n) {
-  __shared__ float partial[8];
+  FT_SHARED(float, partial, [8]);
   float v = 0.0f;
   for (int i = threadIdx.x; i < n; i += blockDim.x) v += in[i];
   v = fc::warp_sum(v);

@@ -14,13 +14,6 @@
 #include <sstream>
 #include <vector>
 
-// The bounds of the static shared memory section (defined by the linker; weak when no kernel of the
-// module declares __shared__ memory).
-extern "C" {
-extern unsigned char __start_cuda_emu_shared[] __attribute__((weak, visibility("hidden")));
-extern unsigned char __stop_cuda_emu_shared[] __attribute__((weak, visibility("hidden")));
-}
-
 namespace cuda_emu {
 namespace {
 
@@ -60,6 +53,7 @@ struct Block {
   void (*body)(void*) = nullptr;
   void* arg = nullptr;
   std::exception_ptr error;
+  std::vector<void*> poisoned;  // static shared variables filled in this block
 };
 
 constexpr size_t kStackBytes = size_t(256) << 10;
@@ -181,8 +175,6 @@ void run_block(Block& b, const std::vector<uint32_t>& thread_order, std::mt19937
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
   }
-  if (__start_cuda_emu_shared != nullptr)
-    std::memset(__start_cuda_emu_shared, 0xFF, static_cast<size_t>(__stop_cuda_emu_shared - __start_cuda_emu_shared));
   std::memset(g_dynamic, 0xFF, g_dynamic_bytes + kSharedAlign);
   std::vector<uint32_t> order = thread_order;
   b.live = static_cast<int>(n);
@@ -228,6 +220,13 @@ void reset_counters() { g_counters = Counters{}; }
 int lane_id() { return g_fiber->lane; }
 
 void fail(const std::string& what) { throw Error("cuda_emu: " + what + where()); }
+
+void poison_shared(void* p, size_t bytes) {
+  std::vector<void*>& done = g_block->poisoned;
+  if (std::find(done.begin(), done.end(), p) != done.end()) return;
+  std::memset(p, 0xFF, bytes);
+  done.push_back(p);
+}
 
 unsigned char* dynamic_shared(size_t align) {
   if (align == 0 || (align & (align - 1)) != 0 || align > kSharedAlign)

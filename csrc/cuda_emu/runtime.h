@@ -38,9 +38,9 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-// Static shared memory: one copy in a section of its own, which the scheduler fills with 0xFF before
-// every block (blocks run one at a time, so one copy serves them all).
-#define __shared__ __attribute__((section("cuda_emu_shared"))) static
+// Shared memory is declared through FT_SHARED / FT_DYNAMIC_SHARED (csrc/cuda/common.cuh), which the
+// emulator fills with 0xFF in every block; a bare __shared__ would escape that, so it does not compile.
+#define __shared__ static_assert(false, "declare shared memory with FT_SHARED or FT_DYNAMIC_SHARED (cuda/common.cuh)");
 #define FASTTRAIN_CUDA_EMU 1
 
 struct dim3 {
@@ -104,6 +104,10 @@ constexpr size_t kMaxDynamicShared = 48u << 10;
 
 // Runs body once per thread of every block of the grid. smem: dynamic shared memory in bytes.
 void run_grid(dim3 grid, dim3 block, size_t smem, void (*body)(void*), void* arg);
+
+// Fills a static shared variable with 0xFF when the first thread of the running block reaches its
+// declaration (FT_SHARED).
+void poison_shared(void* p, size_t bytes);
 
 // The dynamic shared memory of the running block, aligned to `align` bytes and to no more (so a
 // kernel that declares less alignment than it uses is seen by the alignment sanitizer).

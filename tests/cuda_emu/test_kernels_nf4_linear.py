@@ -35,9 +35,13 @@ def splits_for(N, K, sms=132):
     return -(-ktiles // per)
 
 
+# (M, N, K, adapter): the 5120-wide decode (16 splits) plain and with DoRA (which holds the LoRA term
+# too); 40 rows (the kernel's two-half variant) over a partial 64-row tile with LoRA and with DoRA
+CASES = [(3, 256, 5120, "none"), (3, 256, 5120, "dora"), (40, 96, 256, "lora"), (40, 96, 256, "dora")]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M,N,K", [(3, 256, 5120), (40, 96, 256)])
-@pytest.mark.parametrize("adapter", ["none", "lora", "dora"])
+@pytest.mark.parametrize("M,N,K,adapter", CASES)
 def test_the_decode_path_matches_float64_and_the_cpu_op(dtype, M, N, K, adapter, schedule):
     gen = torch.Generator().manual_seed(M * N + K)
     r, s = 8, 0.5

@@ -31,6 +31,8 @@ def batch(B, T, seed, per_token):
     g = torch.Generator().manual_seed(seed)
     logp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 6 - 0.01).float().double()
     log_ratio = (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 1.4
+    for edge in (math.log(1 - EPS_LOW), math.log(1 + EPS_HIGH), math.log(CAP)):  # no token on a clip edge
+        log_ratio = torch.where((log_ratio - edge).abs() < 1e-3, log_ratio + 3e-3, log_ratio)
     old = (logp - log_ratio).float().double()
     ref = (logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)).float().double()
     adv = torch.randn(B, T, generator=g) if per_token else torch.randn(B, generator=g)

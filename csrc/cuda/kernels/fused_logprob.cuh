@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) logprob_stats_kernel(const acc_t* __
                                      const int64_t* __restrict__ targets, int64_t n0, int64_t v0, int64_t cs,
                                      acc_t inv_temp, int64_t ignore_index, acc_t* ref, acc_t* s_, acc_t* u_,
                                      acc_t* zt, acc_t* acc, int64_t H) {
-  __shared__ acc_t smem[kThreads / 32];
+  FT_SHARED(acc_t, smem, [kThreads / 32]);
   const int64_t i = blockIdx.x, n = n0 + i;
   const int64_t t = targets[n];
   const acc_t* zr = z + i * ldz;

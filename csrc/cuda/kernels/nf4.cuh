@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const uint8_t*
 __global__ void __launch_bounds__(kThreads) blockwise8_quantize_kernel(const float* __restrict__ in, const float* __restrict__ code,
                                            uint8_t* __restrict__ out, float* __restrict__ absmax, int64_t n,
                                            int64_t blocksize, int64_t nblocks) {
-  __shared__ float c[256];
+  FT_SHARED(float, c, [256]);
   for (int i = threadIdx.x; i < 256; i += blockDim.x) c[i] = code[i];
   __syncthreads();
   const int lane = threadIdx.x & 31;

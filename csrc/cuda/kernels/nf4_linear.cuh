@@ -29,8 +29,8 @@ __global__ void __launch_bounds__(kThreads) nf4_skinny_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ q, const float* __restrict__ absmax, int64_t bs,
     int M, int N, int K, int k_per_split, float* __restrict__ partial) {
   constexpr int kRows = 32 * kHalves;
-  __shared__ float ws[kTileN][kTileK + 1];
-  __shared__ float xs[kRows][kTileK + 1];
+  FT_SHARED(float, ws, [kTileN][kTileK + 1]);
+  FT_SHARED(float, xs, [kRows][kTileK + 1]);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = blockIdx.x * kTileN;
   const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);

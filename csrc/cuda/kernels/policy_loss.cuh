@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) policy_chunk_kernel(const scalar_t* 
     acc[fm::kSumFactor] += nz ? w * tk.factor : 0.0f;
     acc[fm::kSumNonzeroAdv] += nz ? w : 0.0f;
   }
-  __shared__ float smem[kThreads / 32][fm::kPolicySums];
+  FT_SHARED(float, smem, [kThreads / 32][fm::kPolicySums]);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int k = 0; k < fm::kPolicySums; ++k) {
@@ -68,9 +68,9 @@ __global__ void __launch_bounds__(kThreads) policy_finalize_kernel(const float* 
                                        const float* __restrict__ norm_tensor, double norm_value,
                                        float* __restrict__ loss, float* __restrict__ stats,
                                        float* __restrict__ rowscale) {
-  __shared__ double sums[fm::kPolicySums];
-  __shared__ double red[kThreads];
-  __shared__ double S_shared;
+  FT_SHARED(double, sums, [fm::kPolicySums]);
+  FT_SHARED(double, red, [kThreads]);
+  FT_SHARED(double, S_shared, );
   const double norm_given = norm_tensor != nullptr ? static_cast<double>(*norm_tensor) : norm_value;
   // Batch sums: thread k < kPolicySums walks the chunks in order.
   if (threadIdx.x < fm::kPolicySums) {
