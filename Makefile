@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.14.1
 STAMP := $(VENV)/.fasttrain-installed
 export FASTTRAIN_CUDA ?= auto
 
-.PHONY: all install build test test-fast demo bench ptxas info clean
+.PHONY: all install build test test-fast test-emu-asan demo bench ptxas info clean
 
 all: test
 
@@ -36,6 +36,10 @@ build: $(STAMP)
 test: build
 	$(PY) -m pytest -q
 	bash tools/test_numeric_capabilities.sh $(PY)
+
+# The CUDA emulator's tests under AddressSanitizer + UBSan (a separate build of fasttrain._C_emu).
+test-emu-asan: $(STAMP)
+	bash tools/test_emu_asan.sh $(PY)
 
 test-fast: build
 	$(PY) -m pytest -q -m "not slow"

@@ -64,6 +64,11 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
+    def run(self) -> None:
+        # setuptools clears `inplace` while it builds (and copies the modules after): remember it.
+        self.asked_inplace = bool(self.inplace)
+        super().run()
+
     def build_extension(self, ext: Extension) -> None:
         import torch
         import torch.utils.cpp_extension as cpp
@@ -109,10 +114,21 @@ class CMakeBuild(build_ext):
             cfg.append(f"-DFASTTRAIN_PTXAS_VERBOSE={'ON' if os.environ['FASTTRAIN_PTXAS_VERBOSE'] == '1' else 'OFF'}")
         if os.environ.get("FASTTRAIN_NATIVE_ARCH") == "0":
             cfg.append("-DFASTTRAIN_NATIVE_ARCH=OFF")
+        # The CUDA emulator (fasttrain._C_emu, a test artefact): built by in-place builds only (into
+        # the source tree), so no wheel carries it. FASTTRAIN_EMU=0 skips it, =1 builds it anyway;
+        # FASTTRAIN_EMU_SANITIZE=1 builds it with ASan + UBSan into FASTTRAIN_EMU_OUTPUT_DIR and
+        # FASTTRAIN_BUILD_TARGET builds one target (both for make test-emu-asan).
+        emu_mode = os.environ.get("FASTTRAIN_EMU", "auto")
+        with_emu = emu_mode == "1" or (emu_mode != "0" and getattr(self, "asked_inplace", False))
+        cfg.append(f"-DFASTTRAIN_WITH_EMU={'ON' if with_emu else 'OFF'}")
+        cfg.append(f"-DFASTTRAIN_EMU_SANITIZE={'ON' if os.environ.get('FASTTRAIN_EMU_SANITIZE') == '1' else 'OFF'}")
+        if os.environ.get("FASTTRAIN_EMU_OUTPUT_DIR"):
+            cfg.append(f"-DFASTTRAIN_EMU_OUTPUT_DIR={Path(os.environ['FASTTRAIN_EMU_OUTPUT_DIR']).resolve()}")
+        target = ["--target", os.environ["FASTTRAIN_BUILD_TARGET"]] if os.environ.get("FASTTRAIN_BUILD_TARGET") else []
         print("fasttrain build:", "CPU + CUDA" if with_cuda else "CPU only", f"({build_dir})", flush=True)
         subprocess.run(cfg, check=True, env=env, stdout=subprocess.DEVNULL if not self.verbose else None)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
-        subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs], check=True, env=env)
+        subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs, *target], check=True, env=env)
         # CMake wrote the module where setuptools expects it; `--inplace` then copies it into
         # python/fasttrain.
 

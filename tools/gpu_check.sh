@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The one-call GPU check for a lent GPU: builds the extension from source for sm_90a, runs
-# `fasttrain selftest` (quick, then every case) so the verdict on the kernels comes first, prints
-# `fasttrain info`, runs the CUDA tests and the kernel benchmarks, writes logs, JSON and CSV under
-# $OUT and prints a short table last. Budget: under 8 minutes.
+# The one-call GPU check for a lent GPU: builds the extension (and the CUDA emulator) from source
+# for sm_90a, runs `fasttrain selftest` (quick, then every case) so the verdict on the kernels comes
+# first, prints `fasttrain info`, runs the CUDA tests, then the emulator's kernel tests with the GPU
+# as the peer (the same inputs through the CUDA kernels on the CPU emulator and on the GPU, compared
+# within the tests' derived bounds), the kernel benchmarks, writes logs, JSON and CSV under $OUT,
+# a summary to bench/results/<device>-<date>-gpu-check.md, and prints a short table last.
+# Budget: under 8 minutes. Not yet run on a GPU (no GPU has been lent to this project so far).
 # Run on the device machine from the repository root:  bash tools/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,11 +16,18 @@ start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 status=()
 
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+# 0. A GPU, or a loud stop: everything below needs one, and a run without it would report nothing.
+if ! nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || \
+   ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: NO GPU. nvidia-smi or torch.cuda.is_available() says there is no usable CUDA device here." >&2
+  echo "gpu_check: run this on a machine with an NVIDIA GPU and a CUDA build of torch; nothing was checked." >&2
+  exit 2
+fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
   > "$OUT/env.txt" 2>&1
 
-# 1. Build (sm_90a only: the card in hand; CI builds sm_80 + sm_90a).
+# 1. Build (sm_90a only: the card in hand; CI builds sm_80 + sm_90a); in place, so the CUDA emulator
+#    (fasttrain._C_emu) is built too.
 if FASTTRAIN_CUDA=1 FASTTRAIN_CUDA_ARCHS=90a FASTTRAIN_NATIVE_ARCH=0 MAX_JOBS=16 \
    timeout 240 "$PY" setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
   status+=("build: ok ($(elapsed) s)")
@@ -42,12 +52,19 @@ PYTHONPATH=python timeout "$left" "$PY" -m pytest -q -m cuda -p no:cacheprovider
   --junitxml="$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1
 status+=("cuda tests: $(tail -1 "$OUT/pytest_cuda.log") ($(elapsed) s)")
 
+# 3b. The emulator against the GPU: the emulator's kernel tests with FASTTRAIN_EMU_PEER=cuda, so each
+#     "vs peer" comparison runs the CUDA op on the GPU on the very inputs the emulator ran (at most 90 s).
+left=$(( 400 - $(elapsed) )); left=$(( left < 90 ? left : 90 )); left=$(( left < 20 ? 20 : left ))
+FASTTRAIN_EMU_PEER=cuda PYTHONPATH=python timeout "$left" "$PY" -m pytest -q -m cuda_emu -p no:cacheprovider \
+  tests/cuda_emu --junitxml="$OUT/pytest_emu_vs_gpu.xml" > "$OUT/pytest_emu_vs_gpu.log" 2>&1
+status+=("emulator vs GPU: $(tail -1 "$OUT/pytest_emu_vs_gpu.log") ($(elapsed) s)")
+
 # 4. Kernel benchmarks (each bounded; the step/rollout benchmarks are skipped when their peers are
 #    missing on the image).
 for b in bench/bench_nf4.py bench/bench_logprob.py bench/bench_policy_loss.py bench/bench_nf4_linear.py \
          bench/bench_rollout.py; do
   [ -f "$b" ] || continue
-  left=$(( 450 - $(elapsed) ))
+  left=$(( 460 - $(elapsed) ))
   [ "$left" -gt 20 ] || { status+=("$(basename "$b"): skipped, out of time"); continue; }
   t=$(( left < 90 ? left : 90 ))
   if (cd bench && PYTHONPATH=../python timeout "$t" "$PY" "$(basename "$b")" --csv "$OUT/bench.csv") \
@@ -94,3 +111,22 @@ for s in "${status[@]}"; do echo "  $s"; done
 [ -f "$OUT/plan_check.log" ] && { echo "-- plan_check.log"; tail -6 "$OUT/plan_check.log"; }
 for f in "$OUT"/bench_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f")"; tail -14 "$f"; }; done
 echo "total $(elapsed) s"
+
+# The summary for the repository: bench/results/<device>-<date>-gpu-check.md.
+device=$("$PY" -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))" 2>/dev/null || echo unknown)
+report="bench/results/${device}-$(date -u +%Y-%m-%d)-gpu-check.md"
+mkdir -p bench/results
+{
+  echo "# GPU check on ${device}, $(date -u +%Y-%m-%d)"
+  echo
+  echo "\`bash tools/gpu_check.sh\` ($(head -1 "$OUT/env.txt")), $(elapsed) s in all."
+  echo
+  for s in "${status[@]}"; do echo "- $s"; done
+  if [ -s "$OUT/selftest_failing.txt" ]; then echo; echo "Selftest failures:"; echo; sed 's/^/    /' "$OUT/selftest_failing.txt"; fi
+  if grep -qE "failed|error" "$OUT/pytest_emu_vs_gpu.log" 2>/dev/null; then
+    echo; echo "Emulator vs GPU failures:"; echo; grep -E "^(FAILED|ERROR)" "$OUT/pytest_emu_vs_gpu.log" | head -20 | sed 's/^/    /'
+  fi
+  for f in "$OUT"/bench_*.log; do [ -f "$f" ] && { echo; echo "## $(basename "$f" .log)"; echo; tail -14 "$f" | sed 's/^/    /'; }; done
+} > "$report"
+cp "$report" "$OUT/" 2>/dev/null
+echo "summary: $report"

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Register, shared-memory, stack and spill report per CUDA kernel for sm_90a (ptxas -v), from a
-# separate build folder so the normal build is untouched. Usage: make ptxas
+# separate build folder so the normal build is untouched; exits 1 when a kernel spills registers
+# (the kernels with a fixed block size declare it with __launch_bounds__, so ptxas may give each
+# thread up to 65536 / that many registers: a spill there means the kernel needs a smaller bound or
+# fewer live values). Usage: make ptxas; PTXAS_LOG=<build log> reads an existing -Xptxas=-v log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-log=build/ptxas.log
+log=${PTXAS_LOG:-build/ptxas.log}
 mkdir -p build
-rm -rf build/cmake-ptxas
-FASTTRAIN_CUDA=1 FASTTRAIN_CUDA_ARCHS=90a FASTTRAIN_PTXAS_VERBOSE=1 FASTTRAIN_BUILD_DIR=build/cmake-ptxas \
-  "$PY" setup.py build_ext --build-lib build/ptxas-lib --build-temp build/ptxas-tmp > "$log" 2>&1 \
-  || { tail -30 "$log"; echo "ptxas build failed (log: $log)"; exit 1; }
+if [ -z "${PTXAS_LOG:-}" ]; then
+  rm -rf build/cmake-ptxas
+  FASTTRAIN_CUDA=1 FASTTRAIN_CUDA_ARCHS=90a FASTTRAIN_PTXAS_VERBOSE=1 FASTTRAIN_EMU=0 FASTTRAIN_BUILD_DIR=build/cmake-ptxas \
+    "$PY" setup.py build_ext --build-lib build/ptxas-lib --build-temp build/ptxas-tmp > "$log" 2>&1 \
+    || { tail -30 "$log"; echo "ptxas build failed (log: $log)"; exit 1; }
+fi
 "$PY" - "$log" <<'PYEOF'
 import re, subprocess, sys
 lines = open(sys.argv[1]).read().splitlines()
@@ -31,4 +36,8 @@ for r, name in zip(rows, names or [r[0] for r in rows]):
     print(f"{short:70s} {r[1]:7s} {r[2]:>4s} {r[3]:>6s} {r[4]:>5s} {r[5]:>11s}")
 if not rows:
     print("no kernels found in", sys.argv[1]); sys.exit(1)
+spilling = [name for r, name in zip(rows, names or [r[0] for r in rows]) if r[5] != "0/0" and r[5] != "0"]
+if spilling:
+    print(f"{len(spilling)} kernel(s) spill registers:", *spilling, sep="\n  "); sys.exit(1)
+print(f"{len(rows)} kernel instances, none spills")
 PYEOF

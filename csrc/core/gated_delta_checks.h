@@ -20,6 +20,9 @@ inline void check_gated_delta_inputs(const char* op, const at::Tensor& q, const 
                v.sizes());
   FT_CHECK_ARG(q.size(2) > 0 && v.size(2) % q.size(2) == 0, op, "v",
                "must have a multiple of q's heads, got ", v.size(2), " and ", q.size(2));
+  FT_CHECK_ARG(q.size(3) > 0 && v.size(3) > 0, op, "q, v",
+               "must have head dims of at least 1 (a delta rule over an empty key or value is no layer), got Dk = ",
+               q.size(3), " and Dv = ", v.size(3));
   for (const at::Tensor* t : {&g, &beta})
     FT_CHECK_ARG(t->dim() == 3 && t->size(0) == v.size(0) && t->size(1) == v.size(1) && t->size(2) == v.size(2), op,
                  t == &g ? "g" : "beta", "must be [B, T, Hv], got ", t->sizes());
@@ -57,6 +60,22 @@ inline void check_gated_delta_backward_inputs(const char* op, const at::Tensor& 
                      grad_state->size(2) == q.size(3) && grad_state->size(3) == v.size(3) &&
                      grad_state->is_contiguous() && grad_state->scalar_type() == q.scalar_type(),
                  op, "grad_state", "must be contiguous [B, Hv, Dk, Dv] with q's dtype, got ", grad_state->sizes());
+}
+
+// The CUDA kernels' limits: the backward's scratch keeps min(checkpoint_every, T) + 1 states per
+// (row, value head), so checkpoint_every is capped there (at 128 x 128 float32 states and 48 value
+// heads, 256 tokens is 0.8 GB per row; uncapped, a chunk of 4096 would be 12.9 GB), and a CTA's
+// dynamic shared memory (2·Dk + 4·Dv elements in the backward) must fit the 48 KiB a kernel gets.
+constexpr int64_t kMaxCheckpointEveryCuda = 256;
+constexpr int64_t kMaxSharedBytesCuda = 48 << 10;
+inline void check_gated_delta_cuda_limits(const char* op, int64_t checkpoint_every, int64_t Dk, int64_t Dv,
+                                          int64_t element_bytes) {
+  FT_CHECK_ARG(checkpoint_every <= kMaxCheckpointEveryCuda, op, "checkpoint_every",
+               "must be at most ", kMaxCheckpointEveryCuda, " on CUDA (the backward holds that many states per row "
+               "and value head in scratch), got ", checkpoint_every);
+  FT_CHECK_ARG((2 * Dk + 4 * Dv) * element_bytes <= kMaxSharedBytesCuda, op, "q, v",
+               "head dims Dk = ", Dk, ", Dv = ", Dv, " need ", (2 * Dk + 4 * Dv) * element_bytes,
+               " bytes of shared memory per CTA on CUDA, more than the ", kMaxSharedBytesCuda, " a kernel gets");
 }
 
 // The decode step: q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv], g, beta [B, 1, Hv] (the forward's layout with

@@ -44,4 +44,19 @@ inline void check_inputs(const char* op, const at::Tensor& logp, const at::Tenso
                loss_type);
 }
 
+// The CUDA backward's arguments (the CPU backward checks its own).
+inline void check_policy_loss_backward(const char* op, const at::Tensor& grad_loss, const at::Tensor& coef,
+                                       const at::Tensor& rowscale, at::ScalarType dtype) {
+  FT_CHECK_DIM(op, coef, 2);
+  FT_CHECK_DTYPE(op, coef, at::kFloat);
+  FT_CHECK_DTYPE(op, rowscale, at::kFloat);
+  FT_CHECK_SAME_DEVICE(op, coef, rowscale);
+  FT_CHECK_SAME_DEVICE(op, coef, grad_loss);
+  FT_CHECK_ARG(rowscale.dim() == 1 && rowscale.size(0) == coef.size(0), op, "rowscale", "must be [B] with B = ",
+               coef.size(0), ", got ", rowscale.sizes());
+  FT_CHECK_ARG(grad_loss.numel() == 1, op, "grad_loss", "must hold one value, got shape ", grad_loss.sizes());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", dtype);
+}
+
 }  // namespace fasttrain

@@ -22,7 +22,8 @@
 // 5120×27648 at M = 48 on an H200: the weight is 76 MB → 16 µs at 4.8 TB/s, but 13.6 GFLOP of
 // fp32 FMA at ~60 TFLOP/s is ~230 µs, so this SIMT kernel is compute-bound above M ≈ 8 and will not
 // reach the bandwidth floor at M = 48; that needs mma.sync with in-register dequantisation (Marlin-
-// style). Not run on a GPU yet.
+// style). Not run on a GPU yet. The decode path's kernels and launch sequence and the DoRA norm
+// kernel: cuda/kernels/nf4_linear.cuh (shared with the CUDA emulator, which runs them in the tests).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -32,139 +33,26 @@
 #include <cuda_fp16.h>
 
 #include "core/checks.h"
-#include "core/dispatch.h"
 #include "core/math.h"
 #include "core/nf4_linear_checks.h"
-#include "cuda/common.cuh"
+#include "cuda/kernels/nf4_linear.cuh"
+#include "cuda/torch_device.h"
 #include "ops.h"
 
 namespace fasttrain {
 namespace fm = fasttrain::math;
-namespace fc = fasttrain::cuda;
+namespace nlk = fasttrain::cuda::nf4_linear;
 
 namespace {
 
 // x must be float32, float16 or bfloat16 here: the CPU op also takes float64, these kernels do not.
 constexpr bool kXMayBeFloat64 = false;
-
-constexpr int kDecodeMaxM = 64;
-constexpr int kTileN = 64;    // W rows per block
-constexpr int kTileK = 64;    // columns per step
-constexpr int kThreads = 256; // 8 warps: warp w owns rows 8w..8w+7 of the tile, lane l owns m = l (+ 32)
-constexpr int kMaxSplits = 16;
-
-// ---- decode path, part 1: partial[split, m, n] = Σ_{k in the split} x[m,k]·W[n,k] -------------------
-// kHalves = 1 computes rows m < 32 only (M ≤ 32), 2 computes m < 64; rows m ≥ M read zeros.
-template <typename T, int kHalves>
-__global__ void __launch_bounds__(kThreads) nf4_skinny_kernel(
-    const T* __restrict__ x, const uint8_t* __restrict__ q, const float* __restrict__ absmax, int64_t bs,
-    int M, int N, int K, int k_per_split, float* __restrict__ partial) {
-  constexpr int kRows = 32 * kHalves;
-  __shared__ float ws[kTileN][kTileK + 1];
-  __shared__ float xs[kRows][kTileK + 1];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n0 = blockIdx.x * kTileN;
-  const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
-  float acc[8][kHalves];
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) acc[i][h] = 0.0f;
-
-  for (int k0 = kb; k0 < ke; k0 += kTileK) {
-    // Stage the W tile, decoded once from the 4-bit weight and rounded to T as the M > 64 path's
-    // decode is, and the x tile (zeros past M and past the split), both as fp32.
-    for (int e = threadIdx.x; e < kTileN * kTileK; e += kThreads) {
-      const int rr = e / kTileK, cc = e % kTileK;
-      const int n = n0 + rr, k = k0 + cc;
-      float v = 0.0f;
-      if (n < N && k < ke) v = static_cast<float>(static_cast<T>(fc::nf4_decode_at(q, absmax, bs, (int64_t)n * K + k)));
-      ws[rr][cc] = v;
-    }
-    for (int e = threadIdx.x; e < kRows * kTileK; e += kThreads) {
-      const int mm = e / kTileK, cc = e % kTileK;
-      const int k = k0 + cc;
-      xs[mm][cc] = (mm < M && k < ke) ? static_cast<float>(x[(int64_t)mm * K + k]) : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll 4
-    for (int c = 0; c < kTileK; ++c) {
-      float xv[kHalves];
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) xv[h] = xs[lane + 32 * h][c];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float w = ws[warp * 8 + i][c];  // broadcast within the warp
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) acc[i][h] = fmaf(w, xv[h], acc[i][h]);
-      }
-    }
-    __syncthreads();
-  }
-  // Store through shared memory (ws as [m][n]) so that consecutive threads write consecutive n.
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ws[lane][warp * 8 + i] = acc[i][h];
-    __syncthreads();
-    for (int e = threadIdx.x; e < 32 * kTileN; e += kThreads) {
-      const int ml = e / kTileN, nl = e % kTileN;
-      const int m = 32 * h + ml, n = n0 + nl;
-      if (m < M && n < N) partial[((int64_t)blockIdx.y * M + m) * N + n] = ws[ml][nl];
-    }
-    __syncthreads();
-  }
-}
-
-// ---- decode path, part 2: v = Σ_splits partial (fixed order) + s·xa[m]·B[n]; z = v, y = g[n]·v ------
-// xa, lora_b, g and z may be null.
-template <typename T>
-__global__ void nf4_skinny_epilogue_kernel(const float* __restrict__ partial, int splits, int64_t M, int64_t N,
-                                           const float* __restrict__ xa, const float* __restrict__ lora_b, int r,
-                                           float scale, const float* __restrict__ g, T* __restrict__ z,
-                                           T* __restrict__ out) {
-  const int64_t MN = M * N;
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < MN; idx += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t m = idx / N, n = idx % N;
-    float v = 0.0f;
-    for (int s = 0; s < splits; ++s) v += partial[s * MN + idx];
-    if (xa != nullptr) {
-      float l = 0.0f;
-      for (int j = 0; j < r; ++j) l = fmaf(xa[m * r + j], lora_b[n * r + j], l);
-      v = fmaf(scale, l, v);
-    }
-    if (z != nullptr) z[idx] = static_cast<T>(v);
-    out[idx] = static_cast<T>(g != nullptr ? v * g[n] : v);
-  }
-}
-
-// norm[n] = ‖W_n + s·B_n·A‖ from the factorised parts (fm::dora_row_norm); grid-stride, so any N.
-// The norm itself, not its reciprocal: g = m / ‖·‖ is then exactly 1 at initialisation (B = 0,
-// m = ‖W‖ from the same ‖W‖²); m · (1/‖·‖) is 1 ± 1 ulp on some rows.
-template <typename T>
-__global__ void dora_norm_kernel(const T* __restrict__ wsq, const T* __restrict__ cross, const T* __restrict__ bab,
-                                 T s, int64_t N, T* __restrict__ norm) {
-  for (int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; n < N; n += (int64_t)gridDim.x * blockDim.x)
-    norm[n] = fm::dora_row_norm<T>(wsq[n], cross[n], bab[n], s);
-}
+constexpr int kDecodeMaxM = nlk::kDecodeMaxM;
 
 // W [N, K] in dtype dt (float32, float16 or bfloat16), by the NF4 decode kernel of nf4.cu.
 at::Tensor dequant_weight(const at::Tensor& packed, const at::Tensor& absmax, int64_t bs, int64_t N, int64_t K,
                           at::ScalarType dt) {
   return nf4_dequantize_cuda(packed, absmax, bs, N * K, dt).view({N, K});
-}
-
-// K splits for the decode path: enough blocks for about two waves of the GPU's SMs when N alone
-// gives too few, each split a whole number of K tiles.
-int skinny_splits(int64_t N, int64_t K, int& k_per_split) {
-  const int64_t blocks_n = (N + kTileN - 1) / kTileN;
-  const int64_t ktiles = (K + kTileK - 1) / kTileK;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int64_t splits = std::min<int64_t>({(2 * sms + blocks_n - 1) / blocks_n, ktiles, int64_t(kMaxSplits)});
-  splits = std::max<int64_t>(splits, 1);
-  const int64_t tiles_per = (ktiles + splits - 1) / splits;
-  k_per_split = static_cast<int>(tiles_per * kTileK);
-  return static_cast<int>((ktiles + tiles_per - 1) / tiles_per);
 }
 
 // y [M, N] in x's dtype from the decode path; with z_out also z (the output before g), same dtype.
@@ -177,25 +65,12 @@ at::Tensor skinny(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   at::Tensor out = at::empty({M, N}, x.options());
   if (z_out != nullptr) *z_out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  int k_per_split = 0;
-  const int splits = skinny_splits(N, K, k_per_split);
-  at::Tensor partial = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const int r = xa.defined() ? (int)xa.size(1) : 0;
-  const dim3 grid((unsigned)((N + kTileN - 1) / kTileN), (unsigned)splits);
-  FT_DISPATCH_FLOATING(x.scalar_type(), "nf4_skinny_cuda", [&] {
-    auto kernel = M > 32 ? nf4_skinny_kernel<scalar_t, 2> : nf4_skinny_kernel<scalar_t, 1>;
-    kernel<<<grid, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(),
-                                        absmax.const_data_ptr<float>(), bs, (int)M, (int)N, (int)K, k_per_split,
-                                        partial.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    nf4_skinny_epilogue_kernel<scalar_t><<<fc::grid_for(M * N, 256), 256, 0, stream>>>(
-        partial.const_data_ptr<float>(), splits, M, N, r > 0 ? xa.const_data_ptr<float>() : nullptr,
-        r > 0 ? B.const_data_ptr<float>() : nullptr, r, (float)scale,
-        g.defined() ? g.const_data_ptr<float>() : nullptr,
-        z_out != nullptr ? z_out->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  fasttrain::cuda::TorchDevice dev(x);
+  nlk::decode(dev, x.scalar_type(), x.const_data_ptr(), packed.const_data_ptr<uint8_t>(), absmax.const_data_ptr<float>(),
+              bs, M, N, K, xa.defined() ? xa.const_data_ptr<float>() : nullptr,
+              B.defined() ? B.const_data_ptr<float>() : nullptr, xa.defined() ? (int)xa.size(1) : 0, scale,
+              g.defined() ? g.const_data_ptr<float>() : nullptr, z_out != nullptr ? z_out->data_ptr() : nullptr,
+              out.data_ptr());
   return out;
 }
 
@@ -222,12 +97,8 @@ at::Tensor dora_norm(const at::Tensor& packed, const at::Tensor& absmax, int64_t
   const at::Tensor cross = (Bs * aw.t()).sum(1).contiguous();
   const at::Tensor bab = (at::mm(Bs, at::mm(As, As.t())) * Bs).sum(1).contiguous();
   at::Tensor rn = at::empty({N}, wsq.options());
-  AT_DISPATCH_FLOATING_TYPES(st, "dora_norm_cuda", [&] {
-    dora_norm_kernel<scalar_t><<<fc::grid_for(N, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
-        wsq.const_data_ptr<scalar_t>(), cross.const_data_ptr<scalar_t>(), bab.const_data_ptr<scalar_t>(),
-        static_cast<scalar_t>(scale), N, rn.data_ptr<scalar_t>());
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  fasttrain::cuda::TorchDevice dev(rn);
+  nlk::dora_norm(dev, st, wsq.const_data_ptr(), cross.const_data_ptr(), bab.const_data_ptr(), scale, N, rn.data_ptr());
   return rn;
 }
 

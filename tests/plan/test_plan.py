@@ -25,6 +25,9 @@ def test_meta_build_reads_no_weight_file(tmp_path, monkeypatch):
 
     def refuse(*a, **k):
         raise AssertionError("a weight file was read")
+    # imported before the patch: a module first imported under it would keep `refuse` as its
+    # safe_open for the rest of the session (transformers' loader binds the name at import)
+    import transformers.modeling_utils  # noqa: F401
     import safetensors
     import safetensors.torch
     monkeypatch.setattr(safetensors.torch, "load_file", refuse)
