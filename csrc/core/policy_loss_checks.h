@@ -5,9 +5,11 @@
 
 #include <optional>
 
+#include "core/variant.h"
 #include "core/checks.h"
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 
 inline void check_inputs(const char* op, const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
                   const at::Tensor& mask, const std::optional<at::Tensor>& ref_logp,
@@ -44,4 +46,5 @@ inline void check_inputs(const char* op, const at::Tensor& logp, const at::Tenso
                loss_type);
 }
 
+FT_VARIANT_END
 }  // namespace fasttrain
