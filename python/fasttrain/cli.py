@@ -96,6 +96,9 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
         dry_run: bool = typer.Option(False, "--dry-run", help="resolve the recipe and overrides, load the dataset "
                                      "and reward functions, print the plan, and stop (no weights are loaded)")) -> None:
     """Train a policy with RECIPE (default: the CPU demo) and write runs/<run-id>/."""
+    from fasttrain.extras import require
+
+    require("transformers")             # every policy loads through it: say so before a run folder exists
     from fasttrain.train import ConfigError, Trainer, TrainingStopped, distributed, load_config
     from fasttrain.train.checkpoint import CheckpointError
     from fasttrain.train.preemption import EXIT_PREEMPTED, Preempted

