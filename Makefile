@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.14.1
 STAMP := $(VENV)/.fasttrain-installed
 export FASTTRAIN_CUDA ?= auto
 
-.PHONY: all install build test test-fast test-emu-asan demo bench ptxas info clean
+.PHONY: all install build test test-fast test-emu-asan test-wheel wheel demo bench ptxas info clean
 
 all: test
 
@@ -44,6 +44,15 @@ test-emu-asan: $(STAMP)
 test-fast: build
 	$(PY) -m pytest -q -m "not slow"
 
+# The pip path: sdist + wheel (CPU kernels; FASTTRAIN_CUDA=1 adds the CUDA module) into dist/.
+wheel: $(STAMP)
+	$(PIP) install --quiet build
+	$(PY) -m build --no-isolation --outdir dist .
+
+# The wheel, built once, installed into a fresh venv: selftest and a two-step run there.
+test-wheel: $(STAMP)
+	bash tools/test_wheel.sh $(PY)
+
 demo: build
 	$(VENV)/bin/fasttrain run
 
@@ -57,4 +66,4 @@ ptxas: $(STAMP)
 	bash tools/ptxas_report.sh
 
 clean:
-	rm -rf build python/fasttrain/_C*.so
+	rm -rf build dist python/fasttrain/_C*.so

@@ -1,9 +1,15 @@
 """Build driver: setup.py runs CMake (CMakeLists.txt is the one build truth, as in vLLM).
 
-FASTTRAIN_CUDA=auto|0|1 decides whether CUDA kernels are compiled. "auto" compiles them when an
-nvcc toolkit and a CUDA build of torch are both present; it never asks torch.cuda.is_available(),
-because build machines have no GPU. The build folder (build/cmake) is kept, so a rebuild after one
-edit recompiles only that file.
+Two modules: fasttrain._C (op schemas and the CPU kernels, one variant per x86-64 level, picked at
+run time) and, when CUDA is compiled, fasttrain._C_cuda (the CUDA kernels), loaded apart so that a
+CPU-only torch imports fasttrain. FASTTRAIN_CUDA=auto|0|1 decides whether CUDA kernels are
+compiled. "auto" compiles them when an nvcc toolkit and a CUDA build of torch are both present; it
+never asks torch.cuda.is_available(), because build machines have no GPU. FASTTRAIN_NATIVE_ARCH=1
+builds one CPU variant with -march=native instead (faster here, runs only on CPUs like this one).
+The build folder (build/cmake) is kept, so a rebuild after one edit recompiles only that file.
+
+The wheel pins the torch it was built with (torch==X.Y.Z): an extension loads only with the torch
+whose C++ ABI it was compiled against.
 """
 from __future__ import annotations
 
@@ -20,6 +26,9 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 VERSION = "0.1.0"
+# The core dependencies besides torch (pyproject.toml declares `dependencies` dynamic so that the
+# torch pin can be the build's own); the extras stay in pyproject.toml.
+BASE_REQUIREMENTS = ["numpy>=1.26", "typer>=0.12", "rich>=13", "safetensors>=0.4"]
 
 
 def find_cuda_home() -> Path | None:
@@ -64,12 +73,17 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
+    """One CMake configure + build makes every module; the first extension runs it."""
+
     def run(self) -> None:
         # setuptools clears `inplace` while it builds (and copies the modules after): remember it.
         self.asked_inplace = bool(self.inplace)
         super().run()
 
     def build_extension(self, ext: Extension) -> None:
+        if getattr(self, "_cmake_done", False):
+            return
+        self._cmake_done = True
         import torch
         import torch.utils.cpp_extension as cpp
 
@@ -112,8 +126,13 @@ class CMakeBuild(build_ext):
             cfg.append(f"-DFASTTRAIN_CUDA_ARCHS={os.environ['FASTTRAIN_CUDA_ARCHS']}")
         if os.environ.get("FASTTRAIN_PTXAS_VERBOSE"):
             cfg.append(f"-DFASTTRAIN_PTXAS_VERBOSE={'ON' if os.environ['FASTTRAIN_PTXAS_VERBOSE'] == '1' else 'OFF'}")
-        if os.environ.get("FASTTRAIN_NATIVE_ARCH") == "0":
-            cfg.append("-DFASTTRAIN_NATIVE_ARCH=OFF")
+        cfg.append(f"-DFASTTRAIN_NATIVE_ARCH={'ON' if os.environ.get('FASTTRAIN_NATIVE_ARCH') == '1' else 'OFF'}")
+        if not with_cuda:        # a CUDA module left by an earlier build would not match this _C
+            stale = [*out_dir.glob("_C_cuda*.so")]
+            if "--inplace" in sys.argv or "-i" in sys.argv:
+                stale += (ROOT / "python" / "fasttrain").glob("_C_cuda*.so")
+            for path in stale:
+                path.unlink()
         # The CUDA emulator (fasttrain._C_emu, a test artefact): built by in-place builds only (into
         # the source tree), so no wheel carries it. FASTTRAIN_EMU=0 skips it, =1 builds it anyway;
         # FASTTRAIN_EMU_SANITIZE=1 builds it with ASan + UBSan into FASTTRAIN_EMU_OUTPUT_DIR and
@@ -133,8 +152,27 @@ class CMakeBuild(build_ext):
         # python/fasttrain.
 
 
+def torch_pin() -> list[str]:
+    """torch==<the version this build compiles against> (without a local label such as +cu130, so
+    the CPU and the CUDA wheels of that release both satisfy it)."""
+    try:
+        import torch
+    except ImportError:          # metadata only (e.g. an sdist): pyproject's own range stands
+        return []
+    return [f"torch=={torch.__version__.split('+')[0]}"]
+
+
+def extensions() -> list[Extension]:
+    try:
+        with_cuda = want_cuda()[0]
+    except ImportError:          # no torch yet (metadata only): the CPU module
+        with_cuda = False
+    return [CMakeExtension("fasttrain._C")] + ([CMakeExtension("fasttrain._C_cuda")] if with_cuda else [])
+
+
 setup(
     version=VERSION,
-    ext_modules=[CMakeExtension("fasttrain._C")],
+    install_requires=[*torch_pin(), *BASE_REQUIREMENTS],
+    ext_modules=extensions(),
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -1,10 +1,13 @@
 // Every fasttrain op schema, in one place (the vLLM habit): shapes and dtypes above each m.def.
-// Implementations register beside their kernels (csrc/cpu/*.cpp, csrc/cuda/*.cu). This file also
-// defines the pybind11 module fasttrain._C, whose import loads the library and so registers the ops.
+// The CPU kernels register through csrc/cpu/register.cpp (one variant, picked at load), the CUDA
+// kernels beside their code in the separate module fasttrain._C_cuda (csrc/cuda/*.cu). This file
+// also defines the pybind11 module fasttrain._C, whose import loads the library and so registers
+// the schemas and the CPU kernels.
 #include <torch/library.h>
 #include <torch/extension.h>
 
 #include "core/cpu_features.h"
+#include "core/cpu_variant.h"
 #include "ops.h"
 
 TORCH_LIBRARY(fasttrain, m) {
@@ -91,23 +94,17 @@ pybind11::dict build_info() {
   pybind11::dict info;
   info["version"] = FASTTRAIN_VERSION;
   info["torch_version"] = TORCH_VERSION;
-  pybind11::list backends;
-  backends.append("CPU");
-#ifdef FASTTRAIN_WITH_CUDA
-  backends.append("CUDA");
-  info["cuda_archs"] = FASTTRAIN_CUDA_ARCHS;
-#else
-  info["cuda_archs"] = "";
-#endif
-  info["backends"] = backends;
+  info["cpu_variants"] = fasttrain::cpu_variants_compiled();
   info["cxx_standard"] = static_cast<long>(__cplusplus);
   return info;
 }
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fasttrain native extension: ops are registered under torch.ops.fasttrain";
-  m.def("build_info", &build_info, "version, torch version, compiled backends, CUDA archs");
+  m.doc() = "fasttrain native extension (CPU): op schemas and CPU kernels under torch.ops.fasttrain";
+  m.def("build_info", &build_info, "version, the torch it was built against, the CPU variants it holds");
+  m.def("cpu_variant", &fasttrain::cpu_variant,
+        "the variant of the CPU kernels that runs here: default, avx2, avx512 (or native)");
   m.def("cpu_has_bf16", &fasttrain::cpu_has_bf16,
         "whether the CPU kernels compute bfloat16 inputs in bfloat16 (avx512_bf16 and ATen at AVX512), else fp32");
 }

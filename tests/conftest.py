@@ -1,5 +1,11 @@
 import pytest
 import torch
+from hypothesis import settings
+
+# hypothesis' default deadline (200 ms per example) is a wall-clock bound: a loaded machine fails it
+# with correct code. No example has a deadline here; speed is measured in bench/.
+settings.register_profile("fasttrain", deadline=None)
+settings.load_profile("fasttrain")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reruns the numeric tests (tests/ops, tests/nn, tests/rl) under every PyTorch CPU kernel set that
-# this host supports below its own best one. `make test` runs the whole suite once at the host's
+# this host supports below its own best one, where fasttrain's CPU kernels of the same level run. `make test` runs the whole suite once at the host's
 # best set (AVX-512 or AVX2 on current x86-64); this script adds the others, so a tolerance that
 # only holds for one ISA's kernels fails on the developer's own machine, not first on a user's.
 #   usage: tools/test_numeric_capabilities.sh PYTHON [pytest args...]
@@ -22,7 +22,13 @@ for cap in "${order[@]}"; do
     echo "ATEN_CPU_CAPABILITY=${cap,,} gave $got; expected $cap" >&2
     exit 1
   fi
-  echo "== numeric tests under ATEN_CPU_CAPABILITY=${cap,,} (host best: ${best,,}) =="
+  # fasttrain's CPU kernels follow: the variant of that level runs (a -march=native build has one)
+  variant=$(ATEN_CPU_CAPABILITY=${cap,,} "$py" -c 'from fasttrain._native import build_info; print(build_info()["cpu_variant"])')
+  if [ "$variant" != "${cap,,}" ] && [ "$variant" != native ]; then
+    echo "ATEN_CPU_CAPABILITY=${cap,,} runs fasttrain's $variant CPU kernels; expected ${cap,,}" >&2
+    exit 1
+  fi
+  echo "== numeric tests under ATEN_CPU_CAPABILITY=${cap,,}, fasttrain's $variant CPU kernels (host best: ${best,,}) =="
   # torch.compile's inductor cache does not key on ATEN_CPU_CAPABILITY: a kernel cached by a run at
   # another capability fails to compile against this one's headers, so each run gets its own cache.
   inductor_cache=$(mktemp -d)

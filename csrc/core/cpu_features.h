@@ -12,7 +12,10 @@
 
 #include <string>
 
+#include "core/variant.h"
+
 namespace fasttrain {
+FT_VARIANT_BEGIN
 
 inline bool cpu_has_bf16() {
   static const bool has = [] {
@@ -28,4 +31,5 @@ inline bool cpu_has_bf16() {
   return has;
 }
 
+FT_VARIANT_END
 }  // namespace fasttrain

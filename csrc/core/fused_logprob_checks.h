@@ -9,9 +9,11 @@
 #include <cmath>
 #include <optional>
 
+#include "core/variant.h"
 #include "core/checks.h"
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 
 inline void fused_logprob_check_args(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
                                      const at::Tensor& targets, const std::optional<at::Tensor>& bias,
@@ -65,4 +67,5 @@ inline void fused_logprob_check_backward_weight_args(const char* op, const at::T
   FT_CHECK_SAME_DEVICE(op, hidden, stats);
 }
 
+FT_VARIANT_END
 }  // namespace fasttrain

@@ -4,9 +4,11 @@
 
 #include <optional>
 
+#include "core/variant.h"
 #include "core/checks.h"
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 
 inline void check_gated_delta_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& g, const at::Tensor& beta,
@@ -91,4 +93,5 @@ inline void check_gated_delta_decode_inputs(const char* op, const at::Tensor& st
                  op, "active", "must be a contiguous bool [B] on q's device, got ", active->sizes());
 }
 
+FT_VARIANT_END
 }  // namespace fasttrain

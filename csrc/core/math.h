@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/variant.h"
+
 #if defined(__CUDACC__)
 #define FT_HD __host__ __device__ __forceinline__
 #define FT_UNROLL _Pragma("unroll")
@@ -15,6 +17,7 @@
 #endif
 
 namespace fasttrain::math {
+FT_VARIANT_BEGIN
 
 // =====================================================================================
 // NF4. The 16 NormalFloat-4 levels of QLoRA (Dettmers et al. 2023), as float32 values
@@ -394,4 +397,5 @@ FT_HD T gdr_readout_grad(T ds, T scaled_q_i, T do_j) { return ds + scaled_q_i * 
 template <typename T>
 FT_HD T gdr_ds_decayed(T ds, T k_i, T dr_j) { return ds + k_i * dr_j; }
 
+FT_VARIANT_END
 }  // namespace fasttrain::math

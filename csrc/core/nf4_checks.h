@@ -4,9 +4,11 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include "core/variant.h"
 #include "core/checks.h"
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 
 inline void check_nf4_blocksize(const char* op, int64_t blocksize) {
   TORCH_CHECK(blocksize >= 2 && blocksize % 2 == 0 && blocksize <= 65536, op,
@@ -58,4 +60,5 @@ inline void check_blockwise8_dequantize(const char* op, const at::Tensor& q_, co
                "must hold one value per block");
 }
 
+FT_VARIANT_END
 }  // namespace fasttrain

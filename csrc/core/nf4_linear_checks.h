@@ -8,6 +8,7 @@
 
 #include <optional>
 
+#include "core/variant.h"
 #include "core/checks.h"
 
 #define FT_CHECK_FLOATING_OR_DOUBLE(op, t)                                                     \
@@ -16,6 +17,7 @@
                op, #t, "must be float64, float32, float16 or bfloat16, got ", (t).scalar_type())
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 
 // Sizes of one nf4_linear call: x [M, K], W [N, K], LoRA rank r (0 without adapters).
 struct NF4LinearArgs {
@@ -93,4 +95,5 @@ inline void check_nf4_linear_backward_args(const char* op, const NF4LinearArgs& 
   }
 }
 
+FT_VARIANT_END
 }  // namespace fasttrain

@@ -5,9 +5,11 @@
 
 #include <optional>
 
+#include "core/variant.h"
 #include "core/checks.h"
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 
 inline void check_inputs(const char* op, const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
                   const at::Tensor& mask, const std::optional<at::Tensor>& ref_logp,
@@ -59,4 +61,5 @@ inline void check_policy_loss_backward(const char* op, const at::Tensor& grad_lo
               ": dtype must be float32, float16 or bfloat16, got ", dtype);
 }
 
+FT_VARIANT_END
 }  // namespace fasttrain

@@ -46,12 +46,15 @@
 #include <cstdlib>
 #include <vector>
 
+#include "core/variant.h"
 #include "core/checks.h"
 #include "core/fused_logprob_checks.h"
 #include "core/math.h"
+#include "cpu/register.h"
 #include "ops.h"
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 namespace fm = fasttrain::math;
 
 namespace {
@@ -361,9 +364,10 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
   return {grad_weight, grad_bias};
 }
 
-}  // namespace fasttrain
-
-TORCH_LIBRARY_IMPL(fasttrain, CPU, m) {
-  m.impl("fused_logprob_forward", &fasttrain::fused_logprob_forward_cpu);
-  m.impl("fused_logprob_backward_weight", &fasttrain::fused_logprob_backward_weight_cpu);
+void register_fused_logprob(torch::Library& m) {
+  m.impl("fused_logprob_forward", &fused_logprob_forward_cpu);
+  m.impl("fused_logprob_backward_weight", &fused_logprob_backward_weight_cpu);
 }
+
+FT_VARIANT_END
+}  // namespace fasttrain

@@ -30,12 +30,15 @@
 #include <algorithm>
 #include <vector>
 
+#include "core/variant.h"
 #include "core/checks.h"
 #include "core/gated_delta_checks.h"
 #include "core/math.h"
+#include "cpu/register.h"
 #include "ops.h"
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 namespace fm = fasttrain::math;
 
 namespace {
@@ -300,10 +303,11 @@ at::Tensor gated_delta_decode_cpu(at::Tensor& state, const at::Tensor& q, const 
   return o;
 }
 
-TORCH_LIBRARY_IMPL(fasttrain, CPU, m) {
+void register_gated_delta(torch::Library& m) {
   m.impl("gated_delta_decode_", &gated_delta_decode_cpu);
   m.impl("gated_delta_forward", &gated_delta_forward_cpu);
   m.impl("gated_delta_backward", &gated_delta_backward_cpu);
 }
 
+FT_VARIANT_END
 }  // namespace fasttrain

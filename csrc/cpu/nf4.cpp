@@ -9,13 +9,16 @@
 #include <array>
 #include <cmath>
 
+#include "core/variant.h"
 #include "core/checks.h"
 #include "core/dispatch.h"
 #include "core/nf4_checks.h"
 #include "core/math.h"
+#include "cpu/register.h"
 #include "ops.h"
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 namespace fm = fasttrain::math;
 
 std::tuple<at::Tensor, at::Tensor> nf4_quantize_cpu(const at::Tensor& w, int64_t blocksize) {
@@ -134,11 +137,12 @@ at::Tensor blockwise8_dequantize_cpu(const at::Tensor& q_, const at::Tensor& abs
   return out;
 }
 
-}  // namespace fasttrain
-
-TORCH_LIBRARY_IMPL(fasttrain, CPU, m) {
-  m.impl("nf4_quantize", &fasttrain::nf4_quantize_cpu);
-  m.impl("nf4_dequantize", &fasttrain::nf4_dequantize_cpu);
-  m.impl("blockwise8_quantize", &fasttrain::blockwise8_quantize_cpu);
-  m.impl("blockwise8_dequantize", &fasttrain::blockwise8_dequantize_cpu);
+void register_nf4(torch::Library& m) {
+  m.impl("nf4_quantize", &nf4_quantize_cpu);
+  m.impl("nf4_dequantize", &nf4_dequantize_cpu);
+  m.impl("blockwise8_quantize", &blockwise8_quantize_cpu);
+  m.impl("blockwise8_dequantize", &blockwise8_dequantize_cpu);
 }
+
+FT_VARIANT_END
+}  // namespace fasttrain

@@ -25,16 +25,19 @@
 #define FT_NF4_AVX2 1
 #endif
 
+#include "core/variant.h"
 #include "core/checks.h"
 #include "core/cpu_features.h"
 #include "core/dispatch.h"
 #include "core/math.h"
 #include "core/nf4_linear_checks.h"
+#include "cpu/register.h"
 #include "ops.h"
 
 #include <type_traits>
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 namespace fm = fasttrain::math;
 
 namespace {
@@ -313,11 +316,12 @@ at::Tensor nf4_weight_sq_norm_cpu(const at::Tensor& packed, const at::Tensor& ab
   return w.square().sum(1).to(at::kFloat);
 }
 
-}  // namespace fasttrain
-
-TORCH_LIBRARY_IMPL(fasttrain, CPU, m) {
-  m.impl("nf4_linear", &fasttrain::nf4_linear_cpu);
-  m.impl("nf4_linear_backward", &fasttrain::nf4_linear_backward_cpu);
-  m.impl("nf4_dora_norm", &fasttrain::nf4_dora_norm_cpu);
-  m.impl("nf4_weight_sq_norm", &fasttrain::nf4_weight_sq_norm_cpu);
+void register_nf4_linear(torch::Library& m) {
+  m.impl("nf4_linear", &nf4_linear_cpu);
+  m.impl("nf4_linear_backward", &nf4_linear_backward_cpu);
+  m.impl("nf4_dora_norm", &nf4_dora_norm_cpu);
+  m.impl("nf4_weight_sq_norm", &nf4_weight_sq_norm_cpu);
 }
+
+FT_VARIANT_END
+}  // namespace fasttrain

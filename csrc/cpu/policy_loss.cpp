@@ -21,14 +21,16 @@
 
 #include <vector>
 
+#include "core/variant.h"
 #include "core/checks.h"
-#include "core/policy_loss_autograd.h"
 #include "core/policy_loss_checks.h"
 #include "core/dispatch.h"
 #include "core/math.h"
+#include "cpu/register.h"
 #include "ops.h"
 
 namespace fasttrain {
+FT_VARIANT_BEGIN
 namespace fm = fasttrain::math;
 
 namespace {
@@ -245,14 +247,10 @@ at::Tensor policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tenso
   return out;
 }
 
+void register_policy_loss(torch::Library& m) {
+  m.impl("policy_loss", &policy_loss_cpu);
+  m.impl("policy_loss_backward", &policy_loss_backward_cpu);
+}
+
+FT_VARIANT_END
 }  // namespace fasttrain
-
-TORCH_LIBRARY_IMPL(fasttrain, CPU, m) {
-  m.impl("policy_loss", &fasttrain::policy_loss_cpu);
-  m.impl("policy_loss_backward", &fasttrain::policy_loss_backward_cpu);
-}
-
-// Autograd for every backend (CPU and CUDA): this file is compiled in every build, the .cu is not.
-TORCH_LIBRARY_IMPL(fasttrain, Autograd, m) {
-  m.impl("policy_loss", &fasttrain::policy_loss_autograd);
-}

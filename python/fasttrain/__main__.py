@@ -4,6 +4,6 @@ torch's `record` writes a rank's uncaught error where torchrun reads it, so torc
 summary names the rank that failed and why."""
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fasttrain.cli import app
+from fasttrain.cli import main
 
-record(app)()
+record(main)()

@@ -43,7 +43,10 @@ def info() -> None:
     console.print(f"fasttrain {fasttrain.__version__}  (extension {bi['version']}, built against torch {bi['torch_version']})")
     console.print(f"torch {torch.__version__}  CUDA runtime {torch.version.cuda or 'none'}  "
                   f"GPU available: {torch.cuda.is_available()}")
-    console.print(f"compiled backends: {', '.join(bi['backends'])}  CUDA archs: {bi['cuda_archs'] or '-'}")
+    console.print(f"compiled backends: {', '.join(bi['backends'])}  CUDA archs: {bi['cuda_archs'] or '-'}"
+                  + (f" + PTX {bi['cuda_ptx']}" if bi.get("cuda_ptx") else ""))
+    console.print(f"CPU kernels: {bi['cpu_variant']} variant (compiled: {bi['cpu_variants'].replace(',', ', ')}; "
+                  f"ATen dispatches at {torch.backends.cpu.get_cpu_capability()})")
     from fasttrain.ops.kernels import kernels
     from fasttrain.selftest import verdict_line, verdict_path
     for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
@@ -93,6 +96,9 @@ def run(recipe: str = typer.Argument("demo", help="bundled recipe name or path t
         dry_run: bool = typer.Option(False, "--dry-run", help="resolve the recipe and overrides, load the dataset "
                                      "and reward functions, print the plan, and stop (no weights are loaded)")) -> None:
     """Train a policy with RECIPE (default: the CPU demo) and write runs/<run-id>/."""
+    from fasttrain.extras import require
+
+    require("transformers")             # every policy loads through it: say so before a run folder exists
     from fasttrain.train import ConfigError, Trainer, TrainingStopped, distributed, load_config
     from fasttrain.train.checkpoint import CheckpointError
     from fasttrain.train.preemption import EXIT_PREEMPTED, Preempted
@@ -356,7 +362,26 @@ def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path 
 
 
 def main() -> None:
-    app()
+    """The `fasttrain` command: a package that the plain wheel does not install, or a native
+    extension built for another torch, is one line that says what to install, not a traceback."""
+    from fasttrain._native import NativeExtensionError
+    from fasttrain.extras import install_hint
+
+    try:
+        app()
+    except ModuleNotFoundError as e:
+        hint = install_hint(e)
+        if hint is None:
+            raise
+        _say_and_exit(hint)
+    except NativeExtensionError as e:
+        _say_and_exit(str(e))
+
+
+def _say_and_exit(line: str) -> None:
+    from rich.markup import escape
+    Console(stderr=True).print(f"[red]error:[/red] {escape(line)}", soft_wrap=True)
+    raise SystemExit(2)
 
 
 if __name__ == "__main__":

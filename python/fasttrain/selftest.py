@@ -748,14 +748,18 @@ def cache_dir() -> Path:
 
 
 def build_id() -> str:
-    """The compiled extension's identity: version, torch, CUDA archs, and the library file's size
-    and modification time (a rebuild is a new build)."""
+    """The compiled extension's identity: version, torch, CUDA archs, the CPU variant that runs, and
+    the library files' sizes and modification times (a rebuild is a new build)."""
     from fasttrain import _native
     from fasttrain.ops import build_info
-    so = Path(_native.load().__file__)
-    st = so.stat()
+    _native.load()
     bi = build_info()
-    text = f"{bi['version']}|{bi['torch_version']}|{bi['cuda_archs']}|{so.name}|{st.st_size}|{int(st.st_mtime)}"
+    text = f"{bi['version']}|{bi['torch_version']}|{bi['cuda_archs']}|{bi['cpu_variant']}"
+    for mod in (_native._C, _native._C_CUDA):
+        if mod is not None:
+            so = Path(mod.__file__)
+            st = so.stat()
+            text += f"|{so.name}|{st.st_size}|{int(st.st_mtime)}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -93,3 +93,20 @@ def test_a_worker_that_cannot_start_again_fails_its_calls_not_the_run(tmp_path):
         assert "no such file" in again[0][0][0]["content"] and again[0][0][1]          # an error message
     finally:
         w.close()
+
+
+def test_a_fresh_worker_imports_the_tools_before_the_calls_deadline(tmp_path):
+    """A tool file that takes 3 s to import, with a 1 s tool deadline: after a timeout replaces
+    the worker, the fresh one imports the file within the pool's load timeout, and the next call's
+    deadline bounds the call alone (before, the import ran inside it and timed the call out)."""
+    f = tmp_path / "slow.py"
+    f.write_text('import time\n\ntime.sleep(3)\n\n\ndef wait(x: int) -> str:\n    """Waits.\n\n    Args:\n'
+                 '        x: Seconds.\n    """\n    time.sleep(x)\n    return "done"\n')
+    w = ToolWorkers([f"{f}:wait"], timeout=1.0, shards=1)
+    try:
+        first = w.call({0: [ToolCall("wait", {"x": 30})]})
+        assert first[0][0][0]["content"] == "{'error': 'timed out after 1 s'}" and w.restarts == 1
+        assert w.call({0: [ToolCall("wait", {"x": 0})]})[0][0][0]["content"] == "done"
+        assert w.restarts == 1
+    finally:
+        w.close()

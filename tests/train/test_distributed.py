@@ -24,6 +24,9 @@ HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 U = 2.0 ** -24                       # fp32 unit roundoff
 STEPS = 3
+# A torchrun launch's own wall-clock limit: 10-15 s of work on a quiet 2-core host, several times
+# that at a load of 10; the limit only catches a hang (each rank's collectives wait run.dist_timeout).
+HANG_S = 1200
 
 # the tiny world's sizes (tests/train/tiny_world.py): what the longest fp32 sums run over
 LAYERS, HIDDEN, INTERMEDIATE, VOCAB = 2, 64, 128, 259
@@ -41,7 +44,7 @@ def _env() -> dict:
             "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(HERE)])}
 
 
-def _torchrun(*args, timeout=240, **kw) -> subprocess.CompletedProcess:
+def _torchrun(*args, timeout=HANG_S, **kw) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=HERE, **kw)
 
@@ -219,7 +222,7 @@ def test_killed_rank_stops_the_others_and_resume_continues(runs, tmp_path):
     recipe.write_text(config_to_toml(cfg))
     env = {**_env(), "DIE_AT_CALL": "3"}             # rank 1's scoring calls: probe 0, step 1, step 2
     p = subprocess.run([sys.executable, "-m", "fasttrain", "run", str(recipe), "--nproc", "2", "--no-progress"],
-                       env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
+                       env=env, capture_output=True, text=True, timeout=HANG_S, cwd=HERE)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
     # torchrun's failure summary names rank 1 and its SIGKILL (as a failure or the root cause: which of
@@ -257,7 +260,7 @@ def _signalled_run(tmp_path, how: str, **over) -> tuple[subprocess.CompletedProc
     env = {**_env(), "DIE_AT_CALL": "3", "DIE_HOW": how}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--shutdown-timeout", "10", "-m", "fasttrain", "run", str(recipe), "--no-progress"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S, cwd=HERE)
     (run_dir,) = list((tmp_path / "runs").iterdir())
     return p, run_dir
 
@@ -334,7 +337,7 @@ def test_a_tracker_that_cannot_start_on_rank_0_stops_every_rank(tmp_path, monkey
     recipe.write_text(config_to_toml(cfg))
     env = {**_env(), "MLFLOW_TRACKING_URI": "nosuchscheme://nowhere"}
     p = subprocess.run([sys.executable, "-m", "fasttrain", "run", str(recipe), "--nproc", "2", "--no-progress"],
-                       env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
+                       env=env, capture_output=True, text=True, timeout=HANG_S, cwd=HERE)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
     assert "run.report_to: 'mlflow' failed to start" in out, out[-3000:]

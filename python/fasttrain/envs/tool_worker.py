@@ -43,6 +43,13 @@ def _run(out: Any) -> Any:
     return _loops[0].run_until_complete(out)
 
 
+def load(tool_specs: list[str], env_spec: str | None) -> None:
+    """Import the tools and the environment class now (fasttrain.envs.tools calls this in a fresh
+    worker under the pool's load timeout, so a tool call's deadline never pays for the import)."""
+    for spec in [*tool_specs, *([env_spec] if env_spec else [])]:
+        _get(spec)
+
+
 def environment_methods(cls: type) -> dict[str, Any]:
     """The tools of an environment class as TRL takes them: its public functions other than
     `reset` and `get_reward` (listed on the class, so properties are not evaluated)."""

@@ -19,7 +19,10 @@ environment instance and its calls meet in one process (the worker functions are
 fasttrain.envs.tool_worker's). A slot's calls run one after the other; the shards run side by
 side. A call past `timeout`, a crash or a worker over the memory limit is an error message, as is
 an exception in the tool: `str({"error": str(e)})`, what TRL writes. A replaced worker takes its
-environment instances with it: their later calls and rewards are errors that say so.
+environment instances with it: their later calls and rewards are errors that say so. A fresh
+worker imports the tools and the environment class before its first call, within the pool's load
+timeout (start-up is not the tool's work: `timeout` bounds the call alone); an import that fails
+there is left to the call, which reports it.
 """
 from __future__ import annotations
 
@@ -97,7 +100,7 @@ class ToolWorkers:
         self.pools = [WorkerPool(memory_mb=memory_mb, max_workers=1) for _ in range(max(1, int(shards)))]
         self._threads = ThreadPoolExecutor(len(self.pools), thread_name_prefix="fasttrain-tools")
         outs = list(self._threads.map(lambda p: p.submit(_W + "describe", (self.tool_specs, self.env_spec),
-                                                         timeout=max(60.0, self.timeout)).result(), self.pools))
+                                                         timeout=max(p.load_timeout, self.timeout)).result(), self.pools))
         bad = next((o for o in outs if not o.ok), None)
         if bad is not None:
             self.close()
@@ -108,6 +111,7 @@ class ToolWorkers:
         self.has_reward: bool = info["get_reward"]
         self._tool_spec_of: dict[str, str] = info["names"]
         self.by_name = {s["function"]["name"]: s["function"] for s in self.schemas}
+        self._imported_at = [p.restarts for p in self.pools]     # describe() imported everything
 
     @property
     def has_environment(self) -> bool:
@@ -122,15 +126,22 @@ class ToolWorkers:
             p.close()
         self._threads.shutdown(wait=False)
 
-    def _pool(self, slot: int) -> WorkerPool:
-        return self.pools[slot % len(self.pools)]
-
     def _each_slot(self, work: dict[int, list[tuple[str, tuple]]]) -> dict[int, list[Outcome]]:
         """Run each slot's (function, args) list in order in its shard; slots side by side."""
         def one(slot: int) -> list[Outcome]:
-            pool = self._pool(slot)
+            pool = self._imported(slot % len(self.pools))
             return [pool.submit(_W + fn, args, timeout=self.timeout).result() for fn, args in work[slot]]
         return dict(zip(work, self._threads.map(one, list(work))))
+
+    def _imported(self, shard: int) -> WorkerPool:
+        """The shard's pool, its worker having imported the tools: a worker replaced since the last
+        import does so first, within the load timeout (a failed import is left to the call)."""
+        pool = self.pools[shard]
+        restarts = pool.restarts
+        if self._imported_at[shard] != restarts:
+            pool.submit(_W + "load", (self.tool_specs, self.env_spec), timeout=pool.load_timeout).result()
+            self._imported_at[shard] = restarts
+        return pool
 
     # ---- what the rollout and the rewards ask -----------------------------------------------------
     def reset(self, rows: Sequence[dict[str, Any]], first_slot: int = 0) -> list[tuple[str, Any]]:

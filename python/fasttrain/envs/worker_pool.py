@@ -64,7 +64,10 @@ from typing import Any
 
 __all__ = ["WorkerPool", "Job", "Outcome", "Spec", "WorkerSpecError", "parse_spec", "default_memory_mb"]
 
-LOAD_TIMEOUT_MIN = 60.0      # importing user code may import torch or transformers
+# Start-up (a fresh interpreter importing the user's module, which may import torch or
+# transformers: seconds on a quiet host, several times that on a loaded one) is waited for within
+# a bound that only a hang passes; a call's own `timeout` never counts it.
+LOAD_TIMEOUT_MIN = 600.0
 _HEADER = struct.Struct("<Q")
 
 

