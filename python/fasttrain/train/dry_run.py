@@ -122,4 +122,7 @@ def _tokenizer_without_weights(spec: str):
     if folder is None:
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception:           # a tokenizer that does not load: the prompt tokens are estimated
+        return None

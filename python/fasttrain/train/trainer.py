@@ -179,7 +179,10 @@ class Trainer:
         tokenizer when on disk, else estimated); a recipe that fits at no wave size is refused,
         naming the setting to change."""
         from fasttrain.train.dry_run import plan_before_load
-        p = plan_before_load(self.cfg, self, world=distributed.world_size())
+        try:
+            p = plan_before_load(self.cfg, self, world=distributed.world_size())
+        except Exception:       # a folder the plan cannot read: the load that follows says why, in one paragraph
+            p = None
         if p is not None and p.picks is not None and not p.picks.fits:
             raise ConfigError(f"{self.cfg.policy.model} on {p.gpu.title}: " + "; ".join(p.picks.blocked)
                               + " (run.plan = \"warn\" runs it anyway)")
