@@ -30,6 +30,11 @@ NF4 kernels' reusable dequantisation scratch (the largest projection, in the com
 CUDA the dequantised weight of one projection, a temporary of every call with more than 64 rows;
 a 16-bit base has none (DoRA's row-norm blocks are a transient at the first forward after a step).
 
+A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) adds its own parts to every phase (the experts'
+stacks, the 16-bit router, the experts' LoRA and its AdamW moments, the routing record, what the
+routed experts add to the activations), from fasttrain.plan.moe_memory, which also gives its layers'
+terms around the base family's.
+
 A hybrid (Qwen3.5: Gated DeltaNet and gated attention layers) has the same phases: its KV cache
 lives in its full-attention layers only, each row carries the fixed Gated DeltaNet state (conv window
 + recurrent state; the n prompts' own during the prefill), and the layers' terms (prefill, decode

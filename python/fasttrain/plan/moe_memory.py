@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-__all__ = ["PARTS", "moe_shape", "is_moe", "MoELayers", "resident_parts", "expert_shapes", "record_rollout",
+__all__ = ["PARTS", "moe_shape", "is_moe", "describe", "MoELayers", "resident_parts", "expert_shapes", "record_rollout",
            "record_batch", "record_micro_batch", "without_routed", "active_params", "expert_lora_flops",
            "decode_expert_bytes", "load_parts"]
 
@@ -85,6 +85,15 @@ def moe_shape(model, cfg) -> dict:
 
 def is_moe(m) -> bool:
     return bool(m.moe)
+
+
+def describe(m) -> str:
+    """The model line's MoE part ("" for a dense model)."""
+    if not m.moe:
+        return ""
+    E, k, I, n, shared = m.moe
+    return (f"; {n} MoE layers of {E} experts ({k} active) of width {I}" + (f" + a shared expert of {shared}"
+            if shared else "") + f", {m.moe_active_params / 1e9:.2f} B expert weights active per token")
 
 
 def resident_parts(m) -> dict:
