@@ -29,7 +29,8 @@ def _compare(trainer, monkeypatch):
     m = meta_policy(trainer.model.config, dtype=cfg.policy.dtype, adapter=cfg.policy.adapter,
                     rank=cfg.policy.rank, alpha=cfg.policy.alpha, quantize=cfg.policy.quantize)
     plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]), device_for(gpu_spec("cpu")))
-    resident = sum(plan.phases["update"][k] for k in ("nf4_base", "dense_parts", "adapter_masters", "dora_norms"))
+    resident = sum(plan.phases["update"][k] for k in ("nf4_base", "dense_parts", "adapter_masters", "dora_norms",
+                                                      "moe_experts", "moe_router", "moe_adapter_masters"))
     assert resident == measured["resident"]          # the meta build counts the real model's bytes exactly
     # the plan keeps dense rollout weights exactly when the trainer did, and counts their bytes exactly
     assert plan.phases["update"]["rollout_weights"] == measured["rollout_weights"]
@@ -98,6 +99,25 @@ def test_hybrid_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, model
     r = tiny_recipe(tmp_path, n, G, T, mb)
     r["policy"].update(dtype=dtype, gradient_checkpointing=checkpointing, model=f"padded_world:{model}_as_loaded",
                        quantize=quantize)
+    got = _compare(Trainer(load_config(r), progress=False), monkeypatch)
+    for phase, (planned, measured) in got.items():
+        assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
+
+
+@pytest.mark.parametrize("model,n,G,T,mb,checkpointing,quantize", [
+    ("tiny_qwen3_moe_policy", 3, 4, 16, 12, True, "nf4"), ("tiny_qwen3_moe_policy", 2, 4, 8, 6, False, "none"),
+    ("tiny_qwen3_5_moe_policy", 3, 4, 16, 12, True, "nf4"), ("tiny_qwen3_5_moe_policy", 2, 4, 8, 6, False, "nf4")])
+def test_moe_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, model, n, G, T, mb, checkpointing, quantize):
+    """Both mixture-of-experts families (tests/moe/moe_world.py: Qwen3-MoE with a dense middle layer,
+    the Qwen3.5-MoE hybrid with its shared expert), NF4 and 16-bit experts: the experts' stacks, router
+    and LoRA counted exactly, the routed experts' activations (fasttrain.plan.moe_memory) and the
+    routing record against the measured steps; with and without checkpointing."""
+    from conftest_recipe import tiny_recipe
+    from fasttrain.train import Trainer, load_config
+
+    monkeypatch.syspath_prepend(str(worlds.parent / "moe"))
+    r = tiny_recipe(tmp_path, n, G, T, mb)
+    r["policy"].update(gradient_checkpointing=checkpointing, model=f"moe_world:{model}", quantize=quantize)
     got = _compare(Trainer(load_config(r), progress=False), monkeypatch)
     for phase, (planned, measured) in got.items():
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)

@@ -74,7 +74,7 @@ class ExpertCollector:
             (path, e), got = next(iter(self.waiting.items()))
             raise ValueError(f"the checkpoint has part of expert {e} of {path} (got {sorted(got)} of gate, up)")
         for name, block in hf_sparse_blocks(model):
-            got = self.quantized.get(f"{name}.experts")
+            got = self.quantized.pop(f"{name}.experts", None)    # freed once stacked: one layer held twice
             if got is None:
                 continue                          # left to the loader's check of missing tensors
             E = block.experts.gate_up_proj.shape[0]

@@ -76,7 +76,12 @@ class ExpertStack:
     @classmethod
     def quantize(cls, experts, blocksize: int = 64, double_quant: bool = False) -> "ExpertStack":
         """NF4 of each expert weight [out, in] of `experts` (a [E, out, in] tensor or a sequence of
-        E tensors), one expert at a time (the 16-bit stack need not exist whole)."""
+        E tensors), one expert at a time (the 16-bit stack need not exist whole). On the meta device
+        (fasttrain plan) one expert's quantization gives every expert's shapes."""
+        if experts[0].device.type == "meta":
+            one = nf4_quantize(experts[0].float() if experts[0].dtype == torch.float64 else experts[0],
+                               blocksize=blocksize, double_quant=double_quant)
+            return cls.from_quantized([one] * len(experts), experts[0].dtype)
         return cls.from_quantized([nf4_quantize((w.float() if w.dtype == torch.float64 else w).contiguous(),
                                                 blocksize=blocksize, double_quant=double_quant) for w in experts],
                                   experts[0].dtype)

@@ -34,7 +34,7 @@ from math import ceil
 from fasttrain.plan.meta_model import ModelShape
 
 __all__ = ["CHUNK", "is_hybrid", "prefix_inputs", "prefix_layer_live", "prefix_saved", "backward_peak",
-           "backward_temps", "prefill_layer_peak", "decode_locals"]
+           "backward_temps", "prefill_layer_peak", "decode_locals", "decode_mlp"]
 
 CHUNK = 32          # fasttrain.ops.gated_delta_rule's chunk_size: a state is kept every CHUNK tokens
 
@@ -128,14 +128,15 @@ def _attention_live(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
     return proj + prompts + answers
 
 
-def prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int) -> int:
+def prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int, mlp_extra: int = 0) -> int:
     """No-grad peak of the costlier layer kind of prefix_forward_hybrid: the layer's input and its
     normalised copy [N, H] held through it, plus the mixer's peak, or (after the mixer returned) its
-    output, the new residual and the MLP at its product."""
+    output, the new residual and the MLP at its product (plus `mlp_extra`: a MoE layer's routed
+    experts, fasttrain.plan.moe_memory)."""
     w, H = m.w, m.hidden
     N = U * P + B * A
     mixer = max(_delta_live(m, U, P, B, A), _attention_live(m, U, P, B, A) if m.full_layers else 0)
-    return max(2 * N * H * w + mixer, 4 * N * H * w + _mlp_live(m, N, c))
+    return max(2 * N * H * w + mixer, 4 * N * H * w + _mlp_live(m, N, c) + mlp_extra)
 
 
 def _dense_saved(m: ModelShape, projs: list[tuple[int, int]]) -> int:
@@ -244,7 +245,7 @@ def backward_temps(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> 
 
 
 # ---- the rollout: fasttrain.rollout.hybrid_decoder --------------------------------------------------
-def prefill_layer_peak(m: ModelShape, n: int, P: int, c: int, dense: bool) -> int:
+def prefill_layer_peak(m: ModelShape, n: int, P: int, c: int, dense: bool, mlp_extra: int = 0) -> int:
     """No-grad peak of one layer of HybridDecoder's prefill over n prompts of P tokens (the residual
     counted by the caller), with the previous Gated DeltaNet layer's output, conv window and state
     still referenced (its loop variables, reassigned by the next one): a Gated DeltaNet layer's locals
@@ -264,7 +265,7 @@ def prefill_layer_peak(m: ModelShape, n: int, P: int, c: int, dense: bool) -> in
     norm = t * Z * w + _gated_norm_peak(m, t)
     mlp = t * (H * w + 4 * I * w) if dense else _mlp_live(m, t, c)
     delta = max(base + _conv_peak(m, n, P), held + max(rule, norm),
-                t * 2 * H * w + n * (K - 1 + P) * C * w + n * st * f + mlp)
+                t * 2 * H * w + n * (K - 1 + P) * C * w + n * st * f + mlp + mlp_extra)
     rep = 2 * t * qd * w if m.heads != m.kv_heads else 0
     attention = t * (H + 2 * qd + 2 * kd + qd + kd + 2 * qd) * w + rep + n * P * P * w
     previous = t * H * w + n * (K - 1 + P) * C * w + n * st * f
@@ -281,3 +282,8 @@ def decode_locals(m: ModelShape, B: int) -> int:
     w, f, kq, Z, C, Hv, st, K = _dims(m)
     return B * ((C + Z + 2 * Hv) * w + Hv * (w + 4) + K * C * (w + (f if w != f else 0) + f) + C * f) + \
         2 * B * (K - 1) * C * w
+
+
+def decode_mlp(m: ModelShape, B: int) -> int:
+    """A decode step's MLP locals (act(gate), up, their product): the Llama step's."""
+    return B * 3 * m.intermediate * m.w

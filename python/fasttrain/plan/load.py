@@ -24,6 +24,7 @@ from __future__ import annotations
 from fasttrain.models.block_fp8 import dequantize_buffer_bytes
 from fasttrain.models.stream_load import READ_CHUNK_BYTES
 from fasttrain.plan.meta_model import ModelShape
+from fasttrain.plan.moe_memory import load_parts
 
 __all__ = ["load_phase", "NF4_BLOCKSIZE"]
 
@@ -52,5 +53,6 @@ def load_phase(m: ModelShape) -> dict:
             read = dequantize_buffer_bytes(o, i, fp8) if fp8 else buffer(n)
             projection = max(projection, n * w + max(_nf4_bytes(n), read))
     other = buffer(m.vocab * m.hidden)                       # the largest unquantised tensor: the embedding
-    return {"nf4_base": m.resident.get("nf4_base", 0), "dense_parts": m.resident.get("dense_parts", 0),
-            "load_transient": max(projection, other)}
+    moe, experts = load_parts(m)                             # a mixture of experts' stacks (fasttrain.plan.moe_memory)
+    return {"nf4_base": m.resident.get("nf4_base", 0), "dense_parts": m.resident.get("dense_parts", 0), **moe,
+            "load_transient": max(projection, other, experts)}

@@ -30,6 +30,11 @@ NF4 kernels' reusable dequantisation scratch (the largest projection, in the com
 CUDA the dequantised weight of one projection, a temporary of every call with more than 64 rows;
 a 16-bit base has none (DoRA's row-norm blocks are a transient at the first forward after a step).
 
+A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) adds its own parts to every phase (the experts'
+stacks, the 16-bit router, the experts' LoRA and its AdamW moments, the routing record, what the
+routed experts add to the activations), from fasttrain.plan.moe_memory, which also gives its layers'
+terms around the base family's.
+
 A hybrid (Qwen3.5: Gated DeltaNet and gated attention layers) has the same phases: its KV cache
 lives in its full-attention layers only, each row carries the fixed Gated DeltaNet state (conv window
 + recurrent state; the n prompts' own during the prefill), and the layers' terms (prefill, decode
@@ -54,7 +59,7 @@ import math
 from dataclasses import dataclass, field
 
 from fasttrain.nn.rollout_weights import use_dense
-from fasttrain.plan import hybrid_memory
+from fasttrain.plan import hybrid_memory, moe_memory
 from fasttrain.plan.load import load_phase
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
@@ -81,6 +86,7 @@ PARTS = {
     "undo_copy": "host copy of adapters + AdamW (out-of-memory retry, k > 1 passes)",
     "sampling": "sampling buffers ([B, V] logits)",
     "load_transient": "loading: one tensor as read, cast and quantized",
+    **moe_memory.PARTS,
 }
 
 CPU_DECODE_TILE = 512 * 1024          # csrc/cpu/nf4_linear.cpp: decode tiles of W, per thread
@@ -232,7 +238,11 @@ class _PlainLayers:
     fasttrain.plan.hybrid_memory gives the same terms for a hybrid's two layer kinds."""
 
     prefix_inputs = staticmethod(_prefix_inputs)
-    prefix_layer_live = staticmethod(_prefix_layer_live)
+    @staticmethod
+    def prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int, mlp_extra: int = 0) -> int:
+        """Every local of the layer stays referenced until it returns: a MoE layer's routed experts
+        (`mlp_extra`, fasttrain.plan.moe_memory) add to its peak."""
+        return _prefix_layer_live(m, U, P, B, A, c) + mlp_extra
 
     @staticmethod
     def prefix_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
@@ -249,17 +259,23 @@ class _PlainLayers:
         return _prefix_layer_saved(m, U, P, B, A, c_xa) + _PlainLayers.backward_temps(m, U, P, B, A)
 
     @staticmethod
-    def prefill_layer_peak(m: ModelShape, n: int, P: int, c: int, dense: bool) -> int:
-        return _decoder_layer_peak(m, n * P, P, n, c, dense)
+    def prefill_layer_peak(m: ModelShape, n: int, P: int, c: int, dense: bool, mlp_extra: int = 0) -> int:
+        return _decoder_layer_peak(m, n * P, P, n, c, dense) + mlp_extra
 
     @staticmethod
     def decode_locals(m: ModelShape, B: int) -> int:
         return 0
 
+    @staticmethod
+    def decode_mlp(m: ModelShape, B: int) -> int:
+        return B * 3 * m.intermediate * m.w
+
 
 def _layers_of(m: ModelShape):
-    """The piece that knows m's layers: _PlainLayers, or fasttrain.plan.hybrid_memory for a hybrid."""
-    return hybrid_memory if hybrid_memory.is_hybrid(m) else _PlainLayers
+    """The piece that knows m's layers: _PlainLayers, or fasttrain.plan.hybrid_memory for a hybrid;
+    for a mixture of experts fasttrain.plan.moe_memory's around either."""
+    base = hybrid_memory if hybrid_memory.is_hybrid(m) else _PlainLayers
+    return moe_memory.MoELayers(base) if moe_memory.is_moe(m) else base
 
 
 def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
@@ -320,9 +336,13 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64)
     merge = max(o * i for o, i in m.projections) * (8 if w == 8 else 4) if dense else 0
     prefill = max(prefill, merge)
-    if decode >= prefill:
-        return {**caches, "activations": rope_b + step + book, "sampling": sampling}
-    return {**caches, "activations": prefill + book, "sampling": 0}
+    # a mixture of experts' routing record at each of these points, and once decoded, its assembly
+    at_prefill, at_decode, at_end = moe_memory.record_rollout(m, n_all, n, G, P, T)
+    if at_end > max(prefill + at_prefill, decode + at_decode):
+        return {**caches, "activations": book, "sampling": 0, "moe_routing": at_end}
+    if decode + at_decode >= prefill + at_prefill:
+        return {**caches, "activations": rope_b + step + book, "sampling": sampling, "moe_routing": at_decode}
+    return {**caches, "activations": prefill + book, "sampling": 0, "moe_routing": at_prefill}
 
 
 def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tuple[int, int]:
@@ -334,7 +354,7 @@ def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tup
     # [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
     sampling = B * V * (16 + (w if w != 4 else 0))
     # a layer's locals: attention's fp32 scores [B, heads, S], or a hybrid's Gated DeltaNet step
-    step = B * (4 * H * w + 3 * m.intermediate * w) + max(B * m.heads * S * 4, lay.decode_locals(m, B))
+    step = B * 4 * H * w + lay.decode_mlp(m, B) + max(B * m.heads * S * 4, lay.decode_locals(m, B))
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     if dense:    # the q/k/v and gate/up outputs stay whole; no NF4 decode
         step += B * (qd + kd + m.intermediate) * w
@@ -367,6 +387,8 @@ def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
     final = inputs + N * H * w + 2 * mb * T * H * w
     act = max(layers, final) + mb * S * 16                              # the micro-batch's ids and positions
     outputs = s.rows * T * 4 * (int(s.need_ref) + 2 * int(s.need_old))   # ref, old log-probs, entropy
+    routing = moe_memory.record_micro_batch(m, mb, S, N)
+    act += routing
     head = mb * T * H * w + _logprob_head(m, dev, mb * T, grad=False)    # after the forward's buffers are gone
     if head > act:
         return {"kv_cache": 0, "activations": outputs, "logprob_head": head}
@@ -398,7 +420,8 @@ def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dic
         act, head_part = fwd, head
     else:
         act, head_part = bwd, 0
-    return {"activations": act + shared + s.rows * T * 4 * 3, "logprob_head": head_part}
+    return {"activations": act + shared + s.rows * T * 4 * 3 + moe_memory.record_micro_batch(m, mb, S, N),
+            "logprob_head": head_part}
 
 
 def resident_base(m: ModelShape, s: RunShape, dev: Device) -> dict:
@@ -408,22 +431,26 @@ def resident_base(m: ModelShape, s: RunShape, dev: Device) -> dict:
     c = _compute_bytes(m, dev)
     # CPU: the NF4 kernels' reusable dequantisation scratch (thread-local, kept). CUDA: the dequantised
     # weight of one projection, a temporary of every prefill/training call (M > 64), counted in every phase.
-    workspace = max(o * i for o, i in m.projections) * m.w if dev.kind == "cuda" else 0
+    largest = max(o * i for o, i in m.projections + moe_memory.expert_shapes(m))
+    workspace = largest * m.w if dev.kind == "cuda" else 0
     if dev.kind == "cpu":
-        workspace = max(o * i for o, i in m.projections) * c
+        workspace = largest * c
         if m.adapter_kind == "dora":
             workspace += max(o * i for o, i in m.projections) * 8   # the fp64 ‖W‖² pass at attach time
     if m.quantize == "none":
         # no dequantisation. DoRA's norm forms W + s·B·A in blocks of at most 2 x 16 MiB, once after
         # each optimizer step, at the first forward (no activations live yet), then cached: not a peak
         workspace = 0
-    resident = res["nf4_base"] + res["dense_parts"] + res["adapter_masters"] + res.get("dora_norms", 0)
+    moe = moe_memory.resident_parts(m)
+    resident = res["nf4_base"] + res["dense_parts"] + res["adapter_masters"] + res.get("dora_norms", 0) + \
+        moe["moe_experts"] + moe["moe_router"] + moe["moe_adapter_masters"]
     dense = use_dense(s.rollout_weights, m.linear_params * m.w, dev.free - resident)
     return {"nf4_base": res["nf4_base"], "dense_parts": res["dense_parts"],
             "adapter_masters": res["adapter_masters"], "dora_norms": res.get("dora_norms", 0),
             "rollout_weights": m.linear_params * m.w if dense else 0, "adam_moments": 2 * res["adapter_masters"],
             "adapter_grads": 0, "workspace": workspace, "batch": 0, "kv_cache": 0, "recurrent_state": 0,
-            "conv_state": 0, "activations": 0, "logprob_head": 0, "sampling": 0}
+            "conv_state": 0, "activations": 0, "logprob_head": 0, "sampling": 0, **moe,
+            "moe_routing": 0, "moe_activations": 0}
 
 
 def rollout_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict:
@@ -450,7 +477,8 @@ def scores_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict | N
     """{part: bytes} at the no-grad scores' peak, or None when the recipe needs none."""
     if not (s.need_ref or s.need_old):
         return None
-    return {**resident_base(m, s, dev), "batch": _batch_bytes(s), **_scores(m, dev, s)}
+    return {**resident_base(m, s, dev), "batch": _batch_bytes(s), **_scores(m, dev, s),
+            "moe_routing": moe_memory.record_batch(m, s.rows, s.seq)}
 
 
 def update_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict:
@@ -461,25 +489,37 @@ def update_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict:
     # with every gradient present; a step of one micro-batch (per pass: zero_grad frees them) peaks in
     # its last layer's backward, when only that layer's gradients exist.
     mb = min(s.micro_batch, B)
-    grads = res["adapter_masters"] if B >= 2 * mb else res["adapter_masters"] // m.layers
+    masters = res["adapter_masters"] + res.get("moe_adapter_masters", 0)
+    grads = masters if B >= 2 * mb else masters // m.layers
     # With k > 1 passes the trainer keeps a host copy of the adapters and AdamW moments during the
     # update, so an out-of-memory retry can undo the passes that stepped; on a CPU host memory is
     # the device's memory (on a GPU it is not counted)
-    undo = 3 * res["adapter_masters"] if dev.kind == "cpu" and s.passes > 1 else 0
+    undo = 3 * masters if dev.kind == "cpu" and s.passes > 1 else 0
     return {**resident_base(m, s, dev), "batch": _batch_bytes(s), "adapter_grads": grads, "undo_copy": undo,
-            **_update(m, dev, s, s.gradient_checkpointing)}
+            **_update(m, dev, s, s.gradient_checkpointing), "moe_routing": moe_memory.record_batch(m, s.rows, s.seq)}
+
+
+def _with_moe_line(phase, m: ModelShape, s: RunShape, dev: Device) -> dict | None:
+    """phase(m, s, dev), for a mixture of experts with what the routed experts add to the peak's
+    activations on its own line (the same phase without them, less, as the difference)."""
+    parts = phase(m, s, dev)
+    if parts is None or not moe_memory.is_moe(m):
+        return parts
+    plain = phase(moe_memory.without_routed(m), s, dev)
+    shown = ("activations", "logprob_head", "sampling")
+    extra = max(0, sum(parts[k] for k in shown) - sum(plain[k] for k in shown))
+    return {**parts, **{k: plain[k] for k in shown}, "moe_activations": extra}
 
 
 def plan_memory(m: ModelShape, s: RunShape, dev: Device = Device()) -> MemoryPlan:
     """Bytes by part for each phase of a step (steady state: AdamW moments exist)."""
     plan = MemoryPlan()
     plan.phases["load"] = load_phase(m)                 # before the first step (fasttrain.plan.load)
-    plan.phases["rollout"] = rollout_phase(m, s, dev)
-    plan.phases["probe"] = probe_phase(m, s, dev)
-    scores = scores_phase(m, s, dev)
-    if scores is not None:
-        plan.phases["scores"] = scores
-    plan.phases["update"] = update_phase(m, s, dev)
+    for name, phase in (("rollout", rollout_phase), ("probe", probe_phase), ("scores", scores_phase),
+                        ("update", update_phase)):
+        parts = _with_moe_line(phase, m, s, dev)
+        if parts is not None:
+            plan.phases[name] = parts
     other = _update(m, dev, s, not s.gradient_checkpointing)
     n_tok = update_tokens(s)
     plan.notes = {

@@ -92,6 +92,10 @@ class ModelShape:
     delta: tuple = ()                # Gated DeltaNet heads: (Hk, Dk, Hv, Dv, conv kernel K); () for none
     rotary_dim: int = 0              # dims the rotary embedding turns (0: all of head_dim)
     context: int = 0                 # max_position_embeddings (prompt + answer); 0: not given
+    # mixtures of experts (fasttrain.plan.moe_memory): (E experts, k active, expert width I, MoE
+    # layers, dense MLP of a MoE layer: the shared expert's width, 0 for none); () for a dense model
+    moe: tuple = ()
+    moe_active_params: int = 0       # expert weights one token runs through (k of E per MoE layer)
 
     @property
     def kv_layers(self) -> int:
@@ -129,7 +133,9 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
         if mt not in SUPPORTED_FAMILIES:
             raise ValueError(f"{name}: model_type {mt!r} is not supported by fasttrain; supported: "
                              f"{', '.join(SUPPORTED_FAMILIES)}")
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        from fasttrain.models.families import family_of_type
+        widths = ("moe_intermediate_size",) if family_of_type(mt, name).moe else ("intermediate_size",)
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") + widths:
             if not isinstance(data.get(key), int) or data[key] <= 0:
                 raise ValueError(f"{name}: config.json needs a positive integer {key!r}")
         stored = data.pop("dtype", None) or data.pop("torch_dtype", None)
@@ -153,6 +159,8 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
             ids.add(id(p))
             params += p.numel()
     from fasttrain.models.families import adapter_targets, nf4_targets
+    from fasttrain.models.moe import moe_surgery
+    moe_surgery(model, nf4=quantize == "nf4")          # the MoE families' experts, as build_policy (dense: no-op)
     if quantize == "nf4":
         quantize_model(model, targets=nf4_targets(model), double_quant=double_quant)
     kept = tuple(t for t in adapter_targets(model) if quantize == "none" or t not in nf4_targets(model))
@@ -177,24 +185,28 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
             base += _bytes(m.bias)
         if getattr(m, "weight_sq_norm", None) is not None:
             wsq += _bytes(m.weight_sq_norm)
-    adapter_bytes = sum(_bytes(p) for p in adapters)
+    from fasttrain.plan.moe_memory import moe_shape
+    moe = moe_shape(model, cfg)           # the experts' stacks, router and LoRA apart ({} if dense)
+    adapter_bytes = sum(_bytes(p) for p in adapters) - moe.get("resident", {}).get("moe_adapter_masters", 0)
     inside = {id(t) for _, m in layers for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
+    inside |= moe.pop("tensors", set())
     other = {}
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) in inside or id(t) in other:
             continue
         other[id(t)] = _bytes(t)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelShape(**hybrid_state(cfg, td),
+    return ModelShape(**hybrid_state(cfg, td), moe=moe.get("moe", ()), moe_active_params=moe.get("active", 0),
         name=name, model_type=cfg.model_type, architecture=type(model).__name__,
-        layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+        layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=moe.get("intermediate", getattr(
+            cfg, "intermediate_size", 0)),
         heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=head_dim, vocab=cfg.vocab_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
         dtype=td, params=params, linear_params=sum(m.in_features * m.out_features for _, m in layers),
         projections=[(m.out_features, m.in_features) for _, m in layers], quantize=quantize,
         adapter_params=sum(p.numel() for p in adapters), adapter_kind=adapter, rank=rank,
         resident={"nf4_base": base, "dense_parts": sum(other.values()), "adapter_masters": adapter_bytes,
-                  "dora_norms": wsq}, stored_w=_stored_w(stored),
+                  "dora_norms": wsq, **moe.get("resident", {})}, stored_w=_stored_w(stored),
         fp8_block=fp8.block if fp8 is not None else (),
         context=int(getattr(cfg, "max_position_embeddings", 0) or 0))
 

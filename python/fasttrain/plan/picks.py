@@ -140,7 +140,8 @@ def _picks(m: ModelShape, s: RunShape, gpu: GPU, dev: Device) -> Picks:
     blocked = []
     base = resident_base(m, s, dev)
     resident = sum(base[k] for k in ("nf4_base", "dense_parts", "adapter_masters", "adam_moments", "dora_norms",
-                                     "rollout_weights", "workspace"))
+                                     "rollout_weights", "workspace", "moe_experts", "moe_router",
+                                     "moe_adapter_masters", "moe_adam_moments"))
     if not fits(resident, gpu.memory_bytes, gpu.context_bytes)[0]:
         return Picks(s, {f: getattr(s, f) for f in SETTINGS}, fixed, (
             f"the resident parts alone (frozen base, unquantised parts, adapters and their AdamW moments"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fasttrain.plan import moe_memory
 from fasttrain.plan.gpus import GPU
 from fasttrain.plan.limits import largest_settings
 from fasttrain.plan.memory import PARTS, Device, MemoryPlan, fits, gib, plan_memory
@@ -130,7 +131,8 @@ def render(p: Plan) -> str:
     m, s, g = p.model, p.shape, p.gpu
     lines = [
         f"model  {m.name}: {m.architecture}, {m.params / 1e9:.2f} B parameters, {m.layers} layers, "
-        f"hidden {m.hidden}, heads {m.heads}/{m.kv_heads} kv, vocab {m.vocab}{', tied' if m.tied else ''}",
+        f"hidden {m.hidden}, heads {m.heads}/{m.kv_heads} kv, vocab {m.vocab}{', tied' if m.tied else ''}"
+        f"{moe_memory.describe(m)}",
         f"run    {s.prompts} prompts x {s.group} answers = {s.rows} rows, prompt {s.prompt_tokens} + "
         f"{s.new_tokens} new tokens, micro-batch {s.micro_batch}, {s.passes} pass(es), {s.dtype}, "
         f"{'NF4' if s.quantize == 'nf4' else '16-bit'} base, {s.adapter} r={s.rank} ({m.adapter_params / 1e6:.1f} M params), gradient checkpointing "
@@ -219,7 +221,8 @@ def pick_lines(p: Plan) -> list[str]:
 def as_json(p: Plan) -> dict:
     return {
         "model": {"name": p.model.name, "architecture": p.model.architecture, "params": p.model.params,
-                  "layers": p.model.layers, "hidden": p.model.hidden, "vocab": p.model.vocab},
+                  "layers": p.model.layers, "hidden": p.model.hidden, "vocab": p.model.vocab,
+                  "moe": dict(zip(("experts", "active", "expert_width", "moe_layers", "shared_width"), p.model.moe))},
         "run": p.shape.__dict__,
         "gpu": {"name": p.gpu.name, "memory_bytes": p.gpu.memory_bytes, "bf16_flops": p.gpu.bf16_flops,
                 "bandwidth": p.gpu.bandwidth, "context_bytes": p.gpu.context_bytes},

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fasttrain.plan import moe_memory
 from fasttrain.plan.gpus import GPU
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
@@ -49,8 +50,13 @@ class StepTime:
 
 
 def _lora_flops(m: ModelShape, tokens: int) -> float:
-    """Forward x·Aᵀ and (xAᵀ)·Bᵀ per projection: 2·r·(in + out) per token."""
-    return 2.0 * m.rank * sum(o + i for o, i in m.projections) * tokens
+    """Forward x·Aᵀ and (xAᵀ)·Bᵀ per projection: 2·r·(in + out) per token (and per active expert)."""
+    return 2.0 * m.rank * sum(o + i for o, i in m.projections) * tokens + moe_memory.expert_lora_flops(m, tokens)
+
+
+def _matmul_params(m: ModelShape) -> int:
+    """Weights one token multiplies: the projections' and a mixture of experts' k active experts'."""
+    return m.linear_params + moe_memory.active_params(m)
 
 
 def prompt_runs(s: RunShape) -> int:
@@ -63,7 +69,7 @@ def prompt_runs(s: RunShape) -> int:
 
 def _forward_flops(m: ModelShape, tokens: int, keys_per_token: float) -> float:
     attn = 4.0 * m.kv_layers * m.heads * m.head_dim * keys_per_token * tokens
-    return 2.0 * m.linear_params * tokens + attn + m.state_flops * tokens + _lora_flops(m, tokens)
+    return 2.0 * _matmul_params(m) * tokens + attn + m.state_flops * tokens + _lora_flops(m, tokens)
 
 
 def waves(s: RunShape, probe: bool = False) -> list[tuple[int, int, int]]:
@@ -82,17 +88,18 @@ def _rollout_seconds(m: ModelShape, s: RunShape, n: int, chunk: int, flops: floa
     B, P, T = n * s.group, s.prompt_tokens, s.new_tokens
     H, V, w = m.hidden, m.vocab, m.w
     weights = m.resident["nf4_base"] + m.resident["adapter_masters"] + V * H * w
+    experts = m.resident.get("moe_experts", 0) + m.resident.get("moe_adapter_masters", 0)
     full, rest = divmod(n, chunk)
     prefill = 0.0
     for c, k in ((chunk, full), (rest, 1 if rest else 0)):
         if k:
-            prefill += k * max((_forward_flops(m, c * P, P) + 2.0 * H * V * c) / flops, weights / bw)
+            prefill += k * max((_forward_flops(m, c * P, P) + 2.0 * H * V * c) / flops, (weights + experts) / bw)
     # step t (0-based) reads the weights, the B rows' KV of P + t + 1 columns and a hybrid's fixed
     # state (read and written): a + k·t seconds at the bandwidth floor, against c at the FLOP floor
     kv_row_col = m.kv_layers * 2 * m.kv_heads * m.head_dim * w
-    a = (weights + B * kv_row_col * (P + 1) + 2 * B * m.state_bytes) / bw
+    a = (weights + moe_memory.decode_expert_bytes(m, B) + B * kv_row_col * (P + 1) + 2 * B * m.state_bytes) / bw
     k = B * kv_row_col / bw
-    c = (2.0 * (m.linear_params + V * H) * B + _lora_flops(m, B) + m.state_flops * B) / flops
+    c = (2.0 * (_matmul_params(m) + V * H) * B + _lora_flops(m, B) + m.state_flops * B) / flops
     return prefill + _sum_of_max(a, k, c, T)
 
 
@@ -137,6 +144,8 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
             for p, c, k in waves(s))
         _verify(s, env, verifier_answers_per_s, t)
         t.seconds["scores"], t.seconds["update"] = phases["scores"], phases["update"]
+        if moe_memory.is_moe(m):
+            t.assumptions.append("MoE: the measured rates time the projections only; the experts are not timed")
         return t
     flops = gpu.bf16_flops * mfu
     bw = gpu.bandwidth * decode_share
@@ -150,6 +159,8 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
                              f"(no GPU run has measured the share reached yet; --decode-share sets it)")
     else:
         t.assumptions.append(f"decode at {decode_share:.0%} of {gpu.bandwidth / 1e12:.2f} TB/s (given)")
+    if moe_memory.is_moe(m):
+        t.assumptions.append(moe_memory.ASSUMPTION)
     # rollout: per wave, the prefill of its prompts (chunk by chunk), then T decode steps
     t.seconds["rollout"] = sum(k * _rollout_seconds(m, s, p, c, flops, bw) for p, c, k in waves(s))
     _verify(s, env, verifier_answers_per_s, t)
@@ -161,7 +172,7 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
     # update: k passes of forward + backward (+ recompute)
     tokens = shared_tokens
     one = _forward_flops(m, tokens, S / 2)
-    lin = 2.0 * m.linear_params * tokens
+    lin = 2.0 * _matmul_params(m) * tokens
     per_pass = one + lin + 2.0 * _lora_flops(m, tokens) + (one if s.gradient_checkpointing else 0.0)
     per_pass += 2.0 * head_fwd                      # forward with the gradient vector formed
     t.seconds["update"] = s.passes * per_pass / flops

@@ -1,0 +1,316 @@
+"""The mixture-of-experts terms of the plan (Qwen3-MoE, Qwen3.5-MoE): the experts' bytes, their
+LoRA, the routing record and what the routed experts add to each phase's activations.
+
+Resident (read off the meta model that fasttrain.models.moe builds, as a run builds it):
+  moe_experts          each layer's stacks gate_up [E, 2I, H] and down [E, H, I]: NF4 per expert
+                       slice (packed 4-bit codes + one fp32 absmax per 64 weights, the layout the
+                       streamed load stores), or with policy.quantize "none" the model's 16-bit stacks
+  moe_router           the router [E, H] and Qwen3.5-MoE's shared-expert gate [1, H], kept 16-bit
+                       (models/moe.py); the shared expert itself is a dense MLP whose projections are
+                       NF4 + LoRA like any other and count in the frozen base
+  moe_adapter_masters  the experts' LoRA, A [E, r, in] and B [E, out, r] per stack, fp32; their AdamW
+                       moments (moe_adam_moments) twice that from step 2 on
+The routing record (moe_routing): the rollout keeps every forwarded token's top-k experts of each
+MoE layer, as int64 while it decodes ([n, P, L, k] for the prompts, [B, L, k] per step, assembled
+into [B, P+T, L, k]) and then in the smallest integer dtype (uint8 for E <= 256) with the step's
+batch; each scored or updated micro-batch widens its rows' record to int64 and keeps per layer the
+forced experts and its own top-k [N, k] (fasttrain.rollout.moe_routing).
+
+Activations: a MoE layer is its base family's layer (the Llama layer, or the hybrid's two kinds:
+fasttrain.plan.hybrid_memory) whose dense MLP is the shared expert (width 0 when there is none),
+plus the routed experts of fasttrain.ops.moe_experts over the N·k (token, expert) rows: the router's
+logits and softmax [N, E] (float32), the gathered inputs [N·k, H], each expert's gate_up output
+[·, 2I], act(gate) and its product with up [·, I], the outputs [N·k, H] (the list and their
+concatenation), their float32 weighted copy and the [N, H] float32 sum; with autograd the gathered
+inputs, gate_up's output, act and product, each projection's x·Aᵀ [·, r], the float32 weighted
+copy and the sorting indices are saved. A Qwen3-MoE with dense layers (mlp_only_layers, or off
+decoder_sparse_step) takes the costlier of its two layer kinds. `plan_memory` prints what the routed
+experts add to a phase's peak as its own line (moe_activations).
+
+What is not counted: the per-expert loop's short-lived pieces (one expert's NF4 kernel output in its
+compute dtype), the host copy of the tokens per expert.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+__all__ = ["PARTS", "moe_shape", "is_moe", "describe", "MoELayers", "resident_parts", "expert_shapes", "record_rollout",
+           "record_batch", "record_micro_batch", "without_routed", "active_params", "expert_lora_flops",
+           "decode_expert_bytes", "load_parts"]
+
+PARTS = {
+    "moe_experts": "MoE experts (NF4: 4-bit + absmax; none: 16-bit)",
+    "moe_router": "MoE router + shared-expert gate (16-bit)",
+    "moe_adapter_masters": "MoE experts' LoRA: fp32 masters",
+    "moe_adam_moments": "MoE experts' LoRA: AdamW moments",
+    "moe_routing": "MoE routing record (layers x k per token)",
+    "moe_activations": "MoE activations (k expert rows/token, router)",
+}
+
+
+def _bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def moe_shape(model, cfg) -> dict:
+    """The MoE facts of a built (meta) model: {"moe": ModelShape.moe, "active": expert weights per
+    token, "resident": {part: bytes}, "tensors": ids of the tensors counted here, "intermediate":
+    the dense MLP width}, or {} for a dense model."""
+    from fasttrain.nn.moe_experts import moe_blocks
+    blocks = [b for _, b in moe_blocks(model)]
+    if not blocks:
+        return {}
+    ex = blocks[0].experts
+    E, k, H, I = ex.num_experts, blocks[0].top_k, ex.hidden, ex.intermediate
+    shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if blocks[0].shared_expert is not None else 0
+    seen: set[int] = set()
+    parts = {"moe_experts": 0, "moe_router": 0, "moe_adapter_masters": 0}
+
+    def count(part, t):
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            parts[part] += _bytes(t)
+    for b in blocks:
+        for t in b.experts.buffers(recurse=False):
+            count("moe_experts", t)
+        for t in b.experts.adapter_parameters():
+            count("moe_adapter_masters", t)
+        count("moe_router", b.gate.weight)
+        if b.shared_expert_gate is not None:
+            for t in b.shared_expert_gate.parameters():
+                count("moe_router", t)
+    return {"moe": (E, k, I, len(blocks), shared), "active": len(blocks) * k * 3 * I * H, "resident": parts,
+            "tensors": seen, "intermediate": getattr(cfg, "intermediate_size", None) or shared}
+
+
+def is_moe(m) -> bool:
+    return bool(m.moe)
+
+
+def describe(m) -> str:
+    """The model line's MoE part ("" for a dense model)."""
+    if not m.moe:
+        return ""
+    E, k, I, n, shared = m.moe
+    return (f"; {n} MoE layers of {E} experts ({k} active) of width {I}" + (f" + a shared expert of {shared}"
+            if shared else "") + f", {m.moe_active_params / 1e9:.2f} B expert weights active per token")
+
+
+def resident_parts(m) -> dict:
+    """{part: bytes} of the MoE parts resident in every phase (zeros for a dense model)."""
+    r = m.resident
+    masters = r.get("moe_adapter_masters", 0)
+    return {"moe_experts": r.get("moe_experts", 0), "moe_router": r.get("moe_router", 0),
+            "moe_adapter_masters": masters, "moe_adam_moments": 2 * masters}
+
+
+def load_parts(m) -> tuple[dict, int]:
+    """({part: bytes} resident while loading, the largest MoE transient): the streamed load quantizes
+    each expert's slices as read ([gate; up] of one expert in 16 bits, its codes), and at the end
+    stacks each layer's quantized experts into that layer's stacks (one layer's NF4 bytes twice)."""
+    if not m.moe:
+        return {}, 0
+    E, _, I, n, _ = m.moe
+    H, w = m.hidden, m.w
+    parts = {"moe_experts": m.resident.get("moe_experts", 0), "moe_router": m.resident.get("moe_router", 0)}
+    one = 2 * I * H
+    transient = max(parts["moe_experts"] // n if m.quantize == "nf4" else 0, 2 * one * w + one // 2 + one // 16)
+    return parts, transient
+
+
+def expert_shapes(m) -> list[tuple[int, int]]:
+    """(out, in) of one expert's two projections (what the NF4 kernels' scratch must hold)."""
+    if not m.moe:
+        return []
+    _, _, I, _, _ = m.moe
+    return [(2 * I, m.hidden), (m.hidden, I)]
+
+
+def without_routed(m):
+    """m with the routed experts' activations removed (k = 0, width 0); the layers keep their kinds."""
+    E, _, _, n, shared = m.moe
+    return replace(m, moe=(E, 0, 0, n, shared))
+
+
+def _f(m) -> int:
+    return 8 if m.w == 8 else 4
+
+
+def _router_live(m, N: int) -> int:
+    """route(): the [N, E] logits (model dtype), their float32 copy and softmax, top-k weights and
+    indices (and the renormalised weights); what the forward keeps after it: indices and weights."""
+    E, k, _, _, _ = m.moe
+    w, f = m.w, _f(m)
+    return N * E * (w + (f if w != f else 0) + f) + N * k * (8 + 2 * f)
+
+
+def routed_live(m, N: int) -> int:
+    """No-grad peak of the routed experts over N tokens: at the float32 sum (see the module header)."""
+    E, k, I, _, _ = m.moe
+    if not k:
+        return 0
+    w, f, H = m.w, _f(m), m.hidden
+    rows = N * k
+    kept = N * k * (8 + f)                               # the route's indices and weights
+    experts = rows * (16 + H * w + 2 * H * w + H * (f if w != f else 0) + H * f + f) + 2 * N * H * f
+    return max(_router_live(m, N), kept + experts)
+
+
+def routed_saved(m, N: int, c_xa: int) -> int:
+    """What the routed experts save for the backward over N tokens (see the module header)."""
+    E, k, I, _, _ = m.moe
+    if not k:
+        return 0
+    w, f, H, r = m.w, _f(m), m.hidden, m.rank
+    rows = N * k
+    per_row = H * w + 4 * I * w + 2 * r * c_xa + H * f + f + 24
+    if m.quantize == "none" and w != f:                  # the fp32 copies of each projection's input
+        per_row += (H + I) * f
+    return N * E * f + N * k * (8 + 2 * f) + rows * per_row
+
+
+def routed_grads(m, N: int) -> int:
+    """The routed experts' gradients live at once in their backward: of the weighted outputs (f) and
+    the outputs, of gate_up's output and act, of the gathered inputs, the inputs' [N, H] sum."""
+    E, k, I, _, _ = m.moe
+    if not k:
+        return 0
+    w, f, H = m.w, _f(m), m.hidden
+    return N * k * (H * (f + 2 * w) + 3 * I * w) + N * H * w + N * E * f
+
+
+class MoELayers:
+    """The layer terms of a MoE model: its base family's (`base`: memory._PlainLayers or
+    hybrid_memory) for its dense layers (m) and its MoE layers (the shared expert's width, plus the
+    routed experts); the costlier kind where the update or a prefill holds one layer, each kind
+    times its count where every layer keeps its saved bytes."""
+
+    def __init__(self, base):
+        self.base = base
+
+    @staticmethod
+    def _moe_m(m):
+        return replace(m, intermediate=m.moe[4])
+
+    @staticmethod
+    def _dense_layers(m) -> int:
+        return m.layers - m.moe[3]
+
+    def prefix_inputs(self, m, U, P, B, A):
+        return self.base.prefix_inputs(m, U, P, B, A)
+
+    def _kinds(self, m, dense: int, moe: int) -> int:
+        return max(dense if self._dense_layers(m) else 0, moe)
+
+    @staticmethod
+    def _at_mlp(m, N: int, c: int) -> int:
+        """What the routed experts add to the MLP's live bytes: they run before the shared expert (the
+        dense MLP of a MoE layer), which runs with their output [N, H] held."""
+        I, w = m.moe[4], m.w
+        if not I:
+            return routed_live(m, N)
+        shared = N * (3 * I * w + (I * c if c != w else 0))
+        return max(routed_live(m, N) - shared, N * m.hidden * w)
+
+    def prefix_layer_live(self, m, U, P, B, A, c):
+        N = U * P + B * A
+        return self._kinds(m, self.base.prefix_layer_live(m, U, P, B, A, c),
+                           self.base.prefix_layer_live(self._moe_m(m), U, P, B, A, c, self._at_mlp(m, N, c)))
+
+    def prefix_saved(self, m, U, P, B, A, c_xa):
+        L, n = m.layers, m.moe[3]
+        N = U * P + B * A
+        dense = self.base.prefix_saved(m, U, P, B, A, c_xa) * (L - n) // L if L > n else 0
+        return dense + self.base.prefix_saved(self._moe_m(m), U, P, B, A, c_xa) * n // L + n * routed_saved(m, N, c_xa)
+
+    def backward_temps(self, m, U, P, B, A, c_xa):
+        N = U * P + B * A
+        return self._kinds(m, self.base.backward_temps(m, U, P, B, A, c_xa),
+                           max(self.base.backward_temps(self._moe_m(m), U, P, B, A, c_xa), routed_grads(m, N)))
+
+    def backward_peak(self, m, U, P, B, A, c_xa):
+        """The base layer's backward peak with the routed experts' saved bytes, and their gradients
+        where they exceed the dense MLP's ([N, H] and 2 x [N, I], live at the same point)."""
+        N = U * P + B * A
+        mlp_grads = N * m.hidden * m.w + 2 * N * m.moe[4] * m.w
+        return self._kinds(m, self.base.backward_peak(m, U, P, B, A, c_xa),
+                           self.base.backward_peak(self._moe_m(m), U, P, B, A, c_xa) + routed_saved(m, N, c_xa)
+                           + max(0, routed_grads(m, N) - mlp_grads))
+
+    def prefill_layer_peak(self, m, n, P, c, dense):
+        N = n * P
+        return self._kinds(m, self.base.prefill_layer_peak(m, n, P, c, dense),
+                           self.base.prefill_layer_peak(self._moe_m(m), n, P, c, dense, self._at_mlp(m, N, c)))
+
+    def decode_locals(self, m, B):
+        return self.base.decode_locals(m, B)
+
+    def decode_mlp(self, m, B):
+        return self._kinds(m, self.base.decode_mlp(m, B), self.base.decode_mlp(self._moe_m(m), B) +
+                           self._at_mlp(m, B, m.w))
+
+
+# ---- the routing record ----------------------------------------------------------------------------
+def _per_token(m) -> int:
+    """Expert indices per token: MoE layers x k."""
+    return m.moe[3] * m.moe[1] if m.moe else 0
+
+
+def _record_w(m) -> int:
+    return 1 if m.moe[0] <= 256 else 2          # fasttrain.rollout.moe_decoder.record_dtype
+
+
+def record_rollout(m, n_all: int, n: int, G: int, P: int, T: int) -> tuple[int, int, int]:
+    """One wave's record (with the earlier waves', in the stored dtype) at the prefill's peak (its
+    prompts' experts, int64), at the last decode step (and every step's before it, int64) and while it
+    is assembled after the decode ([B, P, L, k] repeated per answer, joined, cast)."""
+    if not m.moe:
+        return 0, 0, 0
+    per, B = _per_token(m), n * G
+    earlier = (n_all - n) * G * (P + T) * per * _record_w(m)
+    decoding = (n * P + B * T) * per * 8
+    assembling = decoding + B * P * per * 8 + B * (P + T) * per * (8 + _record_w(m))
+    return earlier + n * P * per * 8, earlier + decoding, earlier + assembling
+
+
+def record_batch(m, rows: int, S: int) -> int:
+    """The step batch's record [rows, S, L, k] in its stored dtype."""
+    return rows * S * _per_token(m) * _record_w(m) if m.moe else 0
+
+
+def record_micro_batch(m, mb: int, S: int, N: int) -> int:
+    """One forward's ReplayRouting: the rows' record widened to int64, and per layer the forced
+    experts and the forward's own top-k over its N tokens (int64)."""
+    if not m.moe:
+        return 0
+    per = _per_token(m)
+    return mb * S * per * 8 + 2 * N * per * 8
+
+
+# ---- time: an estimate from the dense rates -----------------------------------------------------------
+def active_params(m) -> int:
+    """Expert weights one token's forward multiplies (k experts of each MoE layer)."""
+    return m.moe_active_params
+
+
+def expert_lora_flops(m, tokens: int) -> float:
+    """The experts' LoRA products, forward, per token: x·Aᵀ and (x·Aᵀ)·Bᵀ for its k experts' two stacks."""
+    if not m.moe or not m.rank:
+        return 0.0
+    _, k, I, n, _ = m.moe
+    H = m.hidden
+    return 2.0 * m.rank * n * k * ((H + 2 * I) + (I + H)) * tokens
+
+
+def decode_expert_bytes(m, B: int) -> float:
+    """Expert bytes one decode step of B rows reads: per layer the experts its B·k picks touch,
+    E·(1 - (1 - k/E)^B) of E when the picks are spread evenly (an estimate)."""
+    if not m.moe:
+        return 0.0
+    E, k, _, _, _ = m.moe
+    touched = 1.0 - (1.0 - k / E) ** B
+    return (m.resident.get("moe_experts", 0) + m.resident.get("moe_adapter_masters", 0)) * touched
+
+
+ASSUMPTION = ("MoE: the experts' time is an estimate from the dense rates on the k active experts' weights "
+              "(no MoE kernel rate is measured yet); a decode step reads the experts its rows pick, spread evenly")
