@@ -53,6 +53,10 @@ class RoutingSlot:
     def seen(self, block, own: torch.Tensor) -> None:
         self.chosen[block] = own.detach()
 
+    def logits(self, block, logits: torch.Tensor) -> None:
+        """The block's router logits [N, E] of this forward: not kept here (the update's slot keeps
+        them for the load-balancing loss)."""
+
 
 @contextmanager
 def routing_slot(blocks, slot: RoutingSlot | None):
@@ -186,6 +190,7 @@ class MoEBlock(nn.Module):
             weights = probs.gather(1, idx)
         if slot is not None:
             slot.seen(self, probs.topk(self.top_k, dim=-1)[1] if forced is not None else idx)
+            slot.logits(self, logits)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return idx, weights
