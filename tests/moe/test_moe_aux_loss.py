@@ -6,7 +6,8 @@ prompt once, weighted by its answers; the rollout's experts replayed) equals tra
 and tokens with the same experts forced. transformers sums the router probabilities in float32:
 |Δ| <= (n + 2)·u32·aux for n = layers x tokens summed (each term a probability <= 1, rounded once to
 float32, then summed; the counts are exact). Through update_policy, the coefficient adds exactly
-coef x that loss to the pass's loss and changes the trained router's gradient."""
+coef x that loss to the pass's loss and changes the trained router's gradient, which gradient
+checkpointing leaves bit for bit the same."""
 import copy
 from contextlib import ExitStack
 
@@ -83,16 +84,21 @@ def test_the_coefficient_adds_coef_times_the_aux_loss_and_moves_the_router_gradi
     adv = torch.linspace(-1, 1, B, dtype=torch.float64)
     loss_cfg = LossSection(beta=0.0, token_mask="all")
     out, grads = {}, {}
-    for coef in (0.0, 0.5):
-        grads[coef] = []
-        hook = [p.register_hook(lambda g, c=coef: grads[c].append(g.clone())) for p in params]
-        out[coef] = update_policy(model, params, opt, roll, BatchScores(None, None, None), adv,
-                                  roll.action_mask.bool(), loss_cfg, 0.0, B, 0.0, 1.0,
-                                  router_aux_loss_coef=coef).passes[0]
+    for coef, ckpt in ((0.0, False), (0.5, False), (0.5, True)):
+        if ckpt:                                       # the checkpoint recompute keeps the aux loss's graph
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        key = (coef, ckpt)
+        grads[key] = []
+        hook = [p.register_hook(lambda g, c=key: grads[c].append(g.clone())) for p in params]
+        out[key] = update_policy(model, params, opt, roll, BatchScores(None, None, None), adv,
+                                 roll.action_mask.bool(), loss_cfg, 0.0, B, 0.0, 1.0,
+                                 router_aux_loss_coef=coef).passes[0]
         for h in hook:
             h.remove()
-    aux = out[0.5]["moe_router_aux_loss"]
+    aux = out[(0.5, False)]["moe_router_aux_loss"]
     want, rel = _transformers_aux(hf, roll)
-    assert abs(aux - float(want)) <= rel * float(want) and "moe_router_aux_loss" not in out[0.0]
-    assert abs(out[0.5]["loss"] - out[0.0]["loss"] - 0.5 * aux) <= 1e-12 * (1 + abs(out[0.0]["loss"]))
-    assert all(float((a - b).abs().max()) > 0 for a, b in zip(grads[0.5], grads[0.0]))
+    assert abs(aux - float(want)) <= rel * float(want) and "moe_router_aux_loss" not in out[(0.0, False)]
+    base = out[(0.0, False)]["loss"]
+    assert abs(out[(0.5, False)]["loss"] - base - 0.5 * aux) <= 1e-12 * (1 + abs(base))
+    assert all(float((a - b).abs().max()) > 0 for a, b in zip(grads[(0.5, False)], grads[(0.0, False)]))
+    assert all(torch.equal(a, b) for a, b in zip(grads[(0.5, True)], grads[(0.5, False)]))
