@@ -104,7 +104,7 @@ def text_config(config):
     return sub if sub is not None else config
 
 
-# A qwen3_5 (vision-language) checkpoint names its text tower's tensors "model.language_model.X" for
+# A qwen3_5 or qwen3_5_moe (vision-language) checkpoint names its text tower's tensors "model.language_model.X" for
 # the text model's "model.X" (lm_head is lm_head); its vision tower ("model.visual.") and its
 # multi-token-prediction head ("mtp.") are not part of the text model. transformers' Qwen3_5ForCausalLM
 # renames and skips the same way when it loads such a checkpoint.
@@ -120,7 +120,7 @@ def is_composite(config) -> bool:
 def text_tower_key(key: str, config) -> str | None:
     """The text model's name for checkpoint tensor `key` of a checkpoint with `config`, or None for a
     tensor outside the text tower (the vision tower, the MTP head). Other configs: the key itself."""
-    if config.model_type not in QWEN3_5.model_types:
+    if config.model_type not in QWEN3_5.model_types + QWEN3_5_MOE.model_types:
         return key
     if key.startswith(_NOT_TEXT):
         return None

@@ -96,6 +96,7 @@ def _expert_collector(family, config):
         return None
     from .moe import family_renormalizes
     from .moe_stream import ExpertCollector
+    config = text_config(config)          # a vision-language checkpoint's MoE facts are its text tower's
     return ExpertCollector(config.num_experts_per_tok, family_renormalizes(family, config))
 
 

@@ -53,6 +53,10 @@ class RoutingSlot:
     def seen(self, block, own: torch.Tensor) -> None:
         self.chosen[block] = own.detach()
 
+    def logits(self, block, logits: torch.Tensor) -> None:
+        """The block's router logits [N, E] of this forward: not kept here (the update's slot keeps
+        them for the load-balancing loss)."""
+
 
 @contextmanager
 def routing_slot(blocks, slot: RoutingSlot | None):
@@ -132,19 +136,23 @@ class MoEExperts(nn.Module):
         return moe_experts(x, expert_index, routing_weights, self.stack("gate_up"), self.stack("down"),
                            self.lora("gate_up"), self.lora("down"), self.scale)
 
-    def merged_stack(self, name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """W_e + s·B_e·A_e for every expert [E, out, in] in dtype (export and tests; one expert at a time)."""
+    def merged_expert(self, name: str, e: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Expert e's W_e + s·B_e·A_e [out, in] of stack `name` ("gate_up" or "down"): the base decoded
+        from NF4 (or the 16-bit weight) in fp32, the LoRA product added in fp32, rounded once to dtype
+        (float64 stays float64), as the dense layers' merged_weight does."""
         from fasttrain.ops import reference as R
         st = self.stack(name)
-        out = []
-        for e in range(st.E):
-            w = st.weight[e].float() if st.weight is not None else R.nf4_decode_weight(
-                st.qweight[e], st.expert_state(e), torch.float32)
-            a = getattr(self, f"{name}_lora_A")
-            if a is not None:
-                w = w + self.scale * (getattr(self, f"{name}_lora_B")[e].detach() @ a[e].detach())
-            out.append(w.to(dtype))
-        return torch.stack(out)
+        ct = torch.float64 if dtype == torch.float64 else torch.float32
+        w = st.weight[e].to(ct) if st.weight is not None else R.nf4_decode_weight(
+            st.qweight[e], st.expert_state(e), torch.float32).to(ct)
+        a = getattr(self, f"{name}_lora_A")
+        if a is not None:
+            w = w + self.scale * (getattr(self, f"{name}_lora_B")[e].detach().to(ct) @ a[e].detach().to(ct))
+        return w.to(dtype)
+
+    def merged_stack(self, name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """merged_expert for every expert, stacked [E, out, in] (one expert merged at a time)."""
+        return torch.stack([self.merged_expert(name, e, dtype) for e in range(self.num_experts)])
 
     def extra_repr(self) -> str:
         kind = "nf4" if self.nf4 else str(self._meta["gate_up"][3]).replace("torch.", "")
@@ -182,6 +190,7 @@ class MoEBlock(nn.Module):
             weights = probs.gather(1, idx)
         if slot is not None:
             slot.seen(self, probs.topk(self.top_k, dim=-1)[1] if forced is not None else idx)
+            slot.logits(self, logits)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return idx, weights

@@ -18,7 +18,9 @@ fasttrain.ops.nf4_linear for an NF4 stack (whose backward decodes the expert aga
 keeping it) or F.linear for a 16-bit one; the outputs are weighted and added back per token in
 float32. Autograd reaches x, routing_weights and the LoRA factors. One host sync per call (the
 tokens per expert) and one pair of projections per active expert: the fused CPU and CUDA kernels
-that group the GEMMs come later behind this same face. fasttrain.ops.reference.moe_experts is the
+that group the GEMMs come later behind this same face. Under torch.compile (the compiled decode
+step) it runs eagerly, a graph break per MoE layer: traced, its loop over the experts that got
+tokens would recompile the step for every new pattern of active experts. fasttrain.ops.reference.moe_experts is the
 float64 oracle (every (token, expert) pair computed on its own).
 """
 from __future__ import annotations
@@ -139,6 +141,7 @@ def _project(stack: ExpertStack, e: int, x: torch.Tensor, lora, scale: float) ->
     return (y.to(ct) + F.linear(F.linear(x.to(ct), a.to(ct)), b.to(ct)) * scale).to(x.dtype)
 
 
+@torch.compiler.disable
 def moe_experts(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: torch.Tensor, gate_up: ExpertStack,
                 down: ExpertStack, gate_up_lora: tuple[torch.Tensor, torch.Tensor] | None = None,
                 down_lora: tuple[torch.Tensor, torch.Tensor] | None = None, scale: float = 1.0) -> torch.Tensor:

@@ -13,6 +13,11 @@ compiled step writes one column in place. The cache length is rounded up to a mu
 and the cache buffer is kept here across rollouts, so prompts of different lengths share a few
 compiled graphs (and, on CUDA, the captured graphs keep their static cache address).
 Sampling stays outside the compiled step (it owns the seeded generator).
+
+A mixture of experts' decoder records each token's experts for routing replay
+(fasttrain.rollout.moe_decoder): its blocks route into one StepSlot for the life of this object
+(set around each call, so the graph's guard on it holds), the traced step returns the top-k of
+every MoE layer beside the logits, and `step` hands them to the decoder's record.
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class CompiledDecode:
         self._fn = torch.compile(self._step, backend=backend, mode="reduce-overhead" if cuda else None,
                                  dynamic=False)
         self._caches: dict[tuple[int, int], Tensor] = {}
+        from .moe_decoder import StepSlot
+        self._slot = StepSlot() if hasattr(dec, "record_step") else None    # a mixture of experts' record
         self.compile_seconds = 0.0     # first call per shape (compile + first run), summed
         self._shapes_run: set[tuple] = set()
 
@@ -51,7 +58,10 @@ class CompiledDecode:
               column: Tensor, active: Tensor | None) -> Tensor:
         extra = {"active": active} if self._takes_active else {}
         h = self.dec.decode_static(tokens, key_valid, cos, sin, cache, column, **extra)
-        return self.dec.lm_head(h).float()
+        logits = self.dec.lm_head(h).float()
+        if self._slot is None:
+            return logits, None
+        return logits, torch.stack(self._slot.order, dim=1)       # [B, L, k] the step's experts
 
     def cache(self, batch: int, seq: int) -> list[tuple[Tensor, Tensor]]:
         """Per-layer (keys, values) [B, kv, S_max, D] for `batch` rows and at least `seq` columns."""
@@ -88,7 +98,15 @@ class CompiledDecode:
         shape = (tuple(key_valid.shape), tokens.shape[0])
         first = shape not in self._shapes_run
         t0 = time.perf_counter()
-        out = self._fn(tokens, key_valid, cos, sin, cache, column, active if self._takes_active else None)
+        if self._slot is None:
+            out, routing = self._fn(tokens, key_valid, cos, sin, cache, column, active if self._takes_active else None)
+        else:
+            from fasttrain.nn.moe_experts import routing_slot
+            self._slot.order = []
+            with routing_slot(self.dec.blocks, self._slot):
+                out, routing = self._fn(tokens, key_valid, cos, sin, cache, column,
+                                        active if self._takes_active else None)
+            self.dec.record_step(routing.clone() if routing.is_cuda else routing, column, active)
         if first:
             if out.is_cuda:
                 torch.cuda.synchronize()

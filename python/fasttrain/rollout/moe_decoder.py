@@ -3,14 +3,16 @@ the hybrid decoder (qwen3_5_moe), each recording the experts every MoE layer cho
 it forwards, for routing replay in the update.
 
 The layer math is the base decoders' (the MLP of a MoE layer is a fasttrain.nn.MoEBlock, called as
-a module). What is added: around `prefill` and `decode`, every MoEBlock routes into a RoutingSlot
-and its top-k is kept, [n, P, L, k] for the n distinct prompts and [B, L, k] per decoded column.
+a module). What is added: around `prefill`, `decode` and `step_rows` (the multi-turn rollout's k
+tokens per row), every MoEBlock routes into a RoutingSlot and its top-k is kept with the cache
+columns its tokens went to: [n, P, L, k] for each prefill chunk of distinct prompts, [B, k, L, top-k]
+per step. The compiled decode step (fasttrain.rollout.compiled_decode) routes into a `StepSlot`
+inside its graph and returns the step's top-k beside the logits, which it hands to `record_step`.
 `routing_record(group, T)` assembles them into the rollout's record [B, P+T, L, k] (column j of
-row b: the experts of the token at column j; the last answer column is never forwarded and holds
-zeros), uint8 when E <= 256, else int16.
-
-What is not recorded: the compiled decode step and the multi-turn rollout's `step_rows` (their
-record is None, and the update routes by itself for those rollouts).
+row b: the experts of the token at column j, prompt, sampled or tool-result; a column no real token
+was forwarded at, such as the last answer column or a held row's, holds zeros and is never read),
+uint8 when E <= 256, else int16. `start_record()` begins a rollout's record (the compiled step's
+decoder is kept across rollouts).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from fasttrain.nn.moe_experts import RoutingSlot, moe_blocks, routing_slot
 from .decoder import LlamaFamilyDecoder
 from .hybrid_decoder import HybridDecoder
 
-__all__ = ["MoEDecoder", "MoEHybridDecoder", "record_dtype"]
+__all__ = ["MoEDecoder", "MoEHybridDecoder", "StepSlot", "record_dtype"]
 
 
 def record_dtype(num_experts: int) -> torch.dtype:
@@ -30,13 +32,32 @@ def record_dtype(num_experts: int) -> torch.dtype:
     return torch.uint8 if num_experts <= 256 else torch.int16
 
 
+class StepSlot(RoutingSlot):
+    """The routing slot of the compiled decode step: the blocks' own top-k in call (layer) order,
+    a list the traced step appends to and returns (no dict keyed by modules inside the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.order: list[Tensor] = []
+
+    def forced_for(self, block) -> Tensor | None:
+        return None
+
+    def seen(self, block, own: Tensor) -> None:
+        self.order.append(own.detach())
+
+
 class _Recording:
     """Mixed into a decoder: keeps the experts of every forwarded token (see the module header)."""
 
     def _start_record(self) -> None:
         self.blocks = [b for _, b in moe_blocks(self.model)]
-        self.prompt_routing: Tensor | None = None
-        self.step_routing: list[Tensor] = []
+        self.start_record()
+
+    def start_record(self) -> None:
+        """Begin a rollout's record (what an earlier rollout recorded is dropped)."""
+        self.prompt_routing: list[Tensor] = []             # per prefill chunk [n, P, L, k]
+        self.step_routing: list[tuple[Tensor, Tensor, Tensor]] = []   # (columns [B, s], valid [B, s], [B, s, L, k])
 
     def _routed(self, fn, *args, **kw):
         slot = RoutingSlot()
@@ -46,25 +67,40 @@ class _Recording:
 
     def prefill(self, input_ids: Tensor, *args, **kw):
         h, r = self._routed(super().prefill, input_ids, *args, **kw)
-        self.prompt_routing = r.view(*input_ids.shape, *r.shape[1:])            # [n, P, L, k]
-        self.step_routing = []
+        self.prompt_routing.append(r.view(*input_ids.shape, *r.shape[1:]))      # [n, P, L, k]
         return h
 
-    def decode(self, tokens: Tensor, *args, **kw):
-        h, r = self._routed(super().decode, tokens, *args, **kw)
-        self.step_routing.append(r)                                               # [B, L, k]
+    def record_step(self, routing: Tensor, column: int | Tensor, valid: Tensor | None = None) -> None:
+        """One token per row decoded at cache `column` with its top-k [B, L, k] (valid [B]: which rows
+        forwarded a real token; None: all)."""
+        B = routing.shape[0]
+        col = torch.as_tensor(column, device=routing.device).reshape(-1)[:1].expand(B)[:, None]
+        ok = torch.ones(B, 1, dtype=torch.bool, device=routing.device) if valid is None else valid[:, None]
+        self.step_routing.append((col, ok, routing[:, None]))
+
+    def decode(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache, column, active=None):
+        h, r = self._routed(super().decode, tokens, key_valid, cos, sin, cache, column, active=active)
+        self.record_step(r, column, active)                                        # r: [B, L, k]
+        return h
+
+    def step_rows(self, tokens: Tensor, valid: Tensor, columns: Tensor, *args, **kw):
+        h, r = self._routed(super().step_rows, tokens, valid, columns, *args, **kw)
+        self.step_routing.append((columns, valid.bool(), r.view(*tokens.shape, *r.shape[1:])))
         return h
 
     def routing_record(self, group: int, T: int) -> Tensor | None:
-        """[B, P+T, L, k] of this rollout (see the module header), or None when not every forwarded
-        token was recorded (compiled decode)."""
-        if self.prompt_routing is None or len(self.step_routing) != T - 1 or not self.blocks:
+        """[B, P+T, L, k] of this rollout (see the module header), or None without a prefill."""
+        if not self.prompt_routing or not self.blocks:
             return None
-        dt = record_dtype(self.blocks[0].num_experts)
-        prompts = self.prompt_routing.repeat_interleave(group, dim=0)
-        B, _, L, k = prompts.shape
-        cols = [prompts] + [s[:, None] for s in self.step_routing] + [prompts.new_zeros(B, 1, L, k)]
-        return torch.cat(cols, dim=1).to(dt)
+        prompts = torch.cat(self.prompt_routing).repeat_interleave(group, dim=0)    # [B, P, L, k]
+        B, P, L, k = prompts.shape
+        rec = prompts.new_zeros(B, P + T, L, k)
+        rec[:, :P] = prompts
+        for cols, ok, r in self.step_routing:
+            keep = ok & (cols >= P) & (cols < P + T)
+            rows = torch.arange(B, device=cols.device)[:, None].expand_as(cols)
+            rec[rows[keep], cols[keep]] = r[keep].to(rec.dtype)
+        return rec.to(record_dtype(self.blocks[0].num_experts))
 
 
 class MoEDecoder(_Recording, LlamaFamilyDecoder):

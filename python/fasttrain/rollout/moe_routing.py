@@ -13,7 +13,9 @@ al.) forces those experts and takes their weights from the update's router; with
 update routes by itself and the record is only measured against. Either way the forward reports
 what its own router chose (`seen`), so the disagreement (token-layer pairs whose top-k *set*
 differs from the rollout's) and the expert load (tokens per expert) are counted over real tokens
-(pads excluded).
+(pads excluded). With `aux` it also keeps each MoE layer's router logits (with their graph) for the
+load-balancing loss (fasttrain.rl.router_aux, moe.router_aux_loss_coef), each token weighted by the
+rows it stands for. A forward without a record (`experts` None) only measures that loss.
 """
 from __future__ import annotations
 
@@ -26,25 +28,46 @@ __all__ = ["ReplayRouting", "join_routing", "routing_metrics"]
 class ReplayRouting:
     """One forward's view of the rollout's record: what to force, and what the forward chose."""
 
-    def __init__(self, experts: Tensor, replay: bool = True):
-        self.experts = experts                  # [b, P+T, L, k]
-        self.replay = replay
+    def __init__(self, experts: Tensor | None, replay: bool = True, aux: bool = False):
+        self.experts = experts                  # [b, P+T, L, k], or None (no record)
+        self.replay = replay and experts is not None
+        self.aux = aux
         self.valid: Tensor | None = None        # [N] real tokens, in the forward's token order
+        self.weight: Tensor | None = None       # [N] the rows each token stands for (0: a pad)
         self.recorded: list[Tensor] = []        # per MoE layer [N, k]: the rollout's experts
         self.own: list[Tensor] = []             # per MoE layer [N, k]: the update's own top-k
+        self.router_logits: list[Tensor] = []   # per MoE layer [N, E], with `aux`
 
-    def token_order(self, first: Tensor, P: int, A: int, valid: Tensor) -> None:
+    def token_order(self, first: Tensor, P: int, A: int, valid: Tensor, weight: Tensor | None = None) -> None:
         """Lay the record out as the shared-prefix forward's tokens: the U distinct prompts' P columns
-        (rows `first`), then every row's A answer inputs; `valid` [U·P + b·A] marks real tokens."""
-        e = self.experts.long()
-        k = e.shape[-1]
-        self.recorded = [torch.cat([e[first, :P, i].reshape(-1, k), e[:, P:P + A, i].reshape(-1, k)])
-                         for i in range(e.shape[2])]
+        (rows `first`), then every row's A answer inputs; `valid` [U·P + b·A] marks real tokens and
+        `weight` the rows each stands for (default: `valid`)."""
+        if self.experts is not None:
+            e = self.experts.long()
+            k = e.shape[-1]
+            self.recorded = [torch.cat([e[first, :P, i].reshape(-1, k), e[:, P:P + A, i].reshape(-1, k)])
+                             for i in range(e.shape[2])]
         self.valid = valid
+        self.weight = valid.long() if weight is None else weight
         self.own = []
+        self.router_logits = []
 
     def forced(self, i: int) -> Tensor | None:
         return self.recorded[i] if self.replay else None
+
+    def logits(self, i: int, logits: Tensor) -> None:
+        """MoE layer i's router logits [N, E] of this forward (kept with `aux`; a recompute's replace them)."""
+        if not self.aux:
+            return
+        if len(self.router_logits) <= i:
+            self.router_logits.append(logits)
+        else:
+            self.router_logits[i] = logits
+
+    def aux_loss(self, num_experts: int, top_k: int) -> Tensor:
+        """The load-balancing loss of this forward's router logits (fasttrain.rl.router_aux)."""
+        from fasttrain.rl.router_aux import load_balancing_loss
+        return load_balancing_loss(self.router_logits, self.weight, num_experts, top_k)
 
     def seen(self, i: int, own: Tensor) -> None:
         if len(self.own) <= i:
@@ -58,6 +81,8 @@ class ReplayRouting:
         v = self.valid
         differ = pairs = 0
         load = []
+        if self.experts is None:
+            return 0, 0, torch.zeros(0, num_experts, dtype=torch.long)
         for rec, own in zip(self.recorded, self.own):
             r, o = rec[v].sort(-1)[0], own[v].long().sort(-1)[0]
             differ += int((r != o).any(-1).sum())

@@ -14,7 +14,9 @@ does not fit); a row stops when its completion reaches the budget.
 What it is not: a tool runner or a chat template; those live with the caller (fasttrain.train.
 tool_rollout). Sampling is the single-turn sampler's (Gumbel-max on fp32 log-probs, one generator
 per prompt or for the batch), and its Rollout gains the action mask: True on sampled tokens,
-False on context tokens (whose behaviour log-probs are 0.0, as in TRL).
+False on context tokens (whose behaviour log-probs are 0.0, as in TRL). A mixture of experts' decoder
+records the experts of every token it forwards, prompt, sampled and context tokens alike
+(Rollout.routing, fasttrain.rollout.moe_decoder), for the update's routing replay.
 """
 from __future__ import annotations
 
@@ -170,4 +172,4 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
         completion_ids=completion_ids, completion_mask=completion_mask,
         action_mask=action[:, :T].contiguous(), lengths=n.clone(), prompt_index=rows_all // G,
         logprobs=logps[:, :T].contiguous(), finished=torch.isin(last, eos_t) & act_last & (n > 0),
-        group_size=G)
+        group_size=G, routing=dec.routing_record(G, T) if hasattr(dec, "routing_record") else None)

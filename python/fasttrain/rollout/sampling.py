@@ -154,6 +154,8 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     if compile:
         step = compiled_decode(model, weights, compile if isinstance(compile, str) else "inductor")
         dec = step.dec
+    if hasattr(dec, "start_record"):       # a mixture of experts' routing record (a kept decoder's too)
+        dec.start_record()
     vocab = model.config.vocab_size
     _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])

@@ -10,12 +10,18 @@
           checkpoint: a vision-language checkpoint's text tower under its ForConditionalGeneration
           names, its vision tower (and MTP head) copied from the checkpoint, so the folder is the
           released model with the trained text tower. config.json is the checkpoint's, its dtype the
-          export's, its quantization_config gone; tokenizer and processor files are copied.
+          export's, its quantization_config gone; tokenizer and processor files are copied. The
+          routed experts of a mixture of experts are W_e + s·B_e·A_e per expert (NF4 experts decoded),
+          in the export dtype, per expert or as fused stacks as the source checkpoint stores them.
   vllm    LoRA only: the adapter with the keys vLLM's LoRA loader parses
           (base_model.model.<released module name>.lora_A.weight / .lora_B.weight, no DoRA
           magnitude) and an adapter_config.json its PEFT helper accepts (no DoRA, no
           modules_to_save, no bias). DoRA is refused (vLLM does not serve it: export `merged`), and
-          so are projections vLLM's LoRA layers leave unwrapped (below).
+          so are projections vLLM's LoRA layers leave unwrapped (below). The routed experts of a
+          mixture of experts (LoRA in PEFT's target_parameters format) go in the layout vLLM's MoE
+          LoRA loader reads for the model class it will build (fasttrain.nn.moe_export): per expert
+          2-D keys for Qwen3-MoE (and a text-only Qwen3.5-MoE), PEFT's fused 3-D file as it is for a
+          Qwen3_5MoeForConditionalGeneration checkpoint (the class vLLM marks is_3d_moe_weight).
 
 Streamed: the merged folder is written one projection at a time into safetensors shards of at most
 `max_shard_bytes` (the policy, NF4 or 16-bit, plus one shard of merged weights are in memory, never
@@ -46,7 +52,10 @@ _WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "*.bin", "*.pt
 # in_proj_qkv is a merged column layer of three outputs that its packed-modules table does not list
 # (that table holds qkv_proj and gate_up_proj only), and vLLM wraps such a layer with no LoRA
 # class, without an error: the adapter's in_proj_qkv would be dropped in serving.
-VLLM_UNWRAPPED = {"qwen3_5": ("in_proj_qkv",)}
+VLLM_UNWRAPPED = {"qwen3_5": ("in_proj_qkv",), "qwen3_5_moe": ("in_proj_qkv",)}
+# The model classes vLLM's MoE LoRA loader reads 3-D (is_3d_moe_weight = True, as read in vLLM's
+# vllm/model_executor/models/qwen3_5.py; fasttrain.nn.moe_export names the files and version).
+VLLM_3D_MOE = ("Qwen3_5MoeForConditionalGeneration",)
 
 
 def export_run(run_dir: str | Path, to: str | Path, fmt: str = "merged", dtype: str | None = None,
@@ -123,17 +132,28 @@ def _vllm(cfg, shipped: Path, adapter: dict, to: Path) -> None:
                              f"model family leave unwrapped (vLLM would serve the model without that part of the "
                              f"adapter, silently). Export the merged model instead (`--format merged`), or train "
                              f"with policy.targets leaving {', '.join(hit)} out.")
+    from fasttrain.nn.moe_export import is_expert_lora_key, vllm_expert_lora
+
     prefix = "base_model.model."
-    out = {}
-    for k, v in tensors.items():
+    for k in tensors:
         if not (k.startswith(prefix) and k.endswith((".lora_A.weight", ".lora_B.weight"))):
             raise ValueError(f"{shipped}: adapter tensor {k!r} is not a LoRA A/B weight; vLLM reads only those")
+    fused = full is not None and any(a in VLLM_3D_MOE for a in (getattr(full, "architectures", None) or ()))
+    dense = {k: v for k, v in tensors.items() if not is_expert_lora_key(k)}
+    experts = vllm_expert_lora(tensors, int(adapter["r"]), fused=fused)
+    out = {}
+    for k, v in {**dense, **experts}.items():
         name = k[len(prefix):]
         out[prefix + (released_key(name, full) if full is not None else name)] = v.contiguous()
     to.mkdir(parents=True, exist_ok=True)
     save_file(out, str(to / "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = {k.split(".lora_")[0].rpartition(".")[2] for k in dense}
+    if not fused:
+        modules |= {k.split(".lora_")[0].rpartition(".")[2] for k in experts}
     config = {**adapter, "use_dora": False, "modules_to_save": None, "bias": "none",
-              "target_modules": sorted({k.split(".lora_")[0].rpartition(".")[2] for k in out})}
+              "target_modules": sorted(modules)}
+    if experts and not fused:
+        config.pop("target_parameters", None)          # the experts are per-expert modules now
     (to / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
@@ -179,12 +199,15 @@ class _ShardWriter:
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
 
 
-def merged_tensors(model: nn.Module, dtype: torch.dtype):
+def merged_tensors(model: nn.Module, dtype: torch.dtype, fused_experts: bool = False):
     """(name, tensor) of the merged 16-bit model, in module order, one at a time: each adapted
-    layer's merged weight (and bias), every other parameter and persistent buffer as it is, cast
-    to `dtype` when floating; a tensor shared by several modules (tied embeddings) once, under its
-    first name."""
+    layer's merged weight (and bias), each mixture-of-experts layer's merged experts (fused stacks
+    or per expert, fasttrain.nn.moe_export), every other parameter and persistent buffer as it is,
+    cast to `dtype` when floating; a tensor shared by several modules (tied embeddings) once, under
+    its first name."""
     from fasttrain.nn.adapted_linear import AdaptedLinear
+    from fasttrain.nn.moe_experts import MoEExperts
+    from fasttrain.nn.moe_export import merged_expert_tensors
 
     seen: set[int] = set()
 
@@ -196,6 +219,9 @@ def merged_tensors(model: nn.Module, dtype: torch.dtype):
             yield prefix + "weight", mod.merged_weight(dtype).cpu()
             if mod.bias is not None:
                 yield prefix + "bias", cast(mod.bias)
+            return
+        if isinstance(mod, MoEExperts):
+            yield from ((n, t.cpu()) for n, t in merged_expert_tensors(mod, prefix, dtype, fused_experts))
             return
         for n, p in mod._parameters.items():
             if p is not None and id(p) not in seen:
@@ -226,7 +252,7 @@ def _merged(cfg, shipped: Path, to: Path, dtype: torch.dtype, max_shard_bytes: i
     to.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(to, max_shard_bytes)
     with torch.no_grad():
-        for name, t in merged_tensors(model, dtype):
+        for name, t in merged_tensors(model, dtype, fused_experts=_fused_experts(src)):
             writer.add(released_key(name, full) if full is not None else name, t)
         if full is not None and is_composite(full):
             for key, info, read in checkpoint_tensors(src):     # the towers fasttrain did not train, as released
@@ -243,6 +269,22 @@ def _merged(cfg, shipped: Path, to: Path, dtype: torch.dtype, max_shard_bytes: i
             tokenizer.save_pretrained(to)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(to)
+
+
+def _fused_experts(src: Path | None) -> bool:
+    """Whether the source checkpoint stores its routed experts as fused stacks (`.experts.gate_up_proj`),
+    read from the safetensors headers; a module:factory model is written per expert, as transformers
+    saves it."""
+    if src is None:
+        return False
+    from safetensors import safe_open
+
+    from fasttrain.models.stream_load import checkpoint_files
+    for f in checkpoint_files(src):
+        with safe_open(str(f), framework="pt") as h:
+            if any(k.endswith(".experts.gate_up_proj") for k in h.keys()):
+                return True
+    return False
 
 
 def _write_config(model, full, dtype: torch.dtype, to: Path) -> None:

@@ -97,12 +97,14 @@ def _rollout_args(roll, sl):
     return dict(position_ids=roll.position_ids[sl], prompt_index=roll.prompt_index[sl])
 
 
-def _replay(roll, sl, replay: bool):
-    """The rollout's routing record of rows `sl` for one forward (None: no record, a dense model)."""
-    if getattr(roll, "routing", None) is None:
+def _replay(roll, sl, replay: bool, aux: bool = False):
+    """The rollout's routing record of rows `sl` for one forward (None: no record, a dense model);
+    `aux`: also keep the router logits for the load-balancing loss (a record-less forward too)."""
+    record = getattr(roll, "routing", None)
+    if record is None and not aux:
         return None
     from fasttrain.rollout.moe_routing import ReplayRouting
-    return ReplayRouting(roll.routing[sl], replay=replay)
+    return ReplayRouting(None if record is None else record[sl], replay=replay, aux=aux)
 
 
 def _chunks(n: int, size: int):
@@ -159,12 +161,16 @@ def ratio_weighted_kl(logp, old_logp, ref_logp, mask, per_sequence: bool, normal
 def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, roll,
                   scores: BatchScores, advantages: torch.Tensor, loss_mask: torch.Tensor,
                   loss_cfg: LossSection, zeta: float, micro_batch: int, grad_clip: float,
-                  temperature: float, routing_replay: bool = True) -> UpdateResult:
+                  temperature: float, routing_replay: bool = True, router_aux_loss_coef: float = 0.0) -> UpdateResult:
     """k passes; returns one stats dict per pass and the pre-update policy's log-probs and
     entropies (`scores`' own when it has them, else pass 1's). Raises NonFiniteLoss (after zeroing
     grads) when a pass's loss or gradient norm is not finite; the caller skips the step.
     `routing_replay`: a mixture of experts' forwards force the rollout's experts (roll.routing);
-    pass 1's stats then hold the router disagreement and expert load (rollout.moe_routing)."""
+    pass 1's stats then hold the router disagreement and expert load (rollout.moe_routing).
+    `router_aux_loss_coef`: a mixture of experts' load-balancing loss (fasttrain.rl.router_aux, as
+    transformers computes it over a forward's router logits) times this is added to each
+    micro-batch's loss, weighted by the micro-batch's share of the batch's rows, so one micro-batch
+    gives transformers' value and several their row-weighted mean; 0 (the default) computes nothing."""
     from fasttrain.ops import policy_loss
     from fasttrain.train import distributed
 
@@ -183,6 +189,7 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
     batch_count, batch_tokens = distributed.sum_values([float(count), float(op_mask.sum())])
     normalizer = torch.tensor(batch_count, dtype=torch.float32, device=loss_mask.device).clamp_min(1)
     n_chunks = len(range(0, B, micro_batch)) * distributed.world_size()
+    aux = _aux_shape(model) if router_aux_loss_coef else None       # (E, k) of a mixture of experts
     model.train()
     out = []
     fill_old = scores.old_logp is None          # pass 1 provides the old log-probs and entropy
@@ -197,12 +204,12 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
             first_fill = fill_old and k == 0
             if not bool(m.any()) and not first_fill:
                 continue
-            replay = _replay(roll, sl, routing_replay)
+            replay = _replay(roll, sl, routing_replay, aux=aux is not None)
             with torch.set_grad_enabled(bool(m.any())):
                 logp, ent = answer_logprobs(model, roll.input_ids[sl], roll.attention_mask[sl], roll.prompt_len,
                                             roll.completion_ids[sl], roll.completion_mask[sl], temperature,
                                             **_rollout_args(roll, sl), routing=replay)
-            if replay is not None and k == 0:
+            if replay is not None and replay.experts is not None and k == 0:
                 routed.append(replay.counts(_num_experts(model)))
             if first_fill:
                 olds.append(logp.detach())
@@ -224,6 +231,11 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
             if ratio_kl:
                 kl_loss, stats["kl_mean"] = ratio_weighted_kl(logp, old, ref, m, loss_cfg.kind == "grpo", norm)
                 loss = loss + loss_cfg.beta * kl_loss
+            if aux is not None:
+                aux_v = replay.aux_loss(*aux)
+                share = (sl.stop - sl.start) / (B * distributed.world_size())
+                loss = loss + router_aux_loss_coef * share * aux_v.to(loss.dtype)
+                stats["moe_router_aux_loss"] = aux_v.detach()
             loss.backward()
             total += loss.detach().double().cpu()
             w = float(m.sum()) / batch_tokens                # stats: token-weighted over the batch
@@ -243,6 +255,13 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
         out.append({"loss": loss_v, "grad_norm": gn, **acc, **_routing_metrics(routed)})
     optimizer.zero_grad(set_to_none=True)
     return UpdateResult(out, old_logp, entropy)
+
+
+def _aux_shape(model) -> tuple[int, int] | None:
+    """(experts, top-k) of a mixture of experts' MoE layers, or None for a dense model."""
+    from fasttrain.nn.moe_experts import moe_blocks
+    blocks = moe_blocks(model)
+    return (blocks[0][1].num_experts, blocks[0][1].top_k) if blocks else None
 
 
 def _num_experts(model) -> int:

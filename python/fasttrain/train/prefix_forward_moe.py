@@ -37,6 +37,9 @@ class _LayerSlot:
     def seen(self, block, own: Tensor) -> None:
         self.routing.seen(self.i, own)
 
+    def logits(self, block, logits: Tensor) -> None:
+        self.routing.logits(self.i, logits)
+
 
 def _routed(block, slot, run, x_p, x_a):
     with routing_slot([block], slot):
@@ -55,9 +58,12 @@ def shared_prefix_hidden_moe(model, input_ids: Tensor, attention_mask: Tensor, p
     at_layer = {block_of[id(b)]: (j, b) for j, b in enumerate(blocks) if id(b) in block_of}
     if routing is not None:
         P, A = prompt_len, T - 1
-        _, first = prompt_groups(input_ids, attention_mask, P, prompt_index)
-        valid = torch.cat([attention_mask[first, :P].reshape(-1), attention_mask[:, P:P + A].reshape(-1)]).bool()
-        routing.token_order(first, P, A, valid)
+        inverse, first = prompt_groups(input_ids, attention_mask, P, prompt_index)
+        rows = torch.bincount(inverse, minlength=first.shape[0])            # answers per distinct prompt
+        prompt_mask, answer_mask = attention_mask[first, :P].long(), attention_mask[:, P:P + A].long()
+        valid = torch.cat([prompt_mask.reshape(-1), answer_mask.reshape(-1)]).bool()
+        weight = torch.cat([(prompt_mask * rows[:, None]).reshape(-1), answer_mask.reshape(-1)])
+        routing.token_order(first, P, A, valid, weight)
 
     def layer_wrap(i, run):
         run = wrap(i, run) if wrap is not None else run

@@ -295,7 +295,8 @@ class Trainer:
         try:
             result = self._with_oom_retry(step, "update", lambda mb: update_policy(
                 self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
-                cfg.optim.grad_clip, R.temperature, routing_replay=cfg.moe.routing_replay == "rollout"),
+                cfg.optim.grad_clip, R.temperature, routing_replay=cfg.moe.routing_replay == "rollout",
+                router_aux_loss_coef=cfg.moe.router_aux_loss_coef),
                 undo=self._undo_update() if L.passes > 1 else None)
             self.nonfinite_in_row = 0
         except NonFiniteLoss as e:
