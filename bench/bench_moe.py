@@ -13,7 +13,9 @@ set, reset before each measured call through /proc/self/clear_refs), side by sid
 Contenders: transformers eager + PEFT, transformers grouped_mm + PEFT (experts in --dtype, as a
 QLoRA load leaves them), fasttrain NF4 experts, fasttrain 16-bit experts (same --dtype). Target
 (the update's token count, forward + backward): fasttrain <= 0.5x transformers' best time and
-<= 0.5x its peak memory.
+<= 0.5x its peak memory. Run it on a quiet machine: on a loaded one OpenMP's active wait makes every
+ATen call inside a parallel region (fasttrain's tiles, transformers' loops alike) wait for time
+slices (OMP_WAIT_POLICY=passive avoids that, at some cost when the machine is quiet).
 """
 from __future__ import annotations
 
