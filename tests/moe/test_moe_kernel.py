@@ -43,7 +43,7 @@ def test_float64_gradcheck(nf4):
 
     def f(x, w, ga, gb, da, db):
         return M._moe_experts_kernel(x, idx, w, gu, dn, (ga, gb), (da, db), 1.5)
-    assert torch.autograd.gradcheck(f, leaves, fast_mode=True)
+    assert torch.autograd.gradcheck(f, leaves)   # the full Jacobians (fast mode misses a 1% slip in dx)
 
 
 def test_forward_without_gradients_saves_nothing_and_experts_without_tokens_are_skipped():
