@@ -87,6 +87,26 @@ TORCH_LIBRARY(fasttrain, m) {
   // bool is false is left as it was (its o is 0). -> o [B,1,Hv,Dv].
   m.def("gated_delta_decode_(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
         "Tensor? active, float scale) -> Tensor");
+
+  // ---- moe_experts: the routed experts of a mixture-of-experts layer -----------------
+  // x [N,H] fp32|fp16|bf16|fp64, expert_index int64 [N,k] in [0,E), routing_weights [N,k] floating;
+  // gate_up: NF4 uint8 [E, ceil(2I·H/2)] with gate_up_absmax fp32 [E, ceil(2I·H/bs)], or a floating
+  // [E, 2I, H] stack (absmax None); down likewise for [E, H, I]; LoRA A [E,r,in], B [E,out,r] per
+  // stack (or None). y_n = Σ_j w_nj · D_e(silu(G_e x_n) ⊙ U_e x_n), each projection plus s·(x·Aᵀ)·Bᵀ.
+  // -> y [N,H] x.dtype, and for the backward (save): order int64 [N·k] (pair ids n·k+j grouped by
+  // expert), offsets int64 [E+1], h [N·k, 2I] (gate, up) and out [N·k, H] (unweighted expert outputs),
+  // both in the compute dtype (fp64 for fp64 x, else fp32); h and out are [0] without save.
+  m.def("moe_experts(Tensor x, Tensor expert_index, Tensor routing_weights, Tensor gate_up, Tensor? gate_up_absmax, "
+        "Tensor down, Tensor? down_absmax, int blocksize, int intermediate, Tensor? gate_up_a, Tensor? gate_up_b, "
+        "Tensor? down_a, Tensor? down_b, float scale, bool save) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // dy [N,H] and the forward's saved tensors -> dx [N,H] x.dtype, d routing_weights [N,k] (its dtype),
+  // dA, dB of each LoRA stack (compute dtype; [0] without that LoRA); an output whose mask bit
+  // (x, routing_weights, LoRA) is off is [0]. The stacks are frozen (no gradient).
+  m.def("moe_experts_backward(Tensor dy, Tensor x, Tensor expert_index, Tensor routing_weights, Tensor gate_up, "
+        "Tensor? gate_up_absmax, Tensor down, Tensor? down_absmax, int blocksize, int intermediate, "
+        "Tensor? gate_up_a, Tensor? gate_up_b, Tensor? down_a, Tensor? down_b, float scale, Tensor order, "
+        "Tensor offsets, Tensor h, Tensor out, bool[3] output_mask) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace {

@@ -397,5 +397,21 @@ FT_HD T gdr_readout_grad(T ds, T scaled_q_i, T do_j) { return ds + scaled_q_i * 
 template <typename T>
 FT_HD T gdr_ds_decayed(T ds, T k_i, T dr_j) { return ds + k_i * dr_j; }
 
+// =====================================================================================
+// moe_experts: the SwiGLU between an expert's gate_up and down projections, a = silu(g)·u with
+// silu(g) = g·σ(g), and its backward: dg = da·u·σ(g)·(1 + g·(1 − σ(g))), du = da·silu(g).
+// σ(g) = 1 / (1 + e^−g) saturates to 0 or 1 without NaN (e^−g = inf gives 1/inf = 0).
+// =====================================================================================
+template <typename T>
+FT_HD T moe_sigmoid(T g) { return T(1) / (T(1) + ft_exp(-g)); }
+template <typename T>
+FT_HD T moe_swiglu(T g, T u) { return g * moe_sigmoid(g) * u; }
+template <typename T>
+FT_HD void moe_swiglu_backward(T g, T u, T da, T& dg, T& du) {
+  const T sg = moe_sigmoid(g);
+  dg = da * u * sg * (T(1) + g * (T(1) - sg));
+  du = da * g * sg;
+}
+
 FT_VARIANT_END
 }  // namespace fasttrain::math

@@ -15,6 +15,7 @@ void register_fused_logprob(torch::Library& m);
 void register_policy_loss(torch::Library& m);
 void register_nf4_linear(torch::Library& m);
 void register_gated_delta(torch::Library& m);
+void register_moe_experts(torch::Library& m);
 
 // All of the above: the variant's CPU kernels under the CPU dispatch key.
 void register_cpu_kernels(torch::Library& m);

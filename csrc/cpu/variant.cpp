@@ -11,6 +11,7 @@ void register_cpu_kernels(torch::Library& m) {
   register_policy_loss(m);
   register_nf4_linear(m);
   register_gated_delta(m);
+  register_moe_experts(m);
 }
 
 FT_VARIANT_END

@@ -155,9 +155,13 @@ def _case(dev, N, H, I, E, k, r, dtype, nf4, seed=0) -> tuple[str, Callable]:
 
 
 def moe_cases(dev, quick: bool):
+    """The rows: an update-like batch (tens of tokens per expert), a decode step (2 tokens, 4
+    experts each, weights wide enough for several decoded tiles), empty experts in each. On the
+    CPU they run fasttrain's kernel, elsewhere the torch form (the row's implementation says which)."""
     cases = [_case(dev, 37, 64, 32, 6, 2, 4, torch.float32, True), _case(dev, 37, 64, 32, 6, 2, 4, torch.float32, False),
-             _case(dev, 21, 64, 32, 5, 3, 4, torch.bfloat16, True)]
+             _case(dev, 21, 64, 32, 5, 3, 4, torch.bfloat16, True), _case(dev, 2, 512, 160, 9, 4, 4, torch.float32, True)]
     if not quick:
         cases += [_case(dev, 50, 128, 64, 9, 4, 8, torch.float32, True, seed=1),
                   _case(dev, 50, 128, 64, 9, 4, 0, torch.bfloat16, False, seed=2)]
-    return cases
+    impl = "moe_experts:kernel" if dev.type == "cpu" else "moe_experts:torch"
+    return [(name, run, impl) for name, run in cases]

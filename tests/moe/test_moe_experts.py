@@ -15,7 +15,7 @@ def _rows(face, only: str = ""):
     selftest.KERNELS["moe_experts"] = face
     try:
         out = []
-        for name, run in moe_cases(torch.device("cpu"), quick=True):
+        for name, run, _impl in moe_cases(torch.device("cpu"), quick=True):
             if only not in name:
                 continue
             check = selftest._Check()

@@ -12,16 +12,18 @@ quantized on its own (its own blocks and scales, bitsandbytes' layout per expert
 slice is an NF4 weight in itself and the stack is never dequantised whole. The LoRA factor
 products run factorised: ΔW = B·A is never formed.
 
-This is the first implementation, in torch: the N·k (token, expert) pairs are sorted by expert,
-and each expert that received tokens runs its two projections over its rows, through
-fasttrain.ops.nf4_linear for an NF4 stack (whose backward decodes the expert again instead of
-keeping it) or F.linear for a 16-bit one; the outputs are weighted and added back per token in
-float32. Autograd reaches x, routing_weights and the LoRA factors. One host sync per call (the
-tokens per expert) and one pair of projections per active expert: the fused CPU and CUDA kernels
-that group the GEMMs come later behind this same face. Under torch.compile (the compiled decode
-step) it runs eagerly, a graph break per MoE layer: traced, its loop over the experts that got
-tokens would recompile the step for every new pattern of active experts. fasttrain.ops.reference.moe_experts is the
-float64 oracle (every (token, expert) pair computed on its own).
+On the CPU the op is fasttrain's kernel (csrc/cpu/moe_experts.cpp): the (token, slot) pairs
+grouped by expert by a counting sort inside the op, each expert's weight decoded a tile of rows at
+a time inside the matmul (never a dequantised expert), the SwiGLU taken on each gate/up tile, the
+routing weights and the k-slot sum applied per token at the end; its backward (to x, the routing
+weights and the LoRA factors) decodes the weights again. Elsewhere (CUDA, until its kernel comes)
+it is the torch form: the N·k pairs sorted by expert, and each expert that received tokens runs its
+two projections over its rows, through fasttrain.ops.nf4_linear for an NF4 stack or F.linear for a
+16-bit one, the outputs weighted and added back per token in float32; one host sync per call (the
+tokens per expert). Under torch.compile (the compiled decode step) it runs eagerly, a graph
+break per MoE layer: traced, the torch form's loop over the experts that got tokens would
+recompile the step for every new pattern of active experts. fasttrain.ops.reference.moe_experts is
+the float64 oracle (every (token, expert) pair computed on its own).
 """
 from __future__ import annotations
 
@@ -30,10 +32,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fasttrain._native import load as _load
 from fasttrain.ops import reference as _reference
 from fasttrain.ops.kernels import use_reference as _use_reference
 from fasttrain.ops.nf4 import NF4State, nf4_quantize
 from fasttrain.ops.nf4_linear import nf4_linear
+
+_load()
+_ops = torch.ops.fasttrain
 
 __all__ = ["ExpertStack", "moe_experts"]
 
@@ -69,6 +75,17 @@ class ExpertStack:
             return NF4State(shape, self.dtype, self.blocksize, qabsmax=self.qabsmax[e], absmax2=self.absmax2[e],
                             code=self.code, offset=self.offset[e])
         return NF4State(shape, self.dtype, self.blocksize, absmax=self.absmax[e])
+
+    def absmax_fp32(self) -> torch.Tensor:
+        """The float32 block absmax of every expert [E, blocks] (decoded from 8 bits when
+        double-quantized: in one call when each expert's blocks fill whole 256-block groups)."""
+        if self.qabsmax is None:
+            return self.absmax
+        blocks = self.qabsmax.shape[1]
+        if blocks % 256 == 0 and self.absmax2.shape[1] == blocks // 256 and not _use_reference():
+            flat = _ops.blockwise8_dequantize(self.qabsmax.reshape(-1), self.absmax2.reshape(-1), self.code, 256)
+            return flat.view(self.E, blocks) + self.offset.view(-1, 1)
+        return torch.stack([self.expert_state(e).absmax_fp32() for e in range(self.E)])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stack's stored tensors by field name (what a module registers as buffers)."""
@@ -153,6 +170,16 @@ def moe_experts(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: to
     if _use_reference():
         return _reference.moe_experts(x, expert_index, routing_weights, gate_up, down, gate_up_lora, down_lora,
                                       scale)
+    if x.device.type == "cpu":
+        return _moe_experts_kernel(x, expert_index, routing_weights, gate_up, down, gate_up_lora, down_lora, scale)
+    return moe_experts_torch(x, expert_index, routing_weights, gate_up, down, gate_up_lora, down_lora, scale)
+
+
+def moe_experts_torch(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: torch.Tensor,
+                      gate_up: ExpertStack, down: ExpertStack, gate_up_lora=None, down_lora=None,
+                      scale: float = 1.0) -> torch.Tensor:
+    """The torch form of moe_experts (see the module header): the fallback off the CPU, and the
+    tests' second implementation."""
     N, k = expert_index.shape
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     flat = expert_index.reshape(-1)
@@ -172,3 +199,83 @@ def moe_experts(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: to
     w = routing_weights.reshape(-1)[order].to(acc)
     y = torch.zeros(N, x.shape[1], dtype=acc, device=x.device).index_add(0, token, ys.to(acc) * w[:, None])
     return y.to(x.dtype)
+
+
+# ---- the kernel: fasttrain::moe_experts, its fake and its autograd ----------------------------------
+def _stack_args(stack: ExpertStack):
+    """(weight or packed bytes, fp32 absmax or None) of a stack, as the op takes them."""
+    return (stack.qweight, stack.absmax_fp32().contiguous()) if stack.nf4 else (stack.weight, None)
+
+
+def _moe_experts_kernel(x, expert_index, routing_weights, gate_up: ExpertStack, down: ExpertStack, gate_up_lora,
+                        down_lora, scale):
+    if gate_up.nf4 and down.nf4 and gate_up.blocksize != down.blocksize:
+        return moe_experts_torch(x, expert_index, routing_weights, gate_up, down, gate_up_lora, down_lora, scale)
+    gu, gu_am = _stack_args(gate_up)
+    dn, dn_am = _stack_args(down)
+    ga, gb = gate_up_lora if gate_up_lora is not None else (None, None)
+    da, db = down_lora if down_lora is not None else (None, None)
+    grads = [t for t in (x, routing_weights, ga, gb, da, db) if t is not None]
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in grads)
+    y, *_ = _ops.moe_experts(x, expert_index.long(), routing_weights, gu, gu_am, dn, dn_am,
+                             gate_up.blocksize if gate_up.nf4 else down.blocksize, down.in_features, ga, gb, da,
+                             db, float(scale), save)
+    return y
+
+
+def _ct(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("fasttrain::moe_experts")
+def _(x, expert_index, routing_weights, gate_up, gate_up_absmax, down, down_absmax, blocksize, intermediate,
+      gate_up_a, gate_up_b, down_a, down_b, scale, save):
+    N, H = x.shape
+    P = N * expert_index.shape[1]
+    ct = _ct(x)
+    h = x.new_empty((P, 2 * intermediate) if save else (0,), dtype=ct)
+    out = x.new_empty((P, H) if save else (0,), dtype=ct)
+    return (x.new_empty((N, H)), expert_index.new_empty((P,)), expert_index.new_empty((gate_up.shape[0] + 1,)), h,
+            out)
+
+
+@torch.library.register_fake("fasttrain::moe_experts_backward")
+def _(dy, x, expert_index, routing_weights, gate_up, gate_up_absmax, down, down_absmax, blocksize, intermediate,
+      gate_up_a, gate_up_b, down_a, down_b, scale, order, offsets, h, out, output_mask):
+    ct = _ct(x)
+    e = lambda: x.new_empty((0,), dtype=ct)  # noqa: E731  (a fresh tensor per output: outputs never alias)
+    lora = lambda t: t.new_empty(t.shape, dtype=ct) if (t is not None and output_mask[2]) else e()  # noqa: E731
+    return (x.new_empty(x.shape) if output_mask[0] else e(),
+            routing_weights.new_empty(routing_weights.shape) if output_mask[1] else e(),
+            lora(gate_up_a), lora(gate_up_b), lora(down_a), lora(down_b))
+
+
+def _setup_context(ctx, inputs, output):
+    (x, expert_index, routing_weights, gate_up, gate_up_absmax, down, down_absmax, blocksize, intermediate,
+     ga, gb, da, db, scale, _save) = inputs
+    _, order, offsets, h, out = output
+    ctx.save_for_backward(x, expert_index, routing_weights, gate_up, gate_up_absmax, down, down_absmax, ga, gb, da,
+                          db, order, offsets, h, out)
+    ctx.blocksize, ctx.intermediate, ctx.scale = blocksize, intermediate, scale
+
+
+def _backward(ctx, dy, *_unused):
+    (x, expert_index, routing_weights, gate_up, gate_up_absmax, down, down_absmax, ga, gb, da, db, order, offsets,
+     h, out) = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mask = [bool(need[0]), bool(need[2]), any(bool(need[i]) for i in (9, 10, 11, 12))]
+    none = [None] * 15
+    if dy is None or not any(mask):
+        return tuple(none)
+    dx, dw, dga, dgb, dda, ddb = _ops.moe_experts_backward(
+        dy.contiguous(), x, expert_index, routing_weights, gate_up, gate_up_absmax, down, down_absmax, ctx.blocksize,
+        ctx.intermediate, ga, gb, da, db, ctx.scale, order, offsets, h, out, mask)
+    grads = none
+    grads[0] = dx if mask[0] else None
+    grads[2] = dw if mask[1] else None
+    for i, t, g in ((9, ga, dga), (10, gb, dgb), (11, da, dda), (12, db, ddb)):
+        grads[i] = g.to(t.dtype) if (t is not None and need[i]) else None
+    return tuple(grads)
+
+
+torch.library.register_autograd("fasttrain::moe_experts", _backward, setup_context=_setup_context)
