@@ -110,3 +110,30 @@ def measure_steps(trainer, monkeypatch) -> dict[str, int]:
                            trainer.cfg.rollout.answer_prefix)
     return {"resident": base - dense, "rollout_weights": dense, **peaks, "prompt_tokens": max(len(i) for i in ids),
             "phase_start": {k: v for k, v in starts.items()}}
+
+
+def planned_and_measured(trainer, monkeypatch) -> dict[str, tuple[int, int]]:
+    """{phase: (planned peak, measured peak)} of step 2, and the same above the resident bytes
+    (so the activations themselves are checked), the plan made from the trainer's recipe."""
+    from fasttrain.plan import gpu_spec, meta_policy, plan_memory, run_shape
+    from fasttrain.plan.report import device_for
+
+    measured = measure_steps(trainer, monkeypatch)
+    cfg = trainer.cfg
+    m = meta_policy(trainer.model.config, dtype=cfg.policy.dtype, adapter=cfg.policy.adapter,
+                    rank=cfg.policy.rank, alpha=cfg.policy.alpha, quantize=cfg.policy.quantize)
+    plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]), device_for(gpu_spec("cpu")))
+    resident = sum(plan.phases["update"][k] for k in ("nf4_base", "dense_parts", "adapter_masters", "dora_norms"))
+    assert resident == measured["resident"]          # the meta build counts the real model's bytes exactly
+    # the plan keeps dense rollout weights exactly when the trainer did, and counts their bytes exactly
+    assert plan.phases["update"]["rollout_weights"] == measured["rollout_weights"]
+    resident += measured["rollout_weights"]
+    out = {}
+    for phase in ("rollout", "scores", "update"):
+        out[phase] = (plan.total(phase), measured[phase])
+        # the same bound on the bytes above the resident model, so the activations themselves are checked
+        out[phase + " above resident"] = (plan.total(phase) - resident, measured[phase] - resident)
+        print(f"{trainer.cfg.policy.model} {phase}: planned {out[phase][0]} measured {out[phase][1]} "
+              f"ratio {out[phase][0] / out[phase][1]:.3f}; above the resident bytes: ratio "
+              f"{(out[phase][0] - resident) / (out[phase][1] - resident):.3f}")
+    return out

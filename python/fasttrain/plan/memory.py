@@ -172,11 +172,12 @@ def _prefix_tokens(U: int, P: int, B: int, A: int) -> int:
 
 def _prefix_inputs(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
     """What prefix_forward builds before its layers and keeps through them: the prompts' mask
-    [U, P, P] (and the causal/identity [P, P] it is made from), the answers' mask [B, A, P+A] (and
-    its causal part [B, A, A]), bool, each repeated for the query heads that share a KV head
-    (grouped-query attention runs them as rows of that head); the rotary tables."""
+    [U, P, P] (and the causal/identity [P, P] it is made from), the answers' mask [B, A, P+A], bool,
+    each repeated for the query heads that share a KV head (grouped-query attention runs them as
+    rows of that head); the rotary tables. The answers' causal part [B, A, A] is prefix_masks' local,
+    gone before the layers run (counting it over-planned 4,096-token answers by 5%)."""
     g = m.heads // m.kv_heads           # the masks are repeated per query head of a KV head
-    masks = g * U * P * P + 2 * P * P + (g * B * A * (P + A) + B * A * A if A else 0)
+    masks = g * U * P * P + 2 * P * P + (g * B * A * (P + A) if A else 0)
     return masks + 2 * _prefix_tokens(U, P, B, A) * m.head_dim * m.w
 
 
@@ -194,7 +195,14 @@ def _prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int) ->
     prompts = U * P * (2 * qd + kd) * w
     answers = B * A * (2 * qd + kd) * w + 2 * B * (P + A) * kd * w if A else 0
     mlp = N * (3 * I * w + (I * c if c != w else 0))
-    return lin + prompts + answers + mlp
+    # or in the answers' attention, before the MLP exists: the layer input, its norm, q/k/v, the rotated
+    # prompt queries/keys and the prompts' output, the rotated answer queries/keys, their gathered keys
+    # and values, the queries' copy as rows of their KV head, the float mask SDPA makes of the
+    # (repeated) bool one, and the output; at long answers the mask, answers x (prompt + answer), sets it
+    g = m.heads // m.kv_heads
+    attention = N * (2 * H + qd + 2 * kd) * w + U * P * (2 * qd + kd) * w + \
+        (B * A * (3 * qd + kd) * w + 2 * B * (P + A) * kd * w + g * B * A * (P + A) * w if A else 0)
+    return max(lin + prompts + answers + mlp, attention)
 
 
 def _prefix_layer_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
