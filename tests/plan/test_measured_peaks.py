@@ -13,6 +13,7 @@ Prompts have different lengths and answers run to max_new_tokens (EOS disabled),
 assumes; micro-batches span two prompts, so attention runs with a padding mask, as in real batches.
 """
 import pytest
+import torch
 
 TOL = 0.15
 

@@ -313,8 +313,8 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     L = m.kv_layers                   # a hybrid's KV lives in its full-attention layers only
     caches = {"kv_cache": L * 2 * B * m.kv_heads * S * D * w,       # + a hybrid's fixed per-row states
               "recurrent_state": B * m.recurrent_bytes, "conv_state": B * m.conv_bytes}
-    book = B * S + B * T * (8 + 4 + 1) + n * S * 8 + 2 * n * P
-    book += (n_all - n) * G * (S * 24 + T * 13)    # the earlier waves' rollouts: ids, masks, positions, log-probs
+    held = n * S * 8 + 2 * n * P + (n_all - n) * G * (S * 24 + T * 13)   # positions; the earlier waves' rollouts
+    book = held + B * S + B * T * (8 + 4 + 1)      # + this wave's key mask and token buffers (made after the prefill)
     rot = m.rotary_dim or D           # the rotary tables [., S, rot] (a hybrid turns part of head_dim)
     rope_b = 2 * B * S * rot * w
     # prefill of c prompts: their own cache (and a hybrid's states for them), masks [c, P, P] and
@@ -328,9 +328,17 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64)
     merge = max(o * i for o, i in m.projections) * (8 if w == 8 else 4) if dense else 0
     prefill = max(prefill, merge)
-    if decode >= prefill:
+    # between the prefill and the first step: the rows' rotary tables are made while the prompts' still
+    # exist, with the first logits repeated per row; after the last step: the returned ids, mask and
+    # positions (and the cumsum the positions come from) while the cache, tables and buffers still exist,
+    # with the last step's logits, log-probs and noise
+    handover = rope_b + 2 * n * S * rot * w + B * V * 4 + n * H * w + held
+    finish = rope_b + book + B * S * 32 + B * V * 12
+    at_decode = rope_b + step + book + sampling
+    top = max(at_decode, handover, finish, prefill + book)
+    if top == at_decode:
         return {**caches, "activations": rope_b + step + book, "sampling": sampling}
-    return {**caches, "activations": prefill + book, "sampling": 0}
+    return {**caches, "activations": top, "sampling": 0}
 
 
 def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tuple[int, int]:
