@@ -87,19 +87,3 @@ def bench_hybrid_shape_as_loaded(dtype: str = "float32"):
                                    linear_k_heads=2, value_heads_per_key=3, linear_head_dim=16, intermediate=192)
     model.config.max_position_embeddings = CONTEXT     # default rope: the inverse frequencies do not depend on it
     return model, tok
-
-
-def tiny_policy_long(dtype: str = "float32"):
-    """A 1-layer random Llama over bytes with room for 4,096-token answers (2 query heads of one
-    KV head, head dim 16): the cheapest decode step of the family, for a full-length long run."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tiny_world import ByteTokenizer
-
-    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=CONTEXT,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(cfg, dtype=getattr(torch, dtype))
-    return model.eval(), ByteTokenizer()

@@ -17,7 +17,8 @@ How it stays cheap (seconds, not the 18-20 minutes one 1,024-token step of the r
   allocated at full width (prompt + max_new_tokens) before the first token. So the rollout runs
   for real at max_new_tokens with answers ending within a few tokens (half the vocabulary ends a
   row): the bytes of a full-length rollout without its 4,096 decode steps.
-  tests/plan/test_run_at_4k.py decodes every answer to 4,096 tokens and checks that run's phases.
+  tests/plan/test_run_at_4k.py decodes every answer to 4,096 tokens and checks that run's phases:
+  it is this table's 4,096-token row of SmolLM2's layout.
 - The scores and the update need full-length answers: the rollout's answers are extended to
   max_new_tokens with random tokens (their values do not change any byte) before the phase ends,
   as a full-length rollout returns them. The warm-up step (the AdamW moments, the kernels' scratch)
@@ -60,8 +61,12 @@ def _full_length_answers(monkeypatch, vocab: int):
     return calls
 
 
-@pytest.mark.parametrize("model", ["smollm2_shape_as_loaded", "bench_hybrid_shape_as_loaded"])
-@pytest.mark.parametrize("T", [1024, 2048, 4096])
+# SmolLM2's layout at 4,096 tokens: tests/plan/test_run_at_4k.py, every answer decoded in full
+CASES = [(T, m) for T in (1024, 2048, 4096) for m in ("smollm2_shape_as_loaded", "bench_hybrid_shape_as_loaded")
+         if (T, m) != (4096, "smollm2_shape_as_loaded")]
+
+
+@pytest.mark.parametrize("T,model", CASES)
 def test_phases_match_measured_peaks_at_long_answers(worlds, tmp_path, monkeypatch, model, T):
     from conftest_recipe import tiny_recipe
     from measured_step import planned_and_measured

@@ -2,8 +2,9 @@
 full length (no end token), each phase's measured peak of allocated bytes (tests/plan/measured_step.py)
 at most the plan's with the 5% allocator margin its fit check adds, and within 15% of it.
 
-Lean: a 1-layer Llama over bytes (tests/plan/padded_world.py: tiny_policy_long), one prompt of two
-answers, one micro-batch. The trainer's own step (Trainer._train_step after _setup, as `fasttrain
+Lean: SmolLM2's layout at small widths (tests/plan/padded_world.py: smollm2_shape_as_loaded, 2
+layers), one prompt of two answers, one micro-batch. It is also the 4,096-token row of SmolLM2's
+layout in tests/plan/test_long_answer_peaks.py, measured here on answers decoded in full. The trainer's own step (Trainer._train_step after _setup, as `fasttrain
 run` runs it, the plan's picks applied) runs twice: step 1 warms up (it makes the AdamW moments and
 the kernels' scratch that the plan counts as resident) on answers that end within a few tokens, so
 only step 2, the measured one, decodes 2 x 4,096 tokens.
@@ -22,7 +23,7 @@ def test_a_run_at_4096_new_tokens_stays_within_its_plan(worlds, tmp_path, monkey
     from fasttrain.train import Trainer, load_config
 
     r = tiny_recipe(tmp_path, 1, 2, NEW_TOKENS, 2)
-    r["policy"]["model"] = "padded_world:tiny_policy_long"
+    r["policy"]["model"] = "padded_world:smollm2_shape_as_loaded"
     r["probe"]["every"] = 100                    # no probe in the two steps
     trainer = Trainer(load_config(r), progress=False)
     real, lengths = rollout.sample, []
