@@ -1,21 +1,26 @@
 """Measure the allocated bytes of each phase of real training steps on the CPU.
 
 What is measured: every allocation and free made through torch's CPU allocator during two
-training steps (the profiler's memory events, `profile_memory=True`), on top of the bytes of the
+training steps (the profiler's memory events, `profile_memory=True`, with its recording of ops
+turned off: the allocator events still come, and a decode step costs about 1.25x its unprofiled
+time instead of 3-4x), on top of the bytes of the
 tensors resident when profiling starts (the model's parameters and buffers, after NF4 surgery and
 adapters, deduplicated by storage, and the dense rollout weights when the run keeps them). Step 1 is the warm-up: it creates the AdamW moments and the
 reusable scratch buffers; the phases of step 2 are reported. Both steps run in a fresh thread, so
 the NF4 kernels' thread-local scratch is always created (and counted) in step 1. Peak of a phase =
-the largest live total while the phase runs. Resident set size is never used: it counts pages, not tensors.
+the largest live total while the phase runs; a phase's span is read from the wall clock
+(time.time_ns), the clock the profiler stamps its memory events with. Resident set size is never
+used: it counts pages, not tensors.
 """
 from __future__ import annotations
 
 import gc
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 PHASES = {"rollout": "sample_answers", "scores": "score_batch", "update": "update_policy"}
 
@@ -32,13 +37,18 @@ def resident_bytes(model) -> int:
 
 
 @contextmanager
-def phase_marks(monkeypatch, step_counter):
+def phase_marks(monkeypatch, step_counter, spans: dict):
+    """Each phase's (start, end) in step 2, wall-clock ns, into `spans`."""
     import fasttrain.train.trainer as tr
 
     def wrap(name, fn):
         def inner(*a, **k):
-            with record_function(f"phase:{name}:{step_counter[0]}"):
+            start = time.time_ns()
+            try:
                 return fn(*a, **k)
+            finally:
+                if step_counter[0] == 2:
+                    spans[name] = (start, time.time_ns())
         return inner
 
     for phase, attr in PHASES.items():
@@ -66,6 +76,7 @@ def measure_steps(trainer, monkeypatch) -> dict[str, int]:
         try:
             torch.set_num_threads(threads)
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                prof.toggle_collection_dynamic(False, [ProfilerActivity.CPU])   # allocator events only
                 for step in (1, 2):
                     counter[0] = step
                     trainer._train_step(step)
@@ -73,7 +84,8 @@ def measure_steps(trainer, monkeypatch) -> dict[str, int]:
         except BaseException as e:  # re-raised in the caller
             result["error"] = e
 
-    with phase_marks(monkeypatch, counter):
+    spans: dict = {}
+    with phase_marks(monkeypatch, counter, spans):
         t = threading.Thread(target=run)
         t.start()
         t.join()
@@ -81,10 +93,6 @@ def measure_steps(trainer, monkeypatch) -> dict[str, int]:
         raise result["error"]
     events = result["events"]
     mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    spans = {}
-    for e in events:
-        if e.name().startswith("phase:") and e.name().endswith(":2"):
-            spans[e.name().split(":")[1]] = (e.start_ns(), e.end_ns())
     live, peaks = base, {k: 0 for k in spans}
     starts = {k: None for k in spans}
     for t, nb in mem:
@@ -102,3 +110,31 @@ def measure_steps(trainer, monkeypatch) -> dict[str, int]:
                            trainer.cfg.rollout.answer_prefix)
     return {"resident": base - dense, "rollout_weights": dense, **peaks, "prompt_tokens": max(len(i) for i in ids),
             "phase_start": {k: v for k, v in starts.items()}}
+
+
+def planned_and_measured(trainer, monkeypatch) -> dict[str, tuple[int, int]]:
+    """{phase: (planned peak, measured peak)} of step 2, and the same above the resident bytes
+    (so the activations themselves are checked), the plan made from the trainer's recipe."""
+    from fasttrain.plan import gpu_spec, meta_policy, plan_memory, run_shape
+    from fasttrain.plan.report import device_for
+
+    measured = measure_steps(trainer, monkeypatch)
+    cfg = trainer.cfg
+    m = meta_policy(trainer.model.config, dtype=cfg.policy.dtype, adapter=cfg.policy.adapter,
+                    rank=cfg.policy.rank, alpha=cfg.policy.alpha, quantize=cfg.policy.quantize)
+    plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]), device_for(gpu_spec("cpu")))
+    resident = sum(plan.phases["update"][k] for k in ("nf4_base", "dense_parts", "adapter_masters", "dora_norms",
+                                                      "moe_experts", "moe_router", "moe_adapter_masters"))
+    assert resident == measured["resident"]          # the meta build counts the real model's bytes exactly
+    # the plan keeps dense rollout weights exactly when the trainer did, and counts their bytes exactly
+    assert plan.phases["update"]["rollout_weights"] == measured["rollout_weights"]
+    resident += measured["rollout_weights"]
+    out = {}
+    for phase in ("rollout", "scores", "update"):
+        out[phase] = (plan.total(phase), measured[phase])
+        # the same bound on the bytes above the resident model, so the activations themselves are checked
+        out[phase + " above resident"] = (plan.total(phase) - resident, measured[phase] - resident)
+        print(f"{trainer.cfg.policy.model} {phase}: planned {out[phase][0]} measured {out[phase][1]} "
+              f"ratio {out[phase][0] / out[phase][1]:.3f}; above the resident bytes: ratio "
+              f"{(out[phase][0] - resident) / (out[phase][1] - resident):.3f}")
+    return out

@@ -55,3 +55,35 @@ def wide_hybrid_as_loaded(dtype: str = "float32"):
     """4 layers alternating (interval 2), 3 value heads per q/k head of 32 dims, wider MLP."""
     return _hybrid_as_loaded(dtype, hidden=96, layers=4, interval=2, heads=6, kv_heads=2, head_dim=16,
                              linear_k_heads=2, value_heads_per_key=3, linear_head_dim=32, intermediate=256)
+
+
+# Small-width stand-ins of two bundled architectures for the plan's checks at long answers
+# (tests/plan/test_long_answer_peaks.py): each keeps its model's layer layout, query heads per KV
+# head and embedding tie, at widths where 4,096 new tokens cost seconds on a CPU; context 8,192.
+CONTEXT = 8192
+
+
+def smollm2_shape_as_loaded(dtype: str = "float32"):
+    """SmolLM2-135M's layout (Llama, 3 query heads per KV head, tied embeddings) at 2 layers,
+    hidden 96, head dim 32, MLP 256, over tiny_world's bytes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tiny_world import ByteTokenizer
+
+    cfg = LlamaConfig(vocab_size=259, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=3, num_key_value_heads=1, head_dim=32, max_position_embeddings=CONTEXT,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(cfg, dtype=getattr(torch, dtype))
+    return model.eval(), ByteTokenizer()
+
+
+def bench_hybrid_shape_as_loaded(dtype: str = "float32"):
+    """The benchmark hybrid's layout (3 Gated DeltaNet + 1 gated attention, 4 query heads per KV
+    head, 3 value heads per q/k head, untied head) at 4 layers, hidden 64, head dims 16, MLP 192."""
+    model, tok = _hybrid_as_loaded(dtype, hidden=64, layers=4, interval=4, heads=4, kv_heads=1, head_dim=16,
+                                   linear_k_heads=2, value_heads_per_key=3, linear_head_dim=16, intermediate=192)
+    model.config.max_position_embeddings = CONTEXT     # default rope: the inverse frequencies do not depend on it
+    return model, tok

@@ -62,7 +62,14 @@ def test_the_plan_shows_kv_recurrent_and_conv_state_apart(plan27):
     for label in ("KV cache (full-attention layers)", "recurrent state (Gated DeltaNet, fp32)",
                   "conv windows (Gated DeltaNet)", "rollout waves", "micro-batch"):
         assert label in text
+    # what each pick costs in time is printed: waves of one prompt and one answer per micro-batch, on paper
+    assert {"wave", "micro_batch", "probe_wave"} <= set(plan27.pick_seconds)
+    for f, per, over in (("wave", "step", "one wave"), ("micro_batch", "step", "the recipe's"),
+                         ("probe_wave", "probe", "one wave")):
+        assert plan27.pick_seconds[f] > 0
+        assert f"+{plan27.pick_seconds[f]:.2f} s per {per} over {over}" in text, f
     j = as_json(plan27)
+    assert j["picks"]["seconds_added"] == plan27.pick_seconds
     assert {"kv_cache", "recurrent_state", "conv_state"} <= set(j["memory"]["rollout"])
     assert j["picks"]["settings"]["wave"] == plan27.shape.wave_prompts
 

@@ -15,35 +15,7 @@ assumes; micro-batches span two prompts, so attention runs with a padding mask, 
 import pytest
 import torch
 
-from fasttrain.plan import gpu_spec, meta_policy, plan_memory, run_shape
-from fasttrain.plan.report import device_for
-
 TOL = 0.15
-
-
-def _compare(trainer, monkeypatch):
-    from measured_step import measure_steps
-
-    measured = measure_steps(trainer, monkeypatch)
-    cfg = trainer.cfg
-    m = meta_policy(trainer.model.config, dtype=cfg.policy.dtype, adapter=cfg.policy.adapter,
-                    rank=cfg.policy.rank, alpha=cfg.policy.alpha, quantize=cfg.policy.quantize)
-    plan = plan_memory(m, run_shape(cfg, measured["prompt_tokens"]), device_for(gpu_spec("cpu")))
-    resident = sum(plan.phases["update"][k] for k in ("nf4_base", "dense_parts", "adapter_masters", "dora_norms",
-                                                      "moe_experts", "moe_router", "moe_adapter_masters"))
-    assert resident == measured["resident"]          # the meta build counts the real model's bytes exactly
-    # the plan keeps dense rollout weights exactly when the trainer did, and counts their bytes exactly
-    assert plan.phases["update"]["rollout_weights"] == measured["rollout_weights"]
-    resident += measured["rollout_weights"]
-    out = {}
-    for phase in ("rollout", "scores", "update"):
-        out[phase] = (plan.total(phase), measured[phase])
-        # the same bound on the bytes above the resident model, so the activations themselves are checked
-        out[phase + " above resident"] = (plan.total(phase) - resident, measured[phase] - resident)
-        print(f"{trainer.cfg.policy.model} {phase}: planned {out[phase][0]} measured {out[phase][1]} "
-              f"ratio {out[phase][0] / out[phase][1]:.3f}; above the resident bytes: ratio "
-              f"{(out[phase][0] - resident) / (out[phase][1] - resident):.3f}")
-    return out
 
 
 @pytest.mark.parametrize("n,G,T,mb,dtype,checkpointing", [
@@ -53,12 +25,13 @@ def test_tiny_model_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n
     """bf16 follows the host: NF4 products in bf16 where the CPU has avx512_bf16, else fp32 (the plan
     reads the same switch); without checkpointing every layer keeps its activations."""
     from conftest_recipe import tiny_recipe
+    from measured_step import planned_and_measured
     from fasttrain.train import Trainer, load_config
 
     r = tiny_recipe(tmp_path, n, G, T, mb)
     r["policy"].update(dtype=dtype, gradient_checkpointing=checkpointing, model="padded_world:tiny_policy_as_loaded")
     cfg = load_config(r)
-    got = _compare(Trainer(cfg, progress=False), monkeypatch)
+    got = planned_and_measured(Trainer(cfg, progress=False), monkeypatch)
     for phase, (planned, measured) in got.items():
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
 
@@ -71,12 +44,13 @@ def test_16bit_base_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, n
     """policy.quantize = "none": the resident bytes are the model's own, and the activations of the fp32
     adapter path (DenseLinear) follow the code as the NF4 path's do."""
     from conftest_recipe import tiny_recipe
+    from measured_step import planned_and_measured
     from fasttrain.train import Trainer, load_config
 
     r = tiny_recipe(tmp_path, n, G, T, mb)
     r["policy"].update(dtype=dtype, gradient_checkpointing=checkpointing, model="padded_world:tiny_policy_as_loaded",
                        quantize="none", adapter=adapter)
-    got = _compare(Trainer(load_config(r), progress=False), monkeypatch)
+    got = planned_and_measured(Trainer(load_config(r), progress=False), monkeypatch)
     for phase, (planned, measured) in got.items():
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
 
@@ -94,12 +68,13 @@ def test_hybrid_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, model
     step the rollout's peak (the others peak in the prefill); "none" runs every projection on the
     16-bit path (under NF4 in_proj_b/a already do)."""
     from conftest_recipe import tiny_recipe
+    from measured_step import planned_and_measured
     from fasttrain.train import Trainer, load_config
 
     r = tiny_recipe(tmp_path, n, G, T, mb)
     r["policy"].update(dtype=dtype, gradient_checkpointing=checkpointing, model=f"padded_world:{model}_as_loaded",
                        quantize=quantize)
-    got = _compare(Trainer(load_config(r), progress=False), monkeypatch)
+    got = planned_and_measured(Trainer(load_config(r), progress=False), monkeypatch)
     for phase, (planned, measured) in got.items():
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
 
@@ -118,7 +93,7 @@ def test_moe_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, model, n
     monkeypatch.syspath_prepend(str(worlds.parent / "moe"))
     r = tiny_recipe(tmp_path, n, G, T, mb)
     r["policy"].update(gradient_checkpointing=checkpointing, model=f"moe_world:{model}", quantize=quantize)
-    got = _compare(Trainer(load_config(r), progress=False), monkeypatch)
+    got = planned_and_measured(Trainer(load_config(r), progress=False), monkeypatch)
     for phase, (planned, measured) in got.items():
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
 
@@ -138,12 +113,13 @@ def test_smollm2_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, smol
 
     import fasttrain.train.policy as policy
     from conftest_recipe import tiny_recipe
+    from measured_step import planned_and_measured
     from fasttrain.train import Trainer, load_config
 
     model, tok = smollm2_fp32
     monkeypatch.setattr(policy, "_load_base", lambda spec, dtype, quantize: (copy.deepcopy(model), tok))
     r = tiny_recipe(tmp_path, n, G, T, mb)
     r["policy"]["model"] = "smollm2-135m"
-    got = _compare(Trainer(load_config(r), progress=False), monkeypatch)
+    got = planned_and_measured(Trainer(load_config(r), progress=False), monkeypatch)
     for phase, (planned, measured) in got.items():
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)

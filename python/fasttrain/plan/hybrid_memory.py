@@ -83,11 +83,11 @@ def _conv_peak(m: ModelShape, rows: int, steps: int) -> int:
 # ---- the update's and the scores' forward: fasttrain.train.prefix_forward_hybrid ------------------
 def prefix_inputs(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
     """What prefix_forward_hybrid builds before its layers and keeps through them: the prompts' mask
-    [U, P, P] and its causal/identity [P, P] parts, the answers' mask [B, A, P+A] and its causal part
-    [B, A, A] (bool, not repeated per query head), the valid-token flags, and the rotary tables
-    [N, rotary_dim] (cos and sin, model dtype)."""
+    [U, P, P] and its causal/identity [P, P] parts, the answers' mask [B, A, P+A] (bool, not repeated
+    per query head), the valid-token flags, and the rotary tables [N, rotary_dim] (cos and sin, model
+    dtype). The answers' causal part [B, A, A] is prefix_masks' local, gone before the layers run."""
     N = U * P + B * A
-    masks = U * P * P + 2 * P * P + (B * A * (P + A) + B * A * A if A else 0)
+    masks = U * P * P + 2 * P * P + (B * A * (P + A) if A else 0)
     return masks + N + 2 * N * _rot(m) * m.w
 
 

@@ -178,11 +178,12 @@ def _prefix_tokens(U: int, P: int, B: int, A: int) -> int:
 
 def _prefix_inputs(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
     """What prefix_forward builds before its layers and keeps through them: the prompts' mask
-    [U, P, P] (and the causal/identity [P, P] it is made from), the answers' mask [B, A, P+A] (and
-    its causal part [B, A, A]), bool, each repeated for the query heads that share a KV head
-    (grouped-query attention runs them as rows of that head); the rotary tables."""
+    [U, P, P] (and the causal/identity [P, P] it is made from), the answers' mask [B, A, P+A], bool,
+    each repeated for the query heads that share a KV head (grouped-query attention runs them as
+    rows of that head); the rotary tables. The answers' causal part [B, A, A] is prefix_masks' local,
+    gone before the layers run (counting it over-planned 4,096-token answers by 5%)."""
     g = m.heads // m.kv_heads           # the masks are repeated per query head of a KV head
-    masks = g * U * P * P + 2 * P * P + (g * B * A * (P + A) + B * A * A if A else 0)
+    masks = g * U * P * P + 2 * P * P + (g * B * A * (P + A) if A else 0)
     return masks + 2 * _prefix_tokens(U, P, B, A) * m.head_dim * m.w
 
 
@@ -200,7 +201,14 @@ def _prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int) ->
     prompts = U * P * (2 * qd + kd) * w
     answers = B * A * (2 * qd + kd) * w + 2 * B * (P + A) * kd * w if A else 0
     mlp = N * (3 * I * w + (I * c if c != w else 0))
-    return lin + prompts + answers + mlp
+    # or in the answers' attention, before the MLP exists: the layer input, its norm, q/k/v, the rotated
+    # prompt queries/keys and the prompts' output, the rotated answer queries/keys, their gathered keys
+    # and values, the queries' copy as rows of their KV head, the float mask SDPA makes of the
+    # (repeated) bool one, and the output; at long answers the mask, answers x (prompt + answer), sets it
+    g = m.heads // m.kv_heads
+    attention = N * (2 * H + qd + 2 * kd) * w + U * P * (2 * qd + kd) * w + \
+        (B * A * (3 * qd + kd) * w + 2 * B * (P + A) * kd * w + g * B * A * (P + A) * w if A else 0)
+    return max(lin + prompts + answers + mlp, attention)
 
 
 def _prefix_layer_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
@@ -321,8 +329,8 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     L = m.kv_layers                   # a hybrid's KV lives in its full-attention layers only
     caches = {"kv_cache": L * 2 * B * m.kv_heads * S * D * w,       # + a hybrid's fixed per-row states
               "recurrent_state": B * m.recurrent_bytes, "conv_state": B * m.conv_bytes}
-    book = B * S + B * T * (8 + 4 + 1) + n * S * 8 + 2 * n * P
-    book += (n_all - n) * G * (S * 24 + T * 13)    # the earlier waves' rollouts: ids, masks, positions, log-probs
+    held = n * S * 8 + 2 * n * P + (n_all - n) * G * (S * 24 + T * 13)   # positions; the earlier waves' rollouts
+    book = held + B * S + B * T * (8 + 4 + 1)      # + this wave's key mask and token buffers (made after the prefill)
     rot = m.rotary_dim or D           # the rotary tables [., S, rot] (a hybrid turns part of head_dim)
     rope_b = 2 * B * S * rot * w
     # prefill of c prompts: their own cache (and a hybrid's states for them), masks [c, P, P] and
@@ -336,13 +344,20 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64)
     merge = max(o * i for o, i in m.projections) * (8 if w == 8 else 4) if dense else 0
     prefill = max(prefill, merge)
+    # between the prefill and the first step: the rows' rotary tables are made while the prompts' still
+    # exist, with the first logits repeated per row; after the last step: the returned ids, mask and
+    # positions (and the cumsum the positions come from) while the cache, tables and buffers still exist,
+    # with the last step's logits, log-probs and noise
+    handover = rope_b + 2 * n * S * rot * w + B * V * 4 + n * H * w + held
+    finish = rope_b + book + B * S * 32 + B * V * 12
+    at_step = rope_b + step + book + sampling
     # a mixture of experts' routing record at each of these points, and once decoded, its assembly
-    at_prefill, at_decode, at_end = moe_memory.record_rollout(m, n_all, n, G, P, T)
-    if at_end > max(prefill + at_prefill, decode + at_decode):
-        return {**caches, "activations": book, "sampling": 0, "moe_routing": at_end}
-    if decode + at_decode >= prefill + at_prefill:
-        return {**caches, "activations": rope_b + step + book, "sampling": sampling, "moe_routing": at_decode}
-    return {**caches, "activations": prefill + book, "sampling": 0, "moe_routing": at_prefill}
+    rec_prefill, rec_decode, rec_end = moe_memory.record_rollout(m, n_all, n, G, P, T)
+    points = [(at_step, rec_decode), (handover, rec_prefill), (finish, rec_end), (prefill + book, rec_prefill)]
+    top, record = max(points, key=lambda p: p[0] + p[1])
+    if (top, record) == points[0]:
+        return {**caches, "activations": rope_b + step + book, "sampling": sampling, "moe_routing": record}
+    return {**caches, "activations": top, "sampling": 0, "moe_routing": record}
 
 
 def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tuple[int, int]:
