@@ -11,9 +11,9 @@
 
 namespace fasttrain::cuda {
 
-// C = op(A)·op(B) + beta·C in column-major storage, cuBLAS's conventions: op(A) is m×k, op(B) k×n,
-// C m×n. A and B hold `in` elements, C `out` elements; the products accumulate in `out`'s precision
-// (float32 for 16-bit and float32 inputs, float64 for float64). beta = 0 never reads C.
+// C = alpha·op(A)·op(B) + beta·C in column-major storage, cuBLAS's conventions: op(A) is m×k, op(B)
+// k×n, C m×n. A and B hold `in` elements, C `out` elements; the products accumulate in `out`'s
+// precision (float32 for 16-bit and float32 inputs, float64 for float64). beta = 0 never reads C.
 struct Gemm {
   bool trans_a = false, trans_b = false;
   int64_t m = 0, n = 0, k = 0;
@@ -25,6 +25,7 @@ struct Gemm {
   void* c = nullptr;
   int64_t ldc = 0;
   at::ScalarType in = at::kFloat, out = at::kFloat;
+  double alpha = 1.0;
 };
 
 class Device {

@@ -7,8 +7,9 @@
 //     nf4_skinny_epilogue_kernel adds the splits in a fixed order, the LoRA term s·xa[m]·B[n] and
 //     DoRA's g[n], and stores with consecutive threads on consecutive n (coalesced).
 //   prefill/training (M > 64): the NF4 decode kernel (nf4.cu) writes W in x's dtype into a scratch
-//     buffer (the caching allocator reuses it), then cuBLAS (at::mm with a float32 output); the LoRA
-//     term is an fp32 addmm into that output and DoRA's scale is applied before the one rounding.
+//     buffer (the caching allocator reuses it), then cuBLAS with a float32 output; the LoRA term is
+//     a second fp32 GEMM into that output (alpha = s) and DoRA's scale is applied before the one
+//     rounding (the decode path's epilogue kernel over one split).
 // Both paths round at the same points, so a row's output does not depend on how many rows came with
 // it (M): W is decoded to x's dtype (the operand of a bf16/fp16 tensor-core GEMM), everything after
 // the products (xa = x·Aᵀ, the LoRA term, g, the sums) stays in float32 and y is rounded once to x's
@@ -22,8 +23,9 @@
 // 5120×27648 at M = 48 on an H200: the weight is 76 MB → 16 µs at 4.8 TB/s, but 13.6 GFLOP of
 // fp32 FMA at ~60 TFLOP/s is ~230 µs, so this SIMT kernel is compute-bound above M ≈ 8 and will not
 // reach the bandwidth floor at M = 48; that needs mma.sync with in-register dequantisation (Marlin-
-// style). Not run on a GPU yet. The decode path's kernels and launch sequence and the DoRA norm
-// kernel: cuda/kernels/nf4_linear.cuh (shared with the CUDA emulator, which runs them in the tests).
+// style). Not run on a GPU yet. The forward's kernels and launch sequence (x·Aᵀ, both paths) and the
+// DoRA norm kernel: cuda/kernels/nf4_linear.cuh (shared with the CUDA emulator, which runs them in
+// the tests, the GEMMs through at::mm).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -114,36 +116,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nf4_linear_cuda(
                                                 lora_a, lora_b, dora_m, weight_sq_norm);
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor x = x_.contiguous(), packed = packed_.contiguous(), absmax = absmax_.contiguous();
-  const at::ScalarType ct = x.scalar_type();
   const at::TensorOptions f32 = x.options().dtype(at::kFloat);
+  const int r = a.lora ? static_cast<int>(lora_a->size(0)) : 0;
   // xa [M, r] fp32 (also [M, 0] for rank-0 adapters), [0] without adapters
-  at::Tensor xa = lora_a.has_value() ? at::empty({a.M, 0}, f32) : at::empty({0}, f32);
+  at::Tensor xa = lora_a.has_value() ? at::empty({a.M, r}, f32) : at::empty({0}, f32);
   at::Tensor rnorm = at::empty({0}, f32);
-  at::Tensor z = at::empty({0}, x.options());
   at::Tensor g;
-  if (a.lora) xa = at::mm(x.to(at::kFloat), lora_a->to(at::kFloat).t());  // [M, r], fp32 (small)
   if (a.dora) {
     const at::Tensor norm = dora_norm(packed, absmax, blocksize, a.N, a.K, *lora_a, *lora_b, scale, weight_sq_norm,
                                       at::kFloat);
     rnorm = norm.reciprocal();  // saved for the backward
     g = (dora_m->to(at::kFloat) / norm).contiguous();
   }
+  const at::Tensor Af = a.lora ? lora_a->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor Bf = a.lora ? lora_b->to(at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor none;
-  at::Tensor y;
-  if (a.M <= kDecodeMaxM) {
-    y = skinny(x, packed, absmax, blocksize, a.N, a.lora ? xa : none, Bf, scale, a.dora ? g : none,
-               a.dora ? &z : nullptr);
-  } else {
-    const at::Tensor w = dequant_weight(packed, absmax, blocksize, a.N, a.K, ct);  // W rounded to x's dtype
-    at::Tensor zf = ct == at::kFloat ? at::mm(x, w.t()) : at::mm(x, w.t(), at::kFloat);  // [M, N] fp32
-    if (a.lora) zf.addmm_(xa, Bf.t(), 1.0, scale);
-    if (a.dora) {
-      z = zf.to(ct);
-      y = (zf * g).to(ct);
-    } else {
-      y = zf.to(ct);
-    }
+  at::Tensor y = at::empty({a.M, a.N}, x.options());
+  at::Tensor z = a.dora ? at::empty({a.M, a.N}, x.options()) : at::empty({0}, x.options());
+  TORCH_CHECK(a.M < (1ll << 31) && a.N < (1ll << 31) && a.K < (1ll << 31), op,
+              ": the CUDA kernels take fewer than 2^31 rows, columns and outputs, got x ", x.sizes(), " and ", a.N,
+              " outputs");
+  if (a.M > 0) {
+    fasttrain::cuda::TorchDevice dev(x);
+    nlk::forward(dev, x.scalar_type(), x.const_data_ptr(), packed.const_data_ptr<uint8_t>(),
+                 absmax.const_data_ptr<float>(), blocksize, a.M, a.N, a.K, a.lora ? Af.const_data_ptr<float>() : nullptr,
+                 a.lora ? Bf.const_data_ptr<float>() : nullptr, r, scale, a.dora ? g.const_data_ptr<float>() : nullptr,
+                 a.lora ? xa.data_ptr<float>() : nullptr, a.dora ? z.data_ptr() : nullptr, y.data_ptr());
   }
   return {y, xa, rnorm, z};
 }

@@ -28,8 +28,8 @@ class TorchDevice final : public Device {
   void gemm_nonempty(const Gemm& g) override {
     cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to the current stream
     const bool f64 = g.out == at::kDouble;
-    const double alpha64 = 1.0, beta64 = g.beta;
-    const float alpha32 = 1.0f, beta32 = static_cast<float>(g.beta);
+    const double alpha64 = g.alpha, beta64 = g.beta;
+    const float alpha32 = static_cast<float>(g.alpha), beta32 = static_cast<float>(g.beta);
     TORCH_CUDABLAS_CHECK(cublasGemmEx(
         handle, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, (int)g.m, (int)g.n,
         (int)g.k, f64 ? static_cast<const void*>(&alpha64) : &alpha32, g.a, type_of(g.in), (int)g.lda, g.b,

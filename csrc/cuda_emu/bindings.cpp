@@ -3,7 +3,8 @@
 // torch.ops.fasttrain_emu on CPU tensors: every fasttrain op that has CUDA kernels, with the CUDA
 // op's schema (copied from torch.ops.fasttrain when tests/cuda_emu/emulator.py loads the module, so
 // a schema has one home), and below the few entry points the CUDA ops reach only from inside
-// (the NF4 linear's decode path and the DoRA norm kernel) and the broken fixtures.
+// (the NF4 linear's forward launch sequence, its decode path and the DoRA norm kernel) and the
+// broken fixtures.
 #include "cuda_emu/prelude.h"
 
 #include <torch/extension.h>
@@ -12,6 +13,11 @@
 #include "cuda_emu/device.h"
 
 TORCH_LIBRARY(fasttrain_emu, m) {
+  // The CUDA op's forward launch sequence: x [M, K] fp32|fp16|bf16 (any M: the decode path for M <= 64,
+  // else the prefill path), W NF4 [N, K]; lora_a [r, K] with lora_b [N, r] fp32 (LoRA), g [N] fp32
+  // (DoRA's scale) -> (y [M, N] x's dtype, xa = x·Aᵀ [M, r] fp32 ([0, 0] without adapters), z as below).
+  m.def("nf4_linear_forward(Tensor x, Tensor packed, Tensor absmax, int blocksize, int out_features, Tensor? lora_a, "
+        "Tensor? lora_b, float scale, Tensor? g, bool want_z) -> (Tensor, Tensor, Tensor)");
   // x [M, K] (M <= 64) fp32|fp16|bf16, W NF4 [N, K]; xa [M, r] fp32 with lora_b [N, r] fp32 (LoRA),
   // g [N] fp32 (DoRA's scale) -> (y [M, N] x's dtype, z [M, N] = y before g when want_z, else [0]).
   m.def("nf4_linear_decode(Tensor x, Tensor packed, Tensor absmax, int blocksize, int out_features, Tensor? xa, "

@@ -31,6 +31,7 @@ void EmuDevice::gemm_nonempty(const fasttrain::cuda::Gemm& g) {
   at::Tensor b = g.trans_b ? column_major(g.b, g.n, g.k, g.ldb, g.in).t() : column_major(g.b, g.k, g.n, g.ldb, g.in);
   at::Tensor c = column_major(g.c, g.m, g.n, g.ldc, g.out);
   at::Tensor prod = at::mm(a.to(acc), b.to(acc));
+  if (g.alpha != 1.0) prod.mul_(g.alpha);
   if (g.beta != 0.0) prod.add_(c.to(acc), g.beta);
   c.copy_(prod);
 }

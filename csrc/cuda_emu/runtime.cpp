@@ -14,6 +14,16 @@
 #include <sstream>
 #include <vector>
 
+// AddressSanitizer keeps the bounds of the stack it runs on; a fiber switch moves the stack under it,
+// so each switch is announced (otherwise an exception thrown on a fiber unwinds what ASan takes
+// for the wrong stack and reports a false overflow), and a fiber stack is unpoisoned when a new
+// fiber starts on it (frames left by the fiber before it, e.g. one a failed launch abandoned, are dead).
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define FT_EMU_ASAN 1
+#endif
+
 namespace cuda_emu {
 namespace {
 
@@ -21,6 +31,8 @@ enum class State { kReady, kBarrier, kWarp, kDone };
 
 struct Fiber {
   ucontext_t ctx;
+  void* stack = nullptr;       // the lowest address of its stack (kStackBytes)
+  void* fake_stack = nullptr;  // ASan's bookkeeping of the fiber while it is switched out
   Thread thread;
   int warp = 0, lane = 0;
   State state = State::kReady;
@@ -98,9 +110,39 @@ std::string where() {
   return s.str();
 }
 
+#ifdef FT_EMU_ASAN
+// The scheduler's stack (the launching thread's), learnt from ASan when a fiber first starts.
+const void* g_scheduler_stack = nullptr;
+size_t g_scheduler_stack_bytes = 0;
+#endif
+
+// Scheduler -> fiber f, until f switches back.
+void enter(Fiber& f, Block& b) {
+#ifdef FT_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f.stack, kStackBytes);
+  swapcontext(&b.scheduler, &f.ctx);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  swapcontext(&b.scheduler, &f.ctx);
+#endif
+}
+
+// Fiber f -> the scheduler; `last`: f has ended and is never resumed.
+void leave(Fiber& f, Block& b, bool last) {
+#ifdef FT_EMU_ASAN
+  __sanitizer_start_switch_fiber(last ? nullptr : &f.fake_stack, g_scheduler_stack, g_scheduler_stack_bytes);
+  swapcontext(&f.ctx, &b.scheduler);
+  __sanitizer_finish_switch_fiber(f.fake_stack, &g_scheduler_stack, &g_scheduler_stack_bytes);
+#else
+  (void)last;
+  swapcontext(&f.ctx, &b.scheduler);
+#endif
+}
+
 void to_scheduler() {
   ++g_counters.switches;
-  swapcontext(&g_fiber->ctx, &g_block->scheduler);
+  leave(*g_fiber, *g_block, false);
 }
 
 void release_barrier_if_complete(Block& b) {
@@ -120,6 +162,9 @@ const WarpOp* waiting_for(const Block& b, const Fiber& f) {
 }
 
 void fiber_main() {
+#ifdef FT_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &g_scheduler_stack, &g_scheduler_stack_bytes);
+#endif
   Block& b = *g_block;
   try {
     b.body(b.arg);
@@ -133,7 +178,7 @@ void fiber_main() {
   f.state = State::kDone;
   --b.live;
   release_barrier_if_complete(b);
-  swapcontext(&f.ctx, &b.scheduler);  // never resumed
+  leave(f, b, true);  // never resumed
 }
 
 std::vector<uint32_t> order_of(uint32_t n, std::mt19937_64& rng) {
@@ -169,8 +214,12 @@ void run_block(Block& b, const std::vector<uint32_t>& thread_order, std::mt19937
     f.lane = static_cast<int>(t % 32);
     f.state = State::kReady;
     b.warps[f.warp].exists |= 1u << f.lane;
+    f.stack = stack_for(t);
+#ifdef FT_EMU_ASAN
+    ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);
+#endif
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = stack_for(t);
+    f.ctx.uc_stack.ss_sp = f.stack;
     f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
@@ -186,7 +235,7 @@ void run_block(Block& b, const std::vector<uint32_t>& thread_order, std::mt19937
       if (f.state != State::kReady) continue;
       g_fiber = &f;
       ++g_counters.switches;
-      swapcontext(&b.scheduler, &f.ctx);
+      enter(f, b);
       g_fiber = nullptr;
       ran = true;
       if (b.error) std::rethrow_exception(b.error);

@@ -1,5 +1,7 @@
 // NF4 and 8-bit blockwise kernels and their launch sequences, one source for the GPU build
 // (csrc/cuda/nf4.cu, whose header says what they are) and the CUDA emulator (csrc/cuda_emu).
+// Included by nf4.cu and nf4_linear.cu (the prefill path decodes W with it): the kernels that are
+// no templates are static, so the two translation units do not define them twice.
 #pragma once
 #include "core/dispatch.h"
 #include "core/math.h"
@@ -44,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const uint8_t*
   }
 }
 
-__global__ void __launch_bounds__(kThreads) blockwise8_quantize_kernel(const float* __restrict__ in, const float* __restrict__ code,
+static __global__ void __launch_bounds__(kThreads) blockwise8_quantize_kernel(const float* __restrict__ in, const float* __restrict__ code,
                                            uint8_t* __restrict__ out, float* __restrict__ absmax, int64_t n,
                                            int64_t blocksize, int64_t nblocks) {
   FT_SHARED(float, c, [256]);
@@ -63,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) blockwise8_quantize_kernel(const flo
     out[i] = static_cast<uint8_t>(fm::sorted_code_index(c, 256, fm::blockwise_scale(in[i], m, tail)));
 }
 
-__global__ void __launch_bounds__(kThreads) blockwise8_dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ absmax,
+static __global__ void __launch_bounds__(kThreads) blockwise8_dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ absmax,
                                              const float* __restrict__ code, float* __restrict__ out,
                                              int64_t n, int64_t blocksize) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)

@@ -1,6 +1,7 @@
-// The NF4 linear's CUDA kernels (the decode path for M <= 64 rows and the DoRA norm) and their
-// launch sequences, one source for the GPU build (csrc/cuda/nf4_linear.cu, whose header says what
-// they are) and the CUDA emulator (csrc/cuda_emu).
+// The NF4 linear's CUDA kernels (the decode path for M <= 64 rows and the DoRA norm) and the launch
+// sequences of its forward (the LoRA factor x·Aᵀ, then the decode path or, for M > 64, the decode of
+// W into scratch and the vendor GEMMs), one source for the GPU build (csrc/cuda/nf4_linear.cu, whose
+// header says what they are) and the CUDA emulator (csrc/cuda_emu).
 #pragma once
 #include <ATen/Dispatch.h>
 
@@ -10,6 +11,7 @@
 #include "core/math.h"
 #include "cuda/common.cuh"
 #include "cuda/device.h"
+#include "cuda/kernels/nf4.cuh"
 
 namespace fasttrain::cuda::nf4_linear {
 namespace fm = fasttrain::math;
@@ -149,6 +151,51 @@ inline void decode(Device& dev, at::ScalarType dt, const void* x, const uint8_t*
            dev.stream(), static_cast<const float*>(partial), splits, M, N, r > 0 ? xa : nullptr,
            r > 0 ? lora_b : nullptr, r, (float)scale, g, static_cast<scalar_t*>(z), static_cast<scalar_t*>(out));
   });
+}
+
+// The prefill path (any M, used for M > 64): W decoded to dt into scratch [N, K] (nf4.cuh's kernel),
+// v = x·Wᵀ by the vendor GEMM with a float32 output, + s·xa·Bᵀ by a second GEMM (LoRA, r > 0), then
+// one rounding to dt with DoRA's g (the epilogue kernel over one split); a float32 x without DoRA
+// gets the GEMM's output as it is. Arguments as for decode.
+inline void prefill(Device& dev, at::ScalarType dt, const void* x, const uint8_t* packed, const float* absmax,
+                    int64_t bs, int64_t M, int64_t N, int64_t K, const float* xa, const float* lora_b, int r,
+                    double scale, const float* g, void* z, void* out) {
+  if (M == 0 || N == 0) return;
+  void* w = dev.scratch(N * K * static_cast<int64_t>(c10::elementSize(dt)));
+  fasttrain::cuda::nf4::dequantize(dev, dt, packed, absmax, bs, N * K, w);
+  const bool direct = dt == at::kFloat && g == nullptr && z == nullptr;
+  float* v = direct ? static_cast<float*>(out) : dev.scratch_of<float>(M * N);
+  // Row-major v [M, N] is column-major vᵀ [N, M] = W·xᵀ: W row-major [N, K] read transposed.
+  gemm(dev, {true, false, N, M, K, w, K, x, K, 0.0, v, N, dt, at::kFloat});
+  if (r > 0) gemm(dev, {true, false, N, M, r, lora_b, r, xa, r, 1.0, v, N, at::kFloat, at::kFloat, scale});
+  if (direct) return;
+  FT_DISPATCH_FLOATING(dt, "nf4_linear_prefill", [&] {
+    launch(nf4_skinny_epilogue_kernel<scalar_t>, fc::grid_for(M * N, kEpilogueThreads), kEpilogueThreads, 0,
+           dev.stream(), static_cast<const float*>(v), 1, M, N, static_cast<const float*>(nullptr),
+           static_cast<const float*>(nullptr), 0, 0.0f, g, static_cast<scalar_t*>(z), static_cast<scalar_t*>(out));
+  });
+}
+
+// The forward: x [M, K] of dtype dt, W NF4 [N, K] -> out [M, N] in dt (and z, the output before g,
+// when non-null); with LoRA (r > 0) lora_a [r, K] and lora_b [N, r] fp32, and xa [M, r] fp32 written
+// with x·Aᵀ (in float32, x converted first); g [N] fp32 (DoRA) or null. The decode path for
+// M <= kDecodeMaxM, else the prefill path.
+inline void forward(Device& dev, at::ScalarType dt, const void* x, const uint8_t* packed, const float* absmax,
+                    int64_t bs, int64_t M, int64_t N, int64_t K, const float* lora_a, const float* lora_b, int r,
+                    double scale, const float* g, float* xa, void* z, void* out) {
+  if (M == 0) return;
+  if (r > 0) {
+    const float* xf = static_cast<const float*>(x);
+    if (dt != at::kFloat) {
+      float* conv = dev.scratch_of<float>(M * K);
+      dev.convert(conv, at::kFloat, x, dt, M * K);
+      xf = conv;
+    }
+    // column-major xaᵀ [r, M] = A·xᵀ: A row-major [r, K] read transposed
+    gemm(dev, {true, false, r, M, K, lora_a, K, xf, K, 0.0, xa, r, at::kFloat, at::kFloat});
+  }
+  if (M <= kDecodeMaxM) decode(dev, dt, x, packed, absmax, bs, M, N, K, xa, lora_b, r, scale, g, z, out);
+  else prefill(dev, dt, x, packed, absmax, bs, M, N, K, xa, lora_b, r, scale, g, z, out);
 }
 
 // norm [N] = ‖W_n + s·B_n·A‖ from wsq, cross, bab [N], all of dtype st (float32 or float64).
