@@ -67,6 +67,31 @@ def want_cuda() -> tuple[bool, Path | None]:
     return have, cuda_home
 
 
+# What a wheel carries: SASS for the A100 and H100 generations and compute_80 PTX that newer GPUs JIT.
+WHEEL_CUDA_ARCHS, WHEEL_CUDA_PTX = "80;90a", "80"
+
+
+def cuda_targets(inplace: bool) -> tuple[str, str]:
+    """(SASS archs, PTX archs) for nvcc. FASTTRAIN_CUDA_ARCHS / FASTTRAIN_CUDA_PTX win when set. A
+    wheel gets WHEEL_CUDA_*. An in-place build (make build, pip install -e) runs only here: it gets
+    this machine's GPU, or, where there is none (a build or CI host, which can only check that the
+    CUDA code compiles and links), sm_90a alone: one device pass instead of three, since each pass
+    parses torch's headers again."""
+    archs = os.environ.get("FASTTRAIN_CUDA_ARCHS")
+    ptx = os.environ.get("FASTTRAIN_CUDA_PTX")
+    if not inplace:
+        return archs or WHEEL_CUDA_ARCHS, WHEEL_CUDA_PTX if ptx is None else ptx
+    if archs is None:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            archs = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+        else:
+            archs = "90a"
+    return archs, "" if ptx is None else ptx
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str):
         super().__init__(name, sources=[])
@@ -122,8 +147,11 @@ class CMakeBuild(build_ext):
         ]
         if with_cuda:
             cfg.append(f"-DCMAKE_CUDA_COMPILER={cuda_home / 'bin' / 'nvcc'}")
-        if os.environ.get("FASTTRAIN_CUDA_ARCHS"):
-            cfg.append(f"-DFASTTRAIN_CUDA_ARCHS={os.environ['FASTTRAIN_CUDA_ARCHS']}")
+        if with_cuda:
+            archs, ptx = cuda_targets(getattr(self, "asked_inplace", False))
+            cfg += [f"-DFASTTRAIN_CUDA_ARCHS={archs}", f"-DFASTTRAIN_CUDA_PTX={ptx}"]
+        if os.environ.get("FASTTRAIN_UNITY"):
+            cfg.append(f"-DFASTTRAIN_UNITY={'ON' if os.environ['FASTTRAIN_UNITY'] == '1' else 'OFF'}")
         if os.environ.get("FASTTRAIN_PTXAS_VERBOSE"):
             cfg.append(f"-DFASTTRAIN_PTXAS_VERBOSE={'ON' if os.environ['FASTTRAIN_PTXAS_VERBOSE'] == '1' else 'OFF'}")
         cfg.append(f"-DFASTTRAIN_NATIVE_ARCH={'ON' if os.environ.get('FASTTRAIN_NATIVE_ARCH') == '1' else 'OFF'}")

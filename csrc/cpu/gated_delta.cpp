@@ -13,7 +13,7 @@
 // Napkin math: 4·Dk·Dv multiply-adds per token forward, ~10 backward (with the recompute). At the
 // benchmark hybrid (Dk = Dv = 128, 6 value heads) that is 0.4 MFLOP per token and layer forward.
 // Precision: float32 for float32 inputs (the caller converts bf16/fp16: the state is float32 in
-// every path of fasttrain), float64 for float64. Sums over rows use kLanes partial sums (fixed
+// every path of fasttrain), float64 for float64. Sums over rows use kDotLanes partial sums (fixed
 // order: results do not depend on the thread count; work items are (row, head) pairs).
 // What it is not: chunked (no WY representation, no matmuls), so it does the recurrence's O(T·Dk·Dv)
 // work and no more, at vector speed, not matmul speed. Measured on 2 cores (bench_gated_delta.py):
@@ -42,17 +42,17 @@ FT_VARIANT_BEGIN
 namespace fm = fasttrain::math;
 
 namespace {
-constexpr int kLanes = 16;
+constexpr int kDotLanes = 16;
 
-// Σ_j a_j·b_j in kLanes partial sums (vectorizes without reassociation flags).
+// Σ_j a_j·b_j in kDotLanes partial sums (vectorizes without reassociation flags).
 template <typename T>
 inline T dot(const T* __restrict__ a, const T* __restrict__ b, int64_t n) {
-  T acc[kLanes] = {};
+  T acc[kDotLanes] = {};
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[j + l] * b[j + l];
+  for (; j + kDotLanes <= n; j += kDotLanes)
+    for (int l = 0; l < kDotLanes; ++l) acc[l] += a[j + l] * b[j + l];
   T s = 0;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (int l = 0; l < kDotLanes; ++l) s += acc[l];
   for (; j < n; ++j) s += a[j] * b[j];
   return s;
 }
@@ -165,11 +165,11 @@ void backward_impl(const T* dO, const T* dSf, const T* q, const T* k, const T* v
           }
           T db = 0;
           {
-            T acc[kLanes] = {};
+            T acc[kDotLanes] = {};
             int64_t j = 0;
-            for (; j + kLanes <= Dv; j += kLanes)
-              for (int l = 0; l < kLanes; ++l) acc[l] += dd[j + l] * (vt[j + l] - r[j + l]);
-            for (int l = 0; l < kLanes; ++l) db += acc[l];
+            for (; j + kDotLanes <= Dv; j += kDotLanes)
+              for (int l = 0; l < kDotLanes; ++l) acc[l] += dd[j + l] * (vt[j + l] - r[j + l]);
+            for (int l = 0; l < kDotLanes; ++l) db += acc[l];
             for (; j < Dv; ++j) db += dd[j] * (vt[j] - r[j]);
           }
           T* dvt = dv + dm.vv(b, t, h);
@@ -178,15 +178,15 @@ void backward_impl(const T* dO, const T* dSf, const T* q, const T* k, const T* v
             dr[j] = -bt * dd[j];
           }
           // Pass B: dS_a = dS + k drᵀ; dk += S_a dr; dg = <dS_a, S_a>; dS <- e^g dS_a.
-          T gacc[kLanes] = {};
+          T gacc[kDotLanes] = {};
           for (int64_t i = 0; i < Dk; ++i) {
             T* __restrict__ dSi = dS + i * Dv;
             const T* __restrict__ Spi = Sp + i * Dv;
             const T ki = kt[i];
-            T kacc[kLanes] = {};
+            T kacc[kDotLanes] = {};
             int64_t j = 0;
-            for (; j + kLanes <= Dv; j += kLanes)
-              for (int l = 0; l < kLanes; ++l) {
+            for (; j + kDotLanes <= Dv; j += kDotLanes)
+              for (int l = 0; l < kDotLanes; ++l) {
                 const T sa = fm::gdr_decayed(alpha, Spi[j + l]);
                 const T dsa = fm::gdr_ds_decayed(dSi[j + l], ki, dr[j + l]);
                 kacc[l] += sa * dr[j + l];
@@ -194,7 +194,7 @@ void backward_impl(const T* dO, const T* dSf, const T* q, const T* k, const T* v
                 dSi[j + l] = alpha * dsa;
               }
             T kx = 0;
-            for (int l = 0; l < kLanes; ++l) kx += kacc[l];
+            for (int l = 0; l < kDotLanes; ++l) kx += kacc[l];
             for (; j < Dv; ++j) {
               const T sa = fm::gdr_decayed(alpha, Spi[j]);
               const T dsa = fm::gdr_ds_decayed(dSi[j], ki, dr[j]);
@@ -205,7 +205,7 @@ void backward_impl(const T* dO, const T* dSf, const T* q, const T* k, const T* v
             dkt[i] += kx;
           }
           T gx = 0;
-          for (int l = 0; l < kLanes; ++l) gx += gacc[l];
+          for (int l = 0; l < kDotLanes; ++l) gx += gacc[l];
           dg[dm.gb(b, t, h)] = gx;
           dbeta[dm.gb(b, t, h)] = db;
         }

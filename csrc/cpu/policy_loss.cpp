@@ -36,7 +36,7 @@ namespace fm = fasttrain::math;
 namespace {
 constexpr int64_t kChunk = 2048;  // tokens per partial sum (fixed: results independent of threads)
 constexpr int kBlock = 256;       // tokens per stack buffer (9 x 1 KB, stays in L1)
-constexpr int kLanes = 8;         // one AVX2 register of floats; independent per-lane sums
+constexpr int kSumLanes = 8;         // one AVX2 register of floats; independent per-lane sums
 // Fewer tokens than this per thread and the thread pool's wake-up costs more than the split saves
 // (at ~3 ns/token, 16k tokens are ~50 us; a wake-up on a busy 2-core machine is 10-20 us): small
 // batches run on the calling thread. Same fixed chunks either way, so the results do not change.
@@ -47,7 +47,7 @@ struct PolicyArgs {
 };
 
 // One chunk: a vectorizable token loop over blocks of kBlock tokens writes each token's weighted
-// terms to a small stack buffer, then kLanes-wide partial sums (plain adds, vectorized; no
+// terms to a small stack buffer, then kSumLanes-wide partial sums (plain adds, vectorized; no
 // reassociation needed) accumulate them. coef is written in the same loop.
 template <typename scalar_t, bool kCispo, bool kKl, bool kAdvPerToken>
 void policy_chunk(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ old,
@@ -56,7 +56,7 @@ void policy_chunk(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ 
                   float adv_row, const PolicyArgs& a, double* __restrict__ out_sums) {
   alignas(64) float buf[fm::kPolicySums][kBlock];
   alignas(64) float mbuf[kBlock];
-  float acc[fm::kPolicySums][kLanes] = {};
+  float acc[fm::kPolicySums][kSumLanes] = {};
   for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
     const int m = static_cast<int>(std::min<int64_t>(kBlock, n - b0));
     // A bool mask becomes 0/1 floats block by block (the values a float mask would hold), so one
@@ -89,19 +89,19 @@ void policy_chunk(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ 
       buf[fm::kSumFactor][j] = on ? w * nz * t.factor : 0.0f;
       buf[fm::kSumNonzeroAdv][j] = w * nz;
     }
-    const int mp = (m + kLanes - 1) / kLanes * kLanes;
+    const int mp = (m + kSumLanes - 1) / kSumLanes * kSumLanes;
     for (int k = 0; k < fm::kPolicySums; ++k)
       for (int j = m; j < mp; ++j) buf[k][j] = 0.0f;
     // j outer, k inner: kPolicySums independent vector accumulators per step instead of one
     // dependent chain per sum (that chain's add latency was most of the block's time). Each
     // acc[k][l] still adds its terms in j order, so the sums are bit-identical to the k-outer loop.
-    for (int j = 0; j < mp; j += kLanes)
+    for (int j = 0; j < mp; j += kSumLanes)
       for (int k = 0; k < fm::kPolicySums; ++k)
-        for (int l = 0; l < kLanes; ++l) acc[k][l] += buf[k][j + l];
+        for (int l = 0; l < kSumLanes; ++l) acc[k][l] += buf[k][j + l];
   }
   for (int k = 0; k < fm::kPolicySums; ++k) {
     double s = 0.0;
-    for (int l = 0; l < kLanes; ++l) s += acc[k][l];
+    for (int l = 0; l < kSumLanes; ++l) s += acc[k][l];
     out_sums[k] = s;
   }
 }

@@ -10,7 +10,7 @@
 #include "cuda_emu/device.h"
 
 namespace fasttrain::cuda_emu {
-namespace {
+namespace fused_logprob_emu {  // named, not anonymous: the unity build joins the emulator's files
 namespace flk = fasttrain::cuda::fused_logprob;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const at::Tensor& weight,
@@ -55,11 +55,11 @@ std::tuple<at::Tensor, at::Tensor> backward_weight(const at::Tensor& grad_logp, 
                        H, V, temperature, ignore_index, chunk_bytes, grad_weight.data_ptr(), grad_bias.data_ptr());
   return {grad_weight, grad_bias};
 }
-}  // namespace
+}  // namespace fused_logprob_emu
 
 TORCH_LIBRARY_IMPL(fasttrain_emu, CPU, m) {
-  m.impl("fused_logprob_forward", &forward);
-  m.impl("fused_logprob_backward_weight", &backward_weight);
+  m.impl("fused_logprob_forward", &fused_logprob_emu::forward);
+  m.impl("fused_logprob_backward_weight", &fused_logprob_emu::backward_weight);
 }
 
 }  // namespace fasttrain::cuda_emu

@@ -9,7 +9,7 @@
 #include "cuda_emu/device.h"
 
 namespace fasttrain::cuda_emu {
-namespace {
+namespace gated_delta_emu {  // named, not anonymous: the unity build joins the emulator's files
 namespace gdk = fasttrain::cuda::gated_delta;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -67,12 +67,12 @@ at::Tensor decode(at::Tensor& state, const at::Tensor& q, const at::Tensor& k, c
               beta.data_ptr(), active.has_value() ? active->data_ptr<bool>() : nullptr, scale, dm, o.data_ptr());
   return o;
 }
-}  // namespace
+}  // namespace gated_delta_emu
 
 TORCH_LIBRARY_IMPL(fasttrain_emu, CPU, m) {
-  m.impl("gated_delta_forward", &forward);
-  m.impl("gated_delta_backward", &backward);
-  m.impl("gated_delta_decode_", &decode);
+  m.impl("gated_delta_forward", &gated_delta_emu::forward);
+  m.impl("gated_delta_backward", &gated_delta_emu::backward);
+  m.impl("gated_delta_decode_", &gated_delta_emu::decode);
 }
 
 }  // namespace fasttrain::cuda_emu

@@ -9,7 +9,7 @@
 #include "cuda_emu/device.h"
 
 namespace fasttrain::cuda_emu {
-namespace {
+namespace nf4_emu {  // named, not anonymous: the unity build joins the emulator's files
 namespace nk = fasttrain::cuda::nf4;
 
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& w, int64_t blocksize) {
@@ -55,13 +55,13 @@ at::Tensor b8_dequantize(const at::Tensor& q_, const at::Tensor& absmax, const a
                             q.numel(), blocksize, out.data_ptr<float>());
   return out;
 }
-}  // namespace
+}  // namespace nf4_emu
 
 TORCH_LIBRARY_IMPL(fasttrain_emu, CPU, m) {
-  m.impl("nf4_quantize", &quantize);
-  m.impl("nf4_dequantize", &dequantize);
-  m.impl("blockwise8_quantize", &b8_quantize);
-  m.impl("blockwise8_dequantize", &b8_dequantize);
+  m.impl("nf4_quantize", &nf4_emu::quantize);
+  m.impl("nf4_dequantize", &nf4_emu::dequantize);
+  m.impl("blockwise8_quantize", &nf4_emu::b8_quantize);
+  m.impl("blockwise8_dequantize", &nf4_emu::b8_dequantize);
 }
 
 }  // namespace fasttrain::cuda_emu

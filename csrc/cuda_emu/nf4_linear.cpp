@@ -12,7 +12,7 @@
 #include "cuda_emu/device.h"
 
 namespace fasttrain::cuda_emu {
-namespace {
+namespace nf4_linear_emu {  // named, not anonymous: the unity build joins the emulator's files
 namespace nlk = fasttrain::cuda::nf4_linear;
 
 std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& absmax,
@@ -92,12 +92,12 @@ at::Tensor dora_norm(const at::Tensor& wsq, const at::Tensor& cross, const at::T
                  norm.data_ptr());
   return norm;
 }
-}  // namespace
+}  // namespace nf4_linear_emu
 
 TORCH_LIBRARY_IMPL(fasttrain_emu, CPU, m) {
-  m.impl("nf4_linear_forward", &forward);
-  m.impl("nf4_linear_decode", &decode);
-  m.impl("dora_norm_kernel", &dora_norm);
+  m.impl("nf4_linear_forward", &nf4_linear_emu::forward);
+  m.impl("nf4_linear_decode", &nf4_linear_emu::decode);
+  m.impl("dora_norm_kernel", &nf4_linear_emu::dora_norm);
 }
 
 }  // namespace fasttrain::cuda_emu

@@ -9,7 +9,7 @@
 #include "cuda_emu/device.h"
 
 namespace fasttrain::cuda_emu {
-namespace {
+namespace policy_loss_emu {  // named, not anonymous: the unity build joins the emulator's files
 namespace fm = fasttrain::math;
 namespace pk = fasttrain::cuda::policy_loss;
 
@@ -50,11 +50,11 @@ at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& coef_, const 
                coef.size(0), coef.size(1), out.data_ptr());
   return out;
 }
-}  // namespace
+}  // namespace policy_loss_emu
 
 TORCH_LIBRARY_IMPL(fasttrain_emu, CPU, m) {
-  m.impl("policy_loss", &forward);
-  m.impl("policy_loss_backward", &backward);
+  m.impl("policy_loss", &policy_loss_emu::forward);
+  m.impl("policy_loss_backward", &policy_loss_emu::backward);
 }
 
 }  // namespace fasttrain::cuda_emu

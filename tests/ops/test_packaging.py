@@ -1,6 +1,7 @@
 """What the pip path relies on, checked on the built modules in seconds (tools/test_wheel.sh builds
 and installs the wheel itself): fasttrain._C links no CUDA library, so a CPU-only torch loads it;
-the CUDA module, where built, holds sm_80 and sm_90a code and compute_80 PTX; the wheel pins the
+the CUDA module, where built, holds the code its build asked for (a wheel: sm_80 and sm_90a code and
+compute_80 PTX; an in-place build: this machine's GPU, or sm_90a alone without one); the wheel pins the
 torch it is built with and a mismatch at import is one line; a command that needs an extra says
 which in one line; `fasttrain info` names the CPU variant that runs."""
 from __future__ import annotations
@@ -32,12 +33,35 @@ def test_the_cpu_module_links_no_cuda_library():
     assert not [n for n in needed if "cuda" in n.lower() or "nvrtc" in n], needed
 
 
-def test_the_cuda_module_holds_sm80_sm90a_and_compute80_ptx():
+def _setup_definitions() -> dict:
+    text = (ROOT / "setup.py").read_text()
+    ns: dict = {"__file__": str(ROOT / "setup.py")}
+    exec(compile(text.split("\nsetup(")[0], str(ROOT / "setup.py"), "exec"), ns)   # its definitions, no build
+    return ns
+
+
+def test_cuda_targets_a_wheel_carries_and_an_inplace_build_compiles(monkeypatch):
+    targets = _setup_definitions()["cuda_targets"]
+    for var in ("FASTTRAIN_CUDA_ARCHS", "FASTTRAIN_CUDA_PTX"):
+        monkeypatch.delenv(var, raising=False)
+    assert targets(False) == ("80;90a", "80")                  # a wheel: A100 + H100 SASS, PTX for newer
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert targets(True) == ("90a", "")                        # no GPU here: compile and link, one pass
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    assert targets(True) == ("80", "")                         # this machine's GPU
+    monkeypatch.setenv("FASTTRAIN_CUDA_ARCHS", "90a;100")
+    assert targets(True) == ("90a;100", "") and targets(False) == ("90a;100", "80")
+
+
+def test_the_cuda_module_holds_the_code_its_build_asked_for():
     spec = importlib.util.find_spec("fasttrain._C_cuda")
     if spec is None or torch.version.cuda is None:
         pytest.skip("no CUDA module in this build (FASTTRAIN_CUDA=0 or a CPU-only torch)")
     info = _native.build_info()
-    assert "CUDA" in info["backends"] and info["cuda_archs"] == "80,90a" and info["cuda_ptx"] == "80", info
+    archs = [a for a in info["cuda_archs"].split(",") if a]
+    ptxs = [a for a in info["cuda_ptx"].split(",") if a]
+    assert "CUDA" in info["backends"] and archs, info
     cuobjdump = shutil.which("cuobjdump") or (shutil.which("nvcc") and str(Path(shutil.which("nvcc")).with_name("cuobjdump")))
     if not cuobjdump or not Path(cuobjdump).exists():
         pytest.skip("needs cuobjdump (CUDA toolkit)")
@@ -45,7 +69,7 @@ def test_the_cuda_module_holds_sm80_sm90a_and_compute80_ptx():
                              check=True).stdout
     elf = set(re.findall(r"\.(sm_\d+a?)\.cubin", listing))
     ptx = set(re.findall(r"\.(sm_\d+a?)\.ptx", listing))
-    assert elf == {"sm_80", "sm_90a"} and ptx == {"sm_80"}, listing[:2000]
+    assert elf == {f"sm_{a}" for a in archs} and ptx == {f"sm_{a}" for a in ptxs}, (info, listing[:2000])
     assert "libtorch_cuda.so" in _needed(spec.origin)
 
 
@@ -53,8 +77,7 @@ def test_the_wheel_pins_the_torch_it_is_built_with():
     """setup.py's requirement list starts with torch==<this torch's release> (no local label, so
     both the CPU and the CUDA builds of that release satisfy it)."""
     text = (ROOT / "setup.py").read_text()
-    ns: dict = {"__file__": str(ROOT / "setup.py")}
-    exec(compile(text.split("\nsetup(")[0], str(ROOT / "setup.py"), "exec"), ns)   # its definitions, no build
+    ns = _setup_definitions()
     assert ns["torch_pin"]() == [f"torch=={torch.__version__.split('+')[0]}"]
     assert "install_requires=[*torch_pin(), *BASE_REQUIREMENTS]" in text
 
