@@ -16,15 +16,18 @@ counts against N·p (bins with an expected count under 5 merged into one):
 
 The numbers (`detectable_tv` computes the last one; the test asserts it):
 - N = 20,000 draws (first turn) and 10,000 (after a tool result: every row replays the turn and is fed the
-  result), false-alarm probability alpha = 1e-4 per case (8 cases: at most 8e-4 for the file). The
+  result), false-alarm probability alpha = 1e-4 per case (7 cases: at most 7e-4 for the file). The
   generators are seeded, so each verdict is fixed: the test is deterministic.
 - Power. If the sampler's distribution q is at total variation d from p on the test's bins, Cauchy-Schwarz
   with sum p = 1 gives sum (q - p)^2 / p >= (sum |q - p|)^2 = 4 d^2, so the statistic is (for large N)
   noncentral chi-square with k = bins - 1 degrees of freedom and noncentrality >= 4 N d^2. The smallest d
   detected with probability 0.95 solves P(chi2_k(4 N d^2) > c_alpha) = 0.95: about 0.025 (N = 20,000) and
   0.035 (N = 10,000) for the k = 9 to 15 here, whatever the direction of the error.
-- Cases: all four decoder x base pairs at the first token; after a tool result the plain decoder on bf16
-  weights and the hybrid on NF4 (bf16), and the plain on NF4 and the hybrid on its own weights in float32.
+- Cases: all four decoder x base pairs at the first token; after a tool result the hybrid on NF4 (bf16),
+  and the plain on NF4 and the hybrid on its own weights in float32 (each decoder and each base after a
+  tool result, once each against the exact model). The plain decoder on bf16 weights after a tool result
+  was dropped to keep `make test` within its budget (the costliest case, a minute on 2 busy cores): its
+  first-turn case and the float32 plain case after a tool result cover what it exercised.
 Each case also checks the test can fail: the counts reject the softmax at temperature 1.
 """
 from __future__ import annotations
@@ -173,9 +176,9 @@ def check(tokens: torch.Tensor, p: torch.Tensor, p_wrong: torch.Tensor) -> None:
 
 
 # every decoder and base at the first token; after a tool result (the costly draws: every row replays the turn)
-# each decoder once, each base once, and both again in float32 against the exact model below
+# the hybrid on NF4 here, and each decoder with each base in float32 against the exact model below
 BF16_CASES = [("plain", "bf16", "first"), ("plain", "nf4", "first"), ("hybrid", "bf16", "first"),
-              ("hybrid", "nf4", "first"), ("plain", "bf16", "after_tool"), ("hybrid", "nf4", "after_tool")]
+              ("hybrid", "nf4", "first"), ("hybrid", "nf4", "after_tool")]
 
 
 @pytest.mark.parametrize("decoder,base,turn", BF16_CASES)
