@@ -88,6 +88,7 @@ def test_moe_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, model, n
     and LoRA counted exactly, the routed experts' activations (fasttrain.plan.moe_memory) and the
     routing record against the measured steps; with and without checkpointing."""
     from conftest_recipe import tiny_recipe
+    from measured_step import planned_and_measured
     from fasttrain.train import Trainer, load_config
 
     monkeypatch.syspath_prepend(str(worlds.parent / "moe"))

@@ -279,11 +279,12 @@ class _PlainLayers:
         return B * 3 * m.intermediate * m.w
 
 
-def _layers_of(m: ModelShape):
+def _layers_of(m: ModelShape, dev: Device):
     """The piece that knows m's layers: _PlainLayers, or fasttrain.plan.hybrid_memory for a hybrid;
-    for a mixture of experts fasttrain.plan.moe_memory's around either."""
+    for a mixture of experts fasttrain.plan.moe_memory's around either (its experts on the device's
+    implementation: fasttrain's kernel on the CPU, the torch form elsewhere)."""
     base = hybrid_memory if hybrid_memory.is_hybrid(m) else _PlainLayers
-    return moe_memory.MoELayers(base) if moe_memory.is_moe(m) else base
+    return moe_memory.MoELayers(base, kernel=dev.kind == "cpu") if moe_memory.is_moe(m) else base
 
 
 def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
@@ -324,7 +325,7 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     """One wave of a rollout of n_all prompts: n prompts' G answers decoded at once, prefilled c
     prompts at a time, the earlier waves' outputs kept (the trainer joins the waves at the end)."""
     w, L, H, V, D = m.w, m.layers, m.hidden, m.vocab, m.head_dim
-    lay = _layers_of(m)
+    lay = _layers_of(m, dev)
     B, S = n * G, P + T
     L = m.kv_layers                   # a hybrid's KV lives in its full-attention layers only
     caches = {"kv_cache": L * 2 * B * m.kv_heads * S * D * w,       # + a hybrid's fixed per-row states
@@ -364,7 +365,7 @@ def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tup
     """(sampling buffers, a layer's locals) of one decode step of B rows over S cache columns."""
     w = m.w
     c = _compute_bytes(m, dev)
-    lay = _layers_of(m)
+    lay = _layers_of(m, dev)
     V, H = m.vocab, m.hidden
     # [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
     sampling = B * V * (16 + (w if w != 4 else 0))
@@ -394,7 +395,7 @@ def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
     T, S = s.new_tokens, s.seq
     U, P, mb, A = _prefix_shape(s)
     N = _prefix_tokens(U, P, mb, A)
-    lay = _layers_of(m)
+    lay = _layers_of(m, dev)
     inputs = lay.prefix_inputs(m, U, P, mb, A)
     # the layers: the previous layer's output is the input of the one running
     layers = inputs + lay.prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev))
@@ -419,7 +420,7 @@ def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dic
     U, P, mb, A = _prefix_shape(s)
     N = _prefix_tokens(U, P, mb, A)
     n_tok = mb * T
-    lay = _layers_of(m)
+    lay = _layers_of(m, dev)
     shared = mb * S * (24 + 1) + lay.prefix_inputs(m, U, P, mb, A)      # ids, masks, positions; rotary, masks
     head_in = n_tok * H * (w + 4 + w)                                     # hidden rows, the norm's fp32 input and output
     if checkpointing:

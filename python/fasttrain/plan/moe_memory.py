@@ -24,7 +24,10 @@ logits and softmax [N, E] (float32), the gathered inputs [N·k, H], each expert'
 concatenation), their float32 weighted copy and the [N, H] float32 sum; with autograd the gathered
 inputs, gate_up's output, act and product, each projection's x·Aᵀ [·, r], the float32 weighted
 copy and the sorting indices are saved. A Qwen3-MoE with dense layers (mlp_only_layers, or off
-decoder_sparse_step) takes the costlier of its two layer kinds. `plan_memory` prints what the routed
+decoder_sparse_step) takes the costlier of its two layer kinds. That is the torch form, which runs
+on a GPU until a CUDA kernel comes; on the CPU the experts run fasttrain's kernel, which keeps less
+(kernel_live, kernel_saved, kernel_grads: no per-expert gathered inputs or LoRA products are saved,
+only gate_up's output and the unweighted outputs). `plan_memory` prints what the routed
 experts add to a phase's peak as its own line (moe_activations).
 
 What is not counted: the per-expert loop's short-lived pieces (one expert's NF4 kernel output in its
@@ -179,14 +182,55 @@ def routed_grads(m, N: int) -> int:
     return N * k * (H * (f + 2 * w) + 3 * I * w) + N * H * w + N * E * f
 
 
+def kernel_live(m, N: int) -> int:
+    """No-grad peak of fasttrain's CPU kernel (csrc/cpu/moe_experts.cpp) over N tokens: the pairs'
+    order [P] and the offsets [E + 1] (int64), act [P, I], each projection's x·Aᵀ [P, r], the outputs
+    [P, H] and the sum [N, H] in the compute dtype (float32, float64 for float64) and the sum's copy
+    in the model dtype; the decoded weight tiles (256 KiB a thread) are not counted."""
+    E, k, I, _, _ = m.moe
+    if not k:
+        return 0
+    w, f, H, r = m.w, _f(m), m.hidden, m.rank
+    P = N * k
+    kept = N * k * (8 + f)                               # the route's indices and weights
+    body = P * 8 + (E + 1) * 8 + P * I * f + 2 * P * r * f + P * H * f + N * H * (f + w)
+    return max(_router_live(m, N), kept + body)
+
+
+def kernel_saved(m, N: int) -> int:
+    """What the kernel saves for its backward: the router's softmax and the route, the pairs' order
+    and offsets, gate_up's output [P, 2I] and the unweighted outputs [P, H] (compute dtype)."""
+    E, k, I, _, _ = m.moe
+    if not k:
+        return 0
+    f, H = _f(m), m.hidden
+    P = N * k
+    return N * E * f + N * k * (8 + 2 * f) + P * 8 + (E + 1) * 8 + P * (2 * I + H) * f
+
+
+def kernel_grads(m, N: int) -> int:
+    """The kernel's backward: the routing weights' gradient [P], the gathered inputs' [P, H], per
+    expert act, its gradient, gate_up's gradient and the expert's input gradient (counted for all P
+    rows at once, the worst case of one expert taking every pair), the [N, H] sum and its cast."""
+    E, k, I, _, _ = m.moe
+    if not k:
+        return 0
+    w, f, H = m.w, _f(m), m.hidden
+    P = N * k
+    return P * f + P * H * f + P * (4 * I + H) * f + N * H * (f + w) + N * E * f
+
+
 class MoELayers:
     """The layer terms of a MoE model: its base family's (`base`: memory._PlainLayers or
     hybrid_memory) for its dense layers (m) and its MoE layers (the shared expert's width, plus the
     routed experts); the costlier kind where the update or a prefill holds one layer, each kind
     times its count where every layer keeps its saved bytes."""
 
-    def __init__(self, base):
+    def __init__(self, base, kernel: bool = False):
         self.base = base
+        # the routed experts' terms: fasttrain's CPU kernel, or the torch form (the fallback elsewhere)
+        self.live, self.saved, self.grads = ((kernel_live, lambda m, N, c_xa: kernel_saved(m, N), kernel_grads)
+                                             if kernel else (routed_live, routed_saved, routed_grads))
 
     @staticmethod
     def _moe_m(m):
@@ -202,15 +246,14 @@ class MoELayers:
     def _kinds(self, m, dense: int, moe: int) -> int:
         return max(dense if self._dense_layers(m) else 0, moe)
 
-    @staticmethod
-    def _at_mlp(m, N: int, c: int) -> int:
+    def _at_mlp(self, m, N: int, c: int) -> int:
         """What the routed experts add to the MLP's live bytes: they run before the shared expert (the
         dense MLP of a MoE layer), which runs with their output [N, H] held."""
         I, w = m.moe[4], m.w
         if not I:
-            return routed_live(m, N)
+            return self.live(m, N)
         shared = N * (3 * I * w + (I * c if c != w else 0))
-        return max(routed_live(m, N) - shared, N * m.hidden * w)
+        return max(self.live(m, N) - shared, N * m.hidden * w)
 
     def prefix_layer_live(self, m, U, P, B, A, c):
         N = U * P + B * A
@@ -221,12 +264,12 @@ class MoELayers:
         L, n = m.layers, m.moe[3]
         N = U * P + B * A
         dense = self.base.prefix_saved(m, U, P, B, A, c_xa) * (L - n) // L if L > n else 0
-        return dense + self.base.prefix_saved(self._moe_m(m), U, P, B, A, c_xa) * n // L + n * routed_saved(m, N, c_xa)
+        return dense + self.base.prefix_saved(self._moe_m(m), U, P, B, A, c_xa) * n // L + n * self.saved(m, N, c_xa)
 
     def backward_temps(self, m, U, P, B, A, c_xa):
         N = U * P + B * A
         return self._kinds(m, self.base.backward_temps(m, U, P, B, A, c_xa),
-                           max(self.base.backward_temps(self._moe_m(m), U, P, B, A, c_xa), routed_grads(m, N)))
+                           max(self.base.backward_temps(self._moe_m(m), U, P, B, A, c_xa), self.grads(m, N)))
 
     def backward_peak(self, m, U, P, B, A, c_xa):
         """The base layer's backward peak with the routed experts' saved bytes, and their gradients
@@ -234,8 +277,8 @@ class MoELayers:
         N = U * P + B * A
         mlp_grads = N * m.hidden * m.w + 2 * N * m.moe[4] * m.w
         return self._kinds(m, self.base.backward_peak(m, U, P, B, A, c_xa),
-                           self.base.backward_peak(self._moe_m(m), U, P, B, A, c_xa) + routed_saved(m, N, c_xa)
-                           + max(0, routed_grads(m, N) - mlp_grads))
+                           self.base.backward_peak(self._moe_m(m), U, P, B, A, c_xa) + self.saved(m, N, c_xa)
+                           + max(0, self.grads(m, N) - mlp_grads))
 
     def prefill_layer_peak(self, m, n, P, c, dense):
         N = n * P
