@@ -106,10 +106,12 @@ def smollm2_fp32():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,G,T,mb", [(3, 2, 3, 3), (2, 3, 3, 4), (3, 2, 4, 6)])
+@pytest.mark.parametrize("n,G,T,mb", [(3, 2, 4, 6)])
 def test_smollm2_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, smollm2_fp32, n, G, T, mb):
-    """SmolLM2-135M in fp32 at tiny shapes (a few rows and tokens: the profiled steps stay cheap on 2
-    shared cores; the model loads once, each shape trains a copy)."""
+    """SmolLM2-135M in fp32 at a tiny shape (a few rows and tokens: the profiled steps stay cheap on 2
+    shared cores). One shape, at about 25 s on 2 cores: the same layout's terms are measured at more
+    shapes at small widths (the tiny-model cases above, tests/plan/test_long_answer_peaks.py and
+    tests/plan/test_run_at_4k.py); this case pins them at the real widths and vocabulary."""
     import copy
 
     import fasttrain.train.policy as policy
