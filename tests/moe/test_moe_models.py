@@ -52,6 +52,16 @@ def _oracle(hf, roll, forced=None):
     return lp[:, P - 1:P - 1 + T], rec
 
 
+def _move_router(hf, model, scale: float = 0.1, seed: int = 1) -> None:
+    """The same random step on every MoE layer's router of the oracle and of fasttrain's model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+                model.get_parameter(name).copy_(p)
+
+
 def _update(model, roll, routing=None):
     return answer_logprobs(model, roll.input_ids, roll.attention_mask, roll.prompt_len, roll.completion_ids,
                            roll.completion_mask, 1.0, position_ids=roll.position_ids, prompt_index=roll.prompt_index,
@@ -96,12 +106,7 @@ def test_replay_on_a_moved_router_equals_the_oracle_with_the_rollouts_routing(fa
     hf, model = _pair(family)
     roll = sample(model, PROMPTS, group_size=2, max_new_tokens=6, temperature=1.0, eos_token_ids=[2], seed=0)
     B, S = roll.input_ids.shape
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():                                  # the router moves between rollout and update
-        for name, p in hf.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
-                model.get_parameter(name).copy_(p)
+    _move_router(hf, model)                                # the router moves between rollout and update
     forced = [roll.routing[:, :, i].long().reshape(B * S, -1) for i in range(roll.routing.shape[2])]
     lp_forced, _ = _oracle(hf, roll, forced)
     lp_own, own = _oracle(hf, roll)

@@ -17,7 +17,8 @@ from fasttrain.rollout.moe_routing import ReplayRouting
 from fasttrain.rollout.multi_turn import sample_turns
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_moe_models import FAMILIES, PROMPTS, _forwarded, _oracle, _pair, _sets_differ, _tol, _update  # noqa: E402
+from test_moe_models import (FAMILIES, PROMPTS, _forwarded, _move_router, _oracle, _pair, _sets_differ, _tol,  # noqa: E402
+                             _update)
 
 TOOL = [20, 21, 22, 23]           # a tool turn's tokens, fed after each row's first model turn
 
@@ -49,12 +50,7 @@ def _check_record_and_replay(hf, model, roll):
     assert roll.routing is not None and roll.routing.shape[:2] == (B, S)
     for i, c in enumerate(own.chosen):                       # the record: the oracle's own top-k sets
         assert not _sets_differ(c.view(B, S, -1)[fwd], roll.routing[:, :, i][fwd]).any(), i
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():                                     # the router moves between rollout and update
-        for name, p in hf.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
-                model.get_parameter(name).copy_(p)
+    _move_router(hf, model)                                   # the router moves between rollout and update
     forced = [roll.routing[:, :, i].long().reshape(B * S, -1) for i in range(roll.routing.shape[2])]
     lp_forced, _ = _oracle(hf, roll, forced)
     rec = ReplayRouting(roll.routing, replay=True)
