@@ -12,14 +12,16 @@ What it compares (each run in its own subprocess, one after another, never two a
              reward_weights 3, 1 (GDPO's per-reward group normalisation, then batch scaling),
              top_entropy_quantile 1.0 (all tokens), the same beta.
   the same   SmolLM2-135M-Instruct as a 16-bit base (bf16; fasttrain policy.quantize = "none",
-             TRL bf16 weights + bf16=True), LoRA rank/alpha on the 7 projections, lr (constant,
+             TRL bf16 weights + bf16=True) where the CPU has native bf16 GEMMs, else in fp32 on both
+             sides (--precision auto: ATen's bf16 GEMM runs ~60x below fp32 on an AVX2-only CPU, and
+             TRL has no fp32-sums path for a bf16 model), LoRA rank/alpha on the 7 projections, lr (constant,
              AdamW defaults, grad clip 1), group size, prompts per step (TRL's generation batch =
              prompts x group, gradient accumulation = batch / micro-batch), passes per batch (TRL
              num_iterations; TRL counts an optimizer step per pass, so it runs steps x passes),
              answer length, temperature 0.7 (top-p 1, top-k off), the prompts of each step (TRL is
              given fasttrain's order with shuffling off), seeds.
   pairs      CISPO (cap 1.2; TRL loss_type="cispo", epsilon_high=1.2) and DAPO (clip 0.2 / 0.28).
-  evaluator  bench/learning_eval.py: each saved adapter PEFT-loaded on the bf16 base, answers
+  evaluator  bench/learning_eval.py: each saved adapter PEFT-loaded on the base (same precision), answers
              sampled on the held-out rows with the same seeds, scored with the reward file's `correct`.
 
 Numbers: held-out score before (base) and after (each run's final adapter), mean over seeds and
@@ -76,7 +78,7 @@ def fasttrain_config(a, seed: int, algo: str, out: str):
     return load_config({
         "run": {"name": f"learn-{algo}", "seed": seed, "steps": a.steps, "out": out, "device": "cpu",
                 "threads": a.threads},
-        "policy": {"model": "smollm2-135m", "dtype": "bfloat16", "quantize": a.quantize, "adapter": "lora",
+        "policy": {"model": "smollm2-135m", "dtype": torch_dtype(a), "quantize": a.quantize, "adapter": "lora",
                    "rank": a.rank, "alpha": float(a.alpha), "gradient_checkpointing": False},
         "env": {"name": "dataset", "dataset": str(TASK["dataset"]), "probe_rows": TASK["probe_rows"],
                 "rewards": [f"{TASK['rewards_file']}:{r}" for r in TASK["rewards"]], "core": TASK["core"],
@@ -93,6 +95,11 @@ def fasttrain_config(a, seed: int, algo: str, out: str):
     })
 
 
+def torch_dtype(a) -> str:
+    """The base's torch dtype name for --precision."""
+    return "bfloat16" if a.precision == "bf16" else "float32"
+
+
 # ---- workers (each in its own process) ----------------------------------------------------
 def worker_fasttrain(a, seed: int, algo: str, out: Path) -> dict:
     from fasttrain.train.run_files import read_jsonl
@@ -107,7 +114,7 @@ def worker_fasttrain(a, seed: int, algo: str, out: Path) -> dict:
     adapters = [{"step": s, "seconds": cum[s - 1], "path": str(tr.dir / "probes" / f"step_{s:06d}" / "adapter")}
                 for s in _save_steps(a)]
     return {"steps": steps, "adapters": adapters, "process_seconds": time.perf_counter() - t0,
-            "setting": f"fasttrain bf16 base, policy.quantize={a.quantize}, LoRA r{a.rank}"}
+            "setting": f"fasttrain {a.precision} base, policy.quantize={a.quantize}, LoRA r{a.rank}"}
 
 
 def worker_trl(a, seed: int, algo: str, out: Path) -> dict:
@@ -144,9 +151,9 @@ def worker_trl(a, seed: int, algo: str, out: Path) -> dict:
             return vals
         return wrapped
 
-    model, tok = load_base(bundled_model_dir(), "bfloat16")
+    model, tok = load_base(bundled_model_dir(), torch_dtype(a))
     cfg = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, bf16=True, **PAIRS[algo]["trl"], beta=a.beta,
+        output_dir=str(out / "trl"), use_cpu=True, bf16=a.precision == "bf16", **PAIRS[algo]["trl"], beta=a.beta,
         num_generations=a.group, max_completion_length=a.new, temperature=a.temperature, top_p=1.0, top_k=0,
         per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.prompts * a.group // a.micro_batch,
         num_iterations=a.passes, max_steps=a.steps * a.passes, learning_rate=a.lr, lr_scheduler_type="constant",
@@ -180,7 +187,7 @@ def worker_trl(a, seed: int, algo: str, out: Path) -> dict:
     steps = [{"step": i + 1, "seconds": per_step[i], "reward_core": core_values[i] if i < len(core_values) else math.nan}
              for i in range(a.steps)]
     return {"steps": steps, "adapters": adapters, "process_seconds": time.perf_counter() - t0,
-            "setting": "TRL bf16 weights + bf16=True, PEFT LoRA"}
+            "setting": ("TRL bf16 weights + bf16=True" if a.precision == "bf16" else "TRL fp32") + ", PEFT LoRA"}
 
 
 # ---- the first step: both samplers on the base policy, before any update ----------------------
@@ -229,8 +236,8 @@ def first_step_trl(a, seed: int) -> list[float]:
         core.extend(float(v) for v in vals)
         return vals
     recorded.__name__ = TASK["core"]
-    model, tok = load_base(bundled_model_dir(), "bfloat16")
-    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="first-step-trl-"), use_cpu=True, bf16=True, beta=0.0,
+    model, tok = load_base(bundled_model_dir(), torch_dtype(a))
+    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="first-step-trl-"), use_cpu=True, bf16=a.precision == "bf16", beta=0.0,
                      num_generations=a.group, max_completion_length=a.new, temperature=a.temperature, top_p=1.0,
                      top_k=0, per_device_train_batch_size=a.prompts * a.group, shuffle_dataset=False, seed=seed,
                      report_to="none", disable_tqdm=True, save_strategy="no")
@@ -553,12 +560,20 @@ def main() -> int:
     ap.add_argument("--first-step", action="store_true", help="only compare both trainers' answers at the first "
                     "step (the base policy, no update) on the prompts of --steps steps: mean reward of each, paired")
     ap.add_argument("--replot", type=Path, help="only redraw the steps-and-seconds figure of a result JSON")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="both trainers' and the evaluator's base precision (auto: bf16 where the CPU has native "
+                         "bf16 GEMMs, else fp32; bench/harness.py host_precision)")
     ap.add_argument("--worker", choices=["fasttrain", "trl"])
     ap.add_argument("--worker-seed", type=int)
     ap.add_argument("--worker-algo")
     ap.add_argument("--worker-dir")
     ap.add_argument("--worker-out")
     a = ap.parse_args()
+    if a.precision == "auto":
+        from harness import host_precision
+        a.precision, a.precision_why = host_precision()
+    else:
+        a.precision_why = "chosen on the command line"
     if a.replot:
         print(f"wrote {replot(a.replot)}")
         return 0
@@ -593,7 +608,7 @@ def run_all(a) -> int:
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="bench_learning-"))
     work.mkdir(parents=True, exist_ok=True)
     common = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
-              ("steps", "quantize", "rank", "alpha", "lr", "beta", "prompts", "group", "micro_batch", "passes", "new",
+              ("steps", "precision", "quantize", "rank", "alpha", "lr", "beta", "prompts", "group", "micro_batch", "passes", "new",
                "temperature", "save_every", "threads")] + (["--trl-conventions"] if a.trl_conventions else [])
     results: dict[str, list[dict]] = {}
     t0 = time.time()
@@ -614,14 +629,15 @@ def run_all(a) -> int:
                     done.write_text(json.dumps({**res, "argv": argv}))
                 results.setdefault(f"{trainer}/{algo}", []).append(res)
     rows = held_out_rows(TASK["dataset"], TASK["probe_rows"])[:a.eval_rows]
-    settings = EvalSettings(TASK["system_prompt"], "", a.temperature, a.new, a.eval_samples, a.eval_seed)
+    settings = EvalSettings(TASK["system_prompt"], "", a.temperature, a.new, a.eval_samples, a.eval_seed,
+                            dtype=torch_dtype(a))
     paths = [ad["path"] for runs in results.values() for r in runs for ad in r["adapters"]]
     torch.set_num_threads(a.threads)
     print(f"[{time.time() - t0:.0f} s] evaluating the base and {len(paths)} adapters on {len(rows)} held-out rows",
           flush=True)
     # Evaluations are kept in the work folder under their settings, so a later call scores only new adapters.
     cache_path = work / "evaluations.json"
-    key = json.dumps([len(rows), a.eval_samples, a.eval_seed, a.temperature, a.new])
+    key = json.dumps([len(rows), a.eval_samples, a.eval_seed, a.temperature, a.new, a.precision])
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     seen = cache.setdefault(key, {})
     todo = [p for p in [None] + paths if str(p) not in seen]
@@ -636,7 +652,7 @@ def run_all(a) -> int:
     lines = claim(results, base_scores, scores, a, busy)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    title = (f"{stem}\nstarter arithmetic, SmolLM2-135M, fasttrain base {a.quantize} / TRL bf16, "
+    title = (f"{stem}\nstarter arithmetic, SmolLM2-135M, {a.precision}, fasttrain base {a.quantize} / TRL {a.precision}, "
              f"{len(a.seeds)} seed(s), {a.steps} steps" + ("\ntimings NOT reportable (busy machine)" if busy else ""))
     plot(results, statistics.fmean(base_scores), scores, out / f"{stem}.png", title)
     plot_steps_and_seconds(results, statistics.fmean(base_scores), scores, out / f"{stem}-curves.png", title)
@@ -647,7 +663,8 @@ def run_all(a) -> int:
           "", f"Task: the `fasttrain init` starter (data.jsonl, last {TASK['probe_rows']} rows held out; rewards.py "
           f"correct x3 + concise x1), {a.steps} steps of {a.prompts} prompts x {a.group} answers, <= {a.new} tokens, "
           f"temperature {a.temperature}, {a.passes} passes, lr {a.lr}, beta {a.beta}, LoRA r{a.rank} alpha {a.alpha}; "
-          f"fasttrain policy.quantize={a.quantize}, TRL bf16. Evaluator: bench/learning_eval.py on {len(rows)} held-out "
+          f"precision {a.precision} on both sides and in the evaluator ({a.precision_why}); "
+          f"fasttrain policy.quantize={a.quantize}, TRL {a.precision}. Evaluator: bench/learning_eval.py on {len(rows)} held-out "
           f"rows x {a.eval_samples} answers, seed {a.eval_seed}.", ""]
     if busy or a.quick:
         md += [f"**Timings not reportable**: {busy or 'a --quick check'}." if busy else

@@ -1,5 +1,7 @@
 """fasttrain.nn.DenseLinear (policy.quantize = "none"): forward and backward against a float64
-reference with tolerances from unit roundoff, a fresh adapter that changes nothing bit for bit,
+reference with tolerances from unit roundoff, on both of a bf16 model's base paths (the native bf16
+GEMM, and fp32 sums where the CPU has no native bf16 GEMM: each forced in turn), a fresh adapter
+that changes nothing bit for bit,
 the model-level surgery (adapters off is the plain model, merge, resident bytes), and PEFT loading
 our saved adapter on the plain Hugging Face model."""
 import copy
@@ -9,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import fasttrain.nn.dense_linear as dl
 from fasttrain.nn import (DenseLinear, NF4Linear, adaptable_model, adapted_layers, adapters_disabled,
                           attach_adapters, load_adapter, merge_adapters, resident_bytes, save_adapter)
 
@@ -16,6 +19,20 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 U = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
+
+
+# (dtype, base path): fp64 and fp32 models have one path; a bf16 model runs the native bf16 GEMM or,
+# on a CPU without one, fp32 sums (fasttrain.nn.dense_linear.fp32_base), each forced here by the flag
+# the module reads, so every host runs both.
+PATHS = [(torch.float64, "native"), (torch.float32, "native"), (torch.bfloat16, "native"), (torch.bfloat16, "fp32")]
+PATH_IDS = ["fp64", "fp32", "bf16-native", "bf16-fp32-sums"]
+
+
+@pytest.fixture
+def base_path(monkeypatch):
+    def force(path: str):
+        monkeypatch.setattr(dl, "_NATIVE_BF16", path == "native")
+    return force
 
 
 def gamma(n: int, u: float) -> float:
@@ -52,16 +69,18 @@ def reference(x, w, b, a, bb, m, s, kind, z=None):
     return y if b is None else y + b
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("dtype,path", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_forward_and_backward_match_float64(dtype, kind, bias):
+def test_forward_and_backward_match_float64(dtype, path, kind, bias, base_path):
     """Every product of the adapter and the DoRA scale runs in fp32 (fp64 for an fp64 model) and the
     result is rounded once to the model's dtype, so against a float64 reference an output is off by
     at most u_out·|y| + γ_n(u_c)·(magnitudes of the sums), n covering the longest chain of sums
     (x·Wᵀ over K, x·Aᵀ over K then ·Bᵀ over r, the row norm over K of r-term products, and the
     backward's sums over N and the M rows). A bf16 model's base term x·Wᵀ is its own bf16 GEMM,
-    whose accumulation differs by host: the bf16 reference starts from that same term."""
+    whose accumulation differs by host, or its fp32 sums: the bf16 reference starts from that same
+    term (the fp32 path's own bound is test_fp32_sums_base_matches_float64)."""
+    base_path(path)
     M, K, N, r, s = 7, 80, 48, 4, 2.0
     torch.manual_seed(0)
     lin = nn.Linear(K, N, bias=bias).to(dtype)
@@ -82,7 +101,7 @@ def test_forward_and_backward_match_float64(dtype, kind, bias):
     z = None
     if dtype == torch.bfloat16:               # the layer's own bf16 base term, bias removed (exact in fp32)
         with torch.no_grad():
-            z = (nn.functional.linear(x, lin.weight, lin.bias).to(d) - (b64 if bias else 0)).requires_grad_(False)
+            z = (dl.base_term(x, lin.weight, lin.bias).to(d) - (b64 if bias else 0)).requires_grad_(False)
     ref = reference(leaves[0], w64, b64, leaves[1], leaves[2], m64, s, kind, z)
     ref.backward(dy.to(d))
     with torch.no_grad():                    # the same computation on absolute values: the sums' magnitudes
@@ -112,22 +131,65 @@ def test_forward_and_backward_match_float64(dtype, kind, bias):
         assert ((wrong - ref.detach()).abs() > bound).any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,path", PATHS[1:], ids=PATH_IDS[1:])
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
-def test_a_fresh_adapter_leaves_the_linear_unchanged_bit_for_bit(dtype, kind, grad):
+def test_a_fresh_adapter_leaves_the_linear_unchanged_bit_for_bit(dtype, path, kind, grad, base_path):
     """B = 0 and m = the row norms the first ‖W + s·B·A‖ gives (g = 1 exactly): the adapter adds exact
-    zeros to the layer's own F.linear, so the output is the original nn.Linear's, bit for bit."""
+    zeros to the layer's base term, so the output is the original nn.Linear's, bit for bit (on the
+    fp32-sums path: the same F.linear in fp32 from the same bf16 values, rounded once)."""
+    base_path(path)
     torch.manual_seed(0)
     lin = nn.Linear(576, 1536, bias=True).to(dtype)
     x = torch.randn(33, 576, dtype=dtype)
     with torch.no_grad():
-        want = lin(x)
+        want = lin(x) if path == "native" else \
+            nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float()).to(dtype)
     layer = DenseLinear.from_linear(lin)
     layer.attach_adapter(kind, r=8, alpha=16)
     with torch.set_grad_enabled(grad):
         y = layer(x)
     assert y.dtype == want.dtype and torch.equal(y, want), (y.float() - want.float()).abs().max()
+
+
+def test_the_base_path_follows_the_extension():
+    """fp32 sums exactly where the extension says bf16 GEMMs are not native on this CPU."""
+    from fasttrain.ops.nf4_linear import _cpu_bf16_compute
+    x, w = torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16)
+    assert dl.fp32_base(x, w) == (not _cpu_bf16_compute())
+    assert not dl.fp32_base(x.float(), w.float())
+
+
+def test_fp32_sums_base_matches_float64(base_path):
+    """The fp32-sums base of a bf16 layer (forward and the gradient to x, both rounded once to bf16)
+    against float64 from the same bf16 values: |err| <= u_bf16·|y| + γ_K(u_fp32)·(|x|·|W|ᵀ) forward,
+    K = in_features, and the same with N = out_features for dy·W. It must also be closer than the
+"""
+    base_path("fp32")
+    torch.manual_seed(0)
+    M, K, N = 9, 576, 1536
+    w = torch.randn(N, K, dtype=torch.bfloat16) * 0.05
+    b = torch.randn(N, dtype=torch.bfloat16)
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    y = dl.dense_linear(x, w, b)
+    assert y.dtype == torch.bfloat16
+    dy = torch.randn(M, N, dtype=torch.bfloat16)
+    y.backward(dy)
+    d = torch.float64
+    ref = x.detach().to(d) @ w.to(d).T + b.to(d)
+    mag = x.detach().to(d).abs() @ w.to(d).abs().T + b.to(d).abs()
+    bound = U[torch.bfloat16] * ref.abs() + gamma(K + 1, U[torch.float32]) * mag
+    assert ((y.to(d) - ref).abs() <= bound).all()
+    gref = dy.to(d) @ w.to(d)
+    gmag = dy.to(d).abs() @ w.to(d).abs()
+    gbound = U[torch.bfloat16] * gref.abs() + gamma(N, U[torch.float32]) * gmag
+    assert ((x.grad.to(d) - gref).abs() <= gbound).all()
+    # the rollout's no-grad form: the same sums, the head's slices (rows > UPCAST_ROWS)
+    wide = torch.randn(dl.UPCAST_ROWS + 100, K, dtype=torch.bfloat16)
+    logits = dl.linear_bf16_as_fp32(x.detach(), wide, torch.float32)
+    lref = x.detach().to(d) @ wide.to(d).T
+    lbound = gamma(K, U[torch.float32]) * (x.detach().to(d).abs() @ wide.to(d).abs().T)
+    assert logits.dtype == torch.float32 and ((logits.to(d) - lref).abs() <= lbound).all()
 
 
 def test_surgery_shares_the_weights_and_adapters_off_is_the_plain_model():

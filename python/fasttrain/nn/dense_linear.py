@@ -6,8 +6,12 @@ Forward, in PEFT's arrangement of the same math y = g ⊙ (x·Wᵀ + s·x·Aᵀ�
   LoRA:  y = base + s·(x·Aᵀ)·Bᵀ
   DoRA:  y = base + (g − 1)·(base − bias) + g·s·(x·Aᵀ)·Bᵀ,   g = m / ‖W + s·B·A‖_row (detached)
 the adapter terms and the sum in fp32 (fp64 for an fp64 model), rounded once to the model's dtype.
-The base term is bit for bit the original nn.Linear's (so adapters off is the model itself), and a
-fresh adapter (B = 0, and for DoRA m = the same row norms the first ‖·‖ gives, so g = 1 exactly)
+The base term is the layer's own F.linear (so adapters off is the model itself), except for a bf16
+model on a CPU without native bf16 GEMMs (no avx512_bf16, or ATen below AVX512: the same answer as
+fasttrain._C.cpu_has_bf16): there ATen's bf16 GEMM runs about 60x below its fp32 one (0.6 against
+36 GFLOP/s at 1024^3 on a 2-core AVX2 EPYC), so the base is x·Wᵀ computed in fp32 from the bf16
+values (exact products, fp32 sums) and kept in fp32 until the one rounding; its backward to x is
+the fp32 product dy·W rounded once, and nothing but the frozen W is saved for it. A fresh adapter (B = 0, and for DoRA m = the same row norms the first ‖·‖ gives, so g = 1 exactly)
 adds exact zeros: the output is unchanged bit for bit. DoRA's row norm is formed explicitly,
 W + s·B·A in fp32 a block of rows at a time (bounded scratch), and cached until A or B change.
 What it is not: a quantized layer (NF4Linear) or a kernel of its own; every product is ATen's.
@@ -20,7 +24,8 @@ from torch import nn
 
 from fasttrain.nn.adapted_linear import AdaptedLinear
 
-__all__ = ["DenseLinear", "dense_linear", "dense_dora_norm", "NORM_BLOCK_ELEMENTS"]
+__all__ = ["DenseLinear", "dense_linear", "dense_dora_norm", "base_term", "cpu_bf16_native", "fp32_base",
+           "linear_bf16_as_fp32", "rollout_head", "Fp32Head", "NORM_BLOCK_ELEMENTS"]
 
 # Rows of W + s·B·A formed at once for DoRA's norm: 2^22 fp32 elements = 16 MiB of scratch.
 NORM_BLOCK_ELEMENTS = 1 << 22
@@ -28,6 +33,98 @@ NORM_BLOCK_ELEMENTS = 1 << 22
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_NATIVE_BF16: bool | None = None
+
+
+def cpu_bf16_native() -> bool:
+    """Whether bf16 GEMMs on this CPU run natively (fasttrain._C.cpu_has_bf16; False without the
+    extension, the safe answer: fp32 sums are never less exact)."""
+    global _NATIVE_BF16
+    if _NATIVE_BF16 is None:
+        try:
+            from fasttrain.ops.nf4_linear import _cpu_bf16_compute
+            _NATIVE_BF16 = _cpu_bf16_compute()
+        except (ImportError, OSError, RuntimeError):
+            _NATIVE_BF16 = False
+    return _NATIVE_BF16
+
+
+def fp32_base(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the base term x·Wᵀ is computed in fp32 (see the module header)."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and not cpu_bf16_native())
+
+
+class _Fp32Base(torch.autograd.Function):
+    """x·Wᵀ + bias in fp32 from bf16 x and W (returned in fp32); W and bias frozen."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        ctx.x_dtype = x.dtype
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+    @staticmethod
+    def backward(ctx, dy):
+        (weight,) = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy.float() @ weight.float()).to(ctx.x_dtype)
+        return dx, None, None
+
+
+# Rows of a bf16 weight upcast at once by `linear_bf16_as_fp32` (4096 x 576 fp32 = 9 MiB for SmolLM2's
+# head): the fp32 copy of a 49152-row head would add 113 MiB to the rollout's peak; in slices it adds
+# one slice, and the product runs at the fp32 rate (43 ms against 62 ms for bf16 on 16 rows, 2-core AVX2).
+UPCAST_ROWS = 4096
+
+
+@torch.no_grad()
+def linear_bf16_as_fp32(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x·Wᵀ for the rollout (no autograd) where `fp32_base(x, weight)`: fp32 sums from the bf16
+    values, W upcast UPCAST_ROWS rows at a time; rounded to `out_dtype` (default x.dtype)."""
+    xf = x.float()
+    n = weight.shape[0]
+    if n <= UPCAST_ROWS:
+        return F.linear(xf, weight.float()).to(out_dtype or x.dtype)
+    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype or x.dtype, device=x.device)
+    for i in range(0, n, UPCAST_ROWS):
+        out[..., i:i + UPCAST_ROWS] = F.linear(xf, weight[i:i + UPCAST_ROWS].float())
+    return out
+
+
+class Fp32Head(nn.Module):
+    """A rollout's view of a bias-free bf16 head (lm_head) that returns fp32 logits computed in fp32
+    on a CPU without native bf16 GEMMs (`linear_bf16_as_fp32`), else the head itself, cast to fp32."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        w = getattr(self.head, "weight", None)
+        if isinstance(self.head, nn.Linear) and self.head.bias is None and w is not None and fp32_base(h, w):
+            return linear_bf16_as_fp32(h, w, torch.float32)
+        return self.head(h)
+
+
+def rollout_head(head: nn.Module) -> nn.Module:
+    """The head a rollout decoder calls: `Fp32Head(head)` where a bf16 head on the CPU would run
+    ATen's slow bf16 GEMM, else `head` unchanged."""
+    w = getattr(head, "weight", None)
+    if (isinstance(head, nn.Linear) and head.bias is None and w is not None and w.device.type == "cpu"
+            and w.dtype == torch.bfloat16 and not cpu_bf16_native()):
+        return Fp32Head(head)
+    return head
+
+
+def base_term(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's base x·Wᵀ + bias: in fp32 where `fp32_base` says so, else F.linear in x.dtype."""
+    if fp32_base(x, weight):
+        return _Fp32Base.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 @torch.no_grad()
@@ -52,9 +149,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     Autograd: x, lora_a, lora_b, dora_m."""
     if (lora_a is None) != (lora_b is None) or (dora_m is not None and lora_a is None):
         raise ValueError("dense_linear: lora_a and lora_b go together, and dora_m needs them")
-    base = F.linear(x, weight, bias)
+    base = base_term(x, weight, bias)
     if lora_a is None:
-        return base
+        return base.to(x.dtype)
     ct = _compute_dtype(x.dtype)
     lora = F.linear(F.linear(x.to(ct), lora_a.to(ct)), lora_b.to(ct)) * scale
     if dora_m is None:

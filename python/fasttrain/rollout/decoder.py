@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fasttrain.nn.dense_linear import fp32_base, linear_bf16_as_fp32, rollout_head
+
 
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -40,7 +42,7 @@ class LlamaFamilyDecoder:
         cfg = model.config
         self.model = model
         self.embed, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
-        self.rotary, self.lm_head = base.rotary_emb, model.lm_head
+        self.rotary, self.lm_head = base.rotary_emb, rollout_head(model.lm_head)
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
@@ -185,7 +187,7 @@ class LlamaFamilyDecoder:
         w = self.weights.fused(mods) if len(mods) > 1 else self.weights.linear(mods[0])
         if w is None:
             return tuple(m(h) if len(mods) == 1 else self._project(h, (m,))[0] for m in mods)
-        y = F.linear(h, w)
+        y = linear_bf16_as_fp32(h, w) if fp32_base(h, w) else F.linear(h, w)
         outs = y.split([m.out_features for m in mods], dim=-1) if len(mods) > 1 else (y,)
         return tuple(o if m.bias is None else o + m.bias for o, m in zip(outs, mods))
 

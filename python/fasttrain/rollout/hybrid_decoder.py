@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fasttrain.nn.dense_linear import rollout_head
 from fasttrain.ops.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_rule, gated_delta_step_
 
 from .decoder import LlamaFamilyDecoder, _rotate_half
@@ -67,7 +68,7 @@ class HybridDecoder(LlamaFamilyDecoder):
             raise ValueError(f"sample: model {type(model).__name__} is not a Qwen3.5 hybrid causal LM")
         self.model = model
         self.embed, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
-        self.rotary, self.lm_head = base.rotary_emb, model.lm_head
+        self.rotary, self.lm_head = base.rotary_emb, rollout_head(model.lm_head)
         self.kinds = list(cfg.layer_types)
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
