@@ -133,6 +133,29 @@ def _compute_bytes(m: ModelShape, dev: Device) -> int:
     return 2 if (w == 2 and dev.cpu_bf16) else 4
 
 
+def fp32_sums(m: ModelShape, dev: Device) -> bool:
+    """A bf16 model on a CPU without native bf16 GEMMs: its 16-bit products (DenseLinear's base, the
+    dense rollout copy, the rollout's head) sum in fp32 from upcast bf16 values (fasttrain.nn.dense_linear)."""
+    return dev.kind == "cpu" and m.w == 2 and not dev.cpu_bf16
+
+
+def _upcast(m: ModelShape, dev: Device, rows: int, dense: bool, head: bool = False) -> int:
+    """The transient of one such fp32-sums product over `rows` token rows: the weight upcast to fp32,
+    the rows' fp32 copy and the fp32 output (the dense copy's fused q/k/v and gate/up weights, else
+    each 16-bit projection; NF4 layers run their own kernel); `head`: the rollout's head in slices
+    of UPCAST_ROWS weight rows into fp32 logits. 0 where the products run natively."""
+    if not fp32_sums(m, dev):
+        return 0
+    from fasttrain.nn.dense_linear import UPCAST_ROWS
+    H, I = m.hidden, m.intermediate
+    qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    groups = [(qd + 2 * kd, H), (2 * I, H), (H, I), (H, qd)] if dense else \
+        (m.projections if m.quantize == "none" else [])
+    proj = max((o * i * 4 + rows * (i + o) * 4 for o, i in groups), default=0)
+    chunk = min(m.vocab, UPCAST_ROWS)
+    return max(proj, chunk * H * 4 + rows * (chunk + H) * 4 if head else 0)
+
+
 def _live_output_bytes(m: ModelShape, dev: Device) -> int:
     """Bytes per element of a projection's output while a layer's other locals are live: the NF4
     kernel's compute dtype. A 16-bit base's fp32 adapter temporaries live only inside one projection
@@ -339,7 +362,8 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     small = L * 2 * c * m.kv_heads * P * D * w + c * m.state_bytes
     masks = 2 * P * P + 2 * c * P * P
     prefill = small + masks + c * P * H * w + 2 * n * S * rot * w + n * H * w + \
-        lay.prefill_layer_peak(m, c, P, _live_output_bytes(m, dev), dense) + c * V * (w + 4)
+        lay.prefill_layer_peak(m, c, P, _live_output_bytes(m, dev), dense) + c * V * (w + 4) + \
+        _upcast(m, dev, c, dense, head=True)
     sampling, step = _decode_step(m, dev, B, S, dense)
     decode = rope_b + sampling + step
     # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64)
@@ -379,7 +403,10 @@ def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tup
     elif dev.kind == "cpu":
         tile = max(min(o, max(8, CPU_DECODE_TILE // (i * c))) * i * c for o, i in m.projections)
         step += dev.threads * tile + 2 * B * max(o for o, _ in m.projections) * c
-    return sampling, step
+    # an fp32-sums product's transient: inside a projection while the layer's locals live, or in
+    # the head after the layers, when only the step's hidden rows are left
+    up = _upcast(m, dev, B, dense)
+    return sampling, max(step + up, B * H * w + _upcast(m, dev, B, dense, head=True))
 
 
 def _prefix_shape(s: RunShape) -> tuple[int, int, int, int]:
