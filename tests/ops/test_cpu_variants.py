@@ -199,6 +199,33 @@ def test_no_avx512_or_avx_instruction_outside_its_variant():
     assert {"evex", "zmm"} <= held["avx512"] and "vex" in held["avx2"] and "evex" not in held["avx2"], held
 
 
+def out_of_line_math(funcs: dict) -> list[str]:
+    """The functions of csrc/core/math.h (namespace fasttrain::math) that the module holds as code of
+    their own: each is a few instructions of a kernel's inner loop, meant to be inlined (FT_HD), and
+    a call per element keeps the loop from vectorizing."""
+    def own_name(name: str) -> str:            # "float a::b<float, int>(float)" -> "a::b"
+        depth, bare = 0, []
+        for ch in name.split(" [clone")[0]:
+            depth += ch == "<"
+            if depth == 0:
+                bare.append(ch)
+            depth -= ch == ">"
+        return "".join(bare).split("(")[0].split(" ")[-1]
+    return sorted({f["name"] for f in funcs.values() if own_name(f["name"]).startswith("fasttrain::math::")})
+
+
+def test_the_kernels_inner_math_is_inlined():
+    """The check can fail (a made-up disassembly with an out-of-line math function is flagged), and on
+    the built module no fasttrain::math function is left out of line in any variant."""
+    fake = ("0000000000001000 <float fasttrain::math::cpu_avx2::gdr_decayed<float>(float, float)>:\n"
+            "    1000:\tc5 fa 59 c1          \tvmulss %xmm1,%xmm0,%xmm0\n"
+            "0000000000002000 <fasttrain::cpu_avx2::nf4_linear_cpu(...)>:\n"
+            "    2000:\tc5 fc 10 07          \tvmovups (%rdi),%ymm0\n")
+    assert out_of_line_math(functions(fake)) == ["float fasttrain::math::cpu_avx2::gdr_decayed<float>(float, float)"]
+    left = out_of_line_math(functions(_disassembly()))
+    assert not left, "fasttrain::math functions compiled out of line:\n" + "\n".join(left[:20])
+
+
 def _run_variant_check(capability: str) -> dict:
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": os.pathsep.join(sys.path)}
     p = subprocess.run([sys.executable, str(HERE / "variant_check.py")], env=env, capture_output=True, text=True,
