@@ -7,3 +7,4 @@
 #include "cuda/policy_loss.cu"
 #include "cuda/nf4_linear.cu"
 #include "cuda/gated_delta.cu"
+#include "cuda/moe_experts.cu"

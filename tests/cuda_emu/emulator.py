@@ -24,7 +24,8 @@ import torch
 # DoRA norm kernel have their own entry points, defined by the module itself).
 MIRRORED = ("nf4_quantize", "nf4_dequantize", "blockwise8_quantize", "blockwise8_dequantize",
             "fused_logprob_forward", "fused_logprob_backward_weight", "policy_loss", "policy_loss_backward",
-            "gated_delta_forward", "gated_delta_backward", "gated_delta_decode_")
+            "gated_delta_forward", "gated_delta_backward", "gated_delta_decode_", "moe_experts",
+            "moe_experts_backward")
 # (name, order, seed): order 0 runs threads and blocks in order, 1 in reverse, 2 shuffled from the seed.
 SCHEDULES = {"forward": (0, 1), "reverse": (1, 1), "seeded": (2, 20261201)}
 TWO_SCHEDULES = ("forward", "seeded")

@@ -16,17 +16,24 @@ On the CPU the op is fasttrain's kernel (csrc/cpu/moe_experts.cpp): the (token, 
 grouped by expert by a counting sort inside the op, each expert's weight decoded a tile of rows at
 a time inside the matmul (never a dequantised expert), the SwiGLU taken on each gate/up tile, the
 routing weights and the k-slot sum applied per token at the end; its backward (to x, the routing
-weights and the LoRA factors) decodes the weights again. Elsewhere (CUDA, until its kernel comes)
-it is the torch form: the N·k pairs sorted by expert, and each expert that received tokens runs its
-two projections over its rows, through fasttrain.ops.nf4_linear for an NF4 stack or F.linear for a
+weights and the LoRA factors) decodes the weights again. On CUDA tensors it is fasttrain's CUDA
+kernel (csrc/cuda/kernels/moe_experts.cuh): the same op with the grouping, the NF4 decode inside the
+grouped projections, the fused SwiGLU and the factorised LoRA on the device, no host sync, computing
+in float32 (x float32/float16/bfloat16, stacks NF4 or float32/float16/bfloat16). The torch form is
+the fallback: the N·k pairs sorted by expert, and each expert that received tokens runs its two
+projections over its rows, through fasttrain.ops.nf4_linear for an NF4 stack or F.linear for a
 16-bit one, the outputs weighted and added back per token in float32; one host sync per call (the
-tokens per expert). Under torch.compile (the compiled decode step) it runs eagerly, a graph
+tokens per expert). It runs on any other device, on CUDA when fasttrain._C_cuda is missing or was
+built without this kernel, for float64 or a float64 stack on CUDA, for stacks of different NF4
+blocksizes, and whenever FASTTRAIN_MOE_CUDA=torch is set (read at every call; "kernel", the
+default, or "torch"). Under torch.compile (the compiled decode step) it runs eagerly, a graph
 break per MoE layer: traced, the torch form's loop over the experts that got tokens would
 recompile the step for every new pattern of active experts. fasttrain.ops.reference.moe_experts is
 the float64 oracle (every (token, expert) pair computed on its own).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +48,9 @@ from fasttrain.ops.nf4_linear import nf4_linear
 _load()
 _ops = torch.ops.fasttrain
 
-__all__ = ["ExpertStack", "moe_experts"]
+__all__ = ["ExpertStack", "moe_experts", "CUDA_FORM_VAR"]
+CUDA_FORM_VAR = "FASTTRAIN_MOE_CUDA"  # "kernel" (the default) or "torch": what CUDA tensors run
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -170,16 +179,27 @@ def moe_experts(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: to
     if _use_reference():
         return _reference.moe_experts(x, expert_index, routing_weights, gate_up, down, gate_up_lora, down_lora,
                                       scale)
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" or (x.device.type == "cuda" and _cuda_kernel_runs(x, gate_up, down)):
         return _moe_experts_kernel(x, expert_index, routing_weights, gate_up, down, gate_up_lora, down_lora, scale)
     return moe_experts_torch(x, expert_index, routing_weights, gate_up, down, gate_up_lora, down_lora, scale)
+
+
+def _cuda_kernel_runs(x: torch.Tensor, gate_up: ExpertStack, down: ExpertStack) -> bool:
+    """Whether CUDA tensors go to fasttrain's CUDA kernel (the module header says when they do not)."""
+    form = os.environ.get(CUDA_FORM_VAR, "kernel").strip().lower() or "kernel"
+    if form not in ("kernel", "torch"):
+        raise ValueError(f"{CUDA_FORM_VAR}={form!r}: allowed values are 'kernel' (fasttrain's CUDA kernel, the "
+                         f"default) and 'torch' (the torch form)")
+    if form == "torch" or not torch._C._dispatch_has_kernel_for_dispatch_key("fasttrain::moe_experts", "CUDA"):
+        return False
+    return x.dtype in _CUDA_DTYPES and all(s.nf4 or s.weight.dtype in _CUDA_DTYPES for s in (gate_up, down))
 
 
 def moe_experts_torch(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: torch.Tensor,
                       gate_up: ExpertStack, down: ExpertStack, gate_up_lora=None, down_lora=None,
                       scale: float = 1.0) -> torch.Tensor:
-    """The torch form of moe_experts (see the module header): the fallback off the CPU, and the
-    tests' second implementation."""
+    """The torch form of moe_experts (see the module header): the fallback where no kernel runs, and
+    the tests' second implementation."""
     N, k = expert_index.shape
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     flat = expert_index.reshape(-1)
