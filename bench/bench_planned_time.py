@@ -2,6 +2,11 @@
 
     python bench/bench_planned_time.py                 # the tiny model (seconds)
     python bench/bench_planned_time.py --all           # plus the demo and the study shape on SmolLM2-135M
+    python bench/bench_planned_time.py --long 1024,2048,4096
+        # long answers: SmolLM2-135M's widths (2 of 30 layers) and the benchmark hybrid's (4 of 16:
+        # 3 Gated DeltaNet + 1 gated attention), random weights, 1 prompt x 2 answers run to the end,
+        # prompt padded to 200 tokens, micro-batch 2, two passes, float32, NF4 + LoRA r32: the shapes
+        # whose memory tools/plan_check.py and tests/plan check; here their seconds
 
 How it is measured, and why: the plan times each phase from rates measured on the host
 (fasttrain.host_rates: matmul, bandwidth, attention, sampling, per-layer framework costs on a
@@ -46,9 +51,10 @@ GOAL = 0.30
 PHASES = {"rollout": "sample_answers", "scores": "score_batch", "update": "update_policy"}
 
 
-def planned_vs_measured(trainer, label: str, steps: int = 1) -> dict:
-    """Planned and measured CPU seconds, per phase and in all, of steps 2 .. steps + 1, each step
-    planned at its own prompt length."""
+def planned_vs_measured(trainer, label: str, steps: int = 1, warm: bool = True) -> dict:
+    """Planned and measured CPU seconds, per phase and in all, of steps 2 .. steps + 1 (1 .. steps
+    without `warm`: at long answers the first step's one-time costs are a small share of minutes of
+    decoding, and a warm-up step would double the run), each step planned at its own prompt length."""
     import fasttrain.train.answers as answers
     import fasttrain.train.trainer as tr_mod
     from fasttrain.host_rates import measure
@@ -72,17 +78,19 @@ def planned_vs_measured(trainer, label: str, steps: int = 1) -> dict:
         for phase, attr in PHASES.items():
             stack.enter_context(mock.patch.object(tr_mod, attr, clocked(phase, getattr(tr_mod, attr))))
         trainer._setup()
-        trainer._train_step(1)
+        first = 2 if warm else 1
+        if warm:
+            trainer._train_step(1)
         rates = measure("cpu", clock=time.process_time)          # right before the steps it predicts
         cpu.clear()
         measured = 0.0
-        for step in range(2, steps + 2):
+        for step in range(first, steps + first):
             t = time.process_time()
             trainer._train_step(step)
             measured += time.process_time() - t
     cfg = trainer.cfg
     planned, by_phase = 0.0, dict.fromkeys(PHASES, 0.0)
-    for step in range(2, steps + 2):
+    for step in range(first, steps + first):
         ids = prompt_token_ids(trainer.tokenizer, trainer.env, trainer._prompts_for_step(step), cfg.rollout.answer_prefix)
         shape = run_shape(cfg, max(len(i) for i in ids))
         plan = make_plan(trainer.model.config, shape, replace(gpu_spec("cpu"), rates=rates), name=label,
@@ -129,6 +137,34 @@ def study_case(out: Path):
     return Trainer(cfg, progress=False), "study shape", 1
 
 
+def long_case(model: str, layers: int, new: int):
+    """(a factory of) the long-answer case: tools/plan_check.py's model and world at `new` tokens."""
+    def make(out: Path):
+        sys.path.insert(0, str(ROOT / "tools"))
+        import padded_world
+        import plan_check
+        from fasttrain.train import Trainer, load_config
+
+        plan_check.ARGS.update(model=model, device="cpu", layers=layers, context=200 + new + 64)
+        padded_world.PADDING = " x" * 30        # prompts of about 200 tokens, as tools/plan_check.py pads them
+        sys.modules.setdefault("plan_check", plan_check)
+        cfg = load_config({
+            "run": {"name": "long", "seed": 7, "steps": 1, "out": str(out), "device": "cpu", "threads": 1},
+            "policy": {"model": "plan_check:policy", "dtype": "float32", "rank": 32, "alpha": 64.0},
+            "env": {"name": "padded_world:make_env"},
+            "rollout": {"prompts_per_step": 1, "group_size": 2, "max_new_tokens": new},
+            "advantages": {"priorities": {"core": 3.0}, "floor": -1e9},
+            "loss": {"kind": "cispo", "repo_r": True, "passes": 2, "token_mask": "all"},
+            "optim": {"micro_batch": 2}, "probe": {"every": 0}})
+        return Trainer(cfg, progress=False), f"{model} ({layers} layers), {new} new tokens", 1
+    make.__name__ = f"long_{model}_{new}"
+    make.warm = False
+    return make
+
+
+LONG = (("smollm2-135m", 2), ("qwen3.5-bench-100m", 4))
+
+
 def table(res: dict) -> list[str]:
     ratio = res["planned"] / res["measured"]
     lines = [f"### {res['label']}: {res['shape']}, one thread, CPU seconds of {res['steps']} step(s)", "",
@@ -143,16 +179,19 @@ def table(res: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--all", action="store_true", help="also the demo and the study shape on SmolLM2-135M")
+    ap.add_argument("--long", default="", help="comma-separated new-token counts: only the long-answer cases")
     args = ap.parse_args()
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
     out = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {machine_name()}, "
            f"load average {load:.1f} at the start (cores: {os.cpu_count()})", ""]
     cases = [tiny_case] + ([demo_case, study_case] if args.all else [])
+    if args.long:
+        cases = [long_case(m, n, int(t)) for t in args.long.split(",") for m, n in LONG]
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             trainer, label, steps = case(Path(tmp) / case.__name__)
-            lines = table(planned_vs_measured(trainer, label, steps))
+            lines = table(planned_vs_measured(trainer, label, steps, warm=getattr(case, "warm", True)))
             print("\n".join(lines), flush=True)
             out += lines
     path = RESULTS / f"{machine_name()}-{dt.date.today().isoformat()}-planned-time.md"
