@@ -21,6 +21,7 @@ them; u_a otherwise):
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -163,5 +164,7 @@ def moe_cases(dev, quick: bool):
     if not quick:
         cases += [_case(dev, 50, 128, 64, 9, 4, 8, torch.float32, True, seed=1),
                   _case(dev, 50, 128, 64, 9, 4, 0, torch.bfloat16, False, seed=2)]
-    impl = "moe_experts:kernel" if dev.type == "cpu" else "moe_experts:torch"
+    on_cuda_kernel = dev.type == "cuda" and os.environ.get("FASTTRAIN_MOE_CUDA", "kernel").strip().lower() != "torch" \
+        and torch._C._dispatch_has_kernel_for_dispatch_key("fasttrain::moe_experts", "CUDA")
+    impl = "moe_experts:kernel" if dev.type == "cpu" or on_cuda_kernel else "moe_experts:torch"
     return [(name, run, impl) for name, run in cases]
