@@ -194,7 +194,7 @@ def worker_trl(a, seed: int, algo: str, out: Path) -> dict:
 def first_step_fasttrain(a, seed: int) -> list[float]:
     """fasttrain's answers to the prompts of steps 1..a.steps, all from the base policy (no update):
     the core reward's mean per prompt, in fasttrain's prompt order."""
-    from fasttrain.train.answers import score_answers
+    from fasttrain.train.answers import answer_token_ids, score_answers
     from fasttrain.train.trainer import Trainer
     torch_threads(a.threads)
     tr = Trainer(fasttrain_config(a, seed, "cispo", tempfile.mkdtemp(prefix="first-step-")), progress=False)
@@ -203,7 +203,8 @@ def first_step_fasttrain(a, seed: int) -> list[float]:
     for step in range(1, a.steps + 1):
         prompts = tr._prompts_for_step(step)
         roll, texts = tr._sample(step, prompts, 0, len(prompts), None)
-        scores = score_answers(tr.env, [p for p in prompts for _ in range(a.group)], texts, "train", record=False)
+        scores = score_answers(tr.env, [p for p in prompts for _ in range(a.group)], texts, "train", record=False,
+                               completion_ids=answer_token_ids(roll))      # the `concise` reward reads them
         core = [s.channels[TASK["core"]] for s in scores]
         means += [statistics.fmean(core[i * a.group:(i + 1) * a.group]) for i in range(len(prompts))]
     tr.env.close()
