@@ -31,20 +31,26 @@ install: $(STAMP)
 build: $(STAMP)
 	$(PY) setup.py --quiet build_ext --inplace
 
+# pytest-xdist workers for the test targets: a test file runs whole on one worker (its module-scoped
+# fixtures are built once), and each worker runs torch on cores / TEST_WORKERS threads
+# (tests/conftest.py). TEST_WORKERS=0 runs in this one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 # The whole suite at the host's best CPU kernels, then the numeric tests under each lower
 # ATEN_CPU_CAPABILITY the host supports (tools/test_numeric_capabilities.sh says why).
 test: build
-	$(PY) -m pytest -q --ignore=tests/cuda_trace
-	# in a process of its own: its stand-ins for the GPU packages would stay in transformers' kernel lookups
-	$(PY) -m pytest -q tests/cuda_trace
-	bash tools/test_numeric_capabilities.sh $(PY)
+	$(PY) -m pytest -q $(XDIST) --ignore=tests/cuda_trace
+	# in processes of their own: its stand-ins for the GPU packages would stay in transformers' kernel lookups
+	$(PY) -m pytest -q $(XDIST) tests/cuda_trace
+	bash tools/test_numeric_capabilities.sh $(PY) $(XDIST)
 
 # The CUDA emulator's tests under AddressSanitizer + UBSan (a separate build of fasttrain._C_emu).
 test-emu-asan: $(STAMP)
 	bash tools/test_emu_asan.sh $(PY)
 
 test-fast: build
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 # The pip path: sdist + wheel (CPU kernels; FASTTRAIN_CUDA=1 adds the CUDA module) into dist/.
 wheel: $(STAMP)

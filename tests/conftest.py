@@ -1,6 +1,16 @@
+import os
+
 import pytest
 import torch
 from hypothesis import settings
+
+# `make test` runs the suite in pytest-xdist workers (-n 2); each worker takes an equal share of the
+# cores for torch's intra-op threads (2 workers on 2 cores: one thread each), so the workers do not
+# oversubscribe the machine. Tests that need more threads set them themselves and restore them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+_WORKER_THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS) if _WORKERS else None
+if _WORKER_THREADS:
+    torch.set_num_threads(_WORKER_THREADS)
 
 # hypothesis' default deadline (200 ms per example) is a wall-clock bound: a loaded machine fails it
 # with correct code. No example has a deadline here; speed is measured in bench/.
@@ -20,6 +30,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    if _WORKER_THREADS:       # a test that set run.threads (the trainer keeps it) does not pass it on
+        torch.set_num_threads(_WORKER_THREADS)
 
 
 @pytest.fixture
