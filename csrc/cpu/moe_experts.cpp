@@ -263,11 +263,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                    down_absmax, blocksize, intermediate, gu_a, gu_b, dn_a, dn_b);
   const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t N = a.N, H = a.H, I = a.I, k = a.k, P = N * k, E = a.E;
-  FT_CHECK_ARG(dy_.dim() == 2 && dy_.size(0) == N && dy_.size(1) == H, op, "dy", "must be [", N, ", ", H, "], got ",
-               dy_.sizes());
-  FT_CHECK_ARG(order.numel() == P && offsets.numel() == E + 1 && h.numel() == P * 2 * I && out.numel() == P * H &&
-                   h.scalar_type() == ct && out.scalar_type() == ct,
-               op, "order/offsets/h/out", "must be the forward's saved tensors (run it with save=True)");
+  check_moe_backward_args(op, a, dy_, order, offsets, h, out, ct);
   const bool need_x = mask[0], need_w = mask[1], need_lora = mask[2];
   const Stack gu = make_stack(gate_up, gate_up_absmax, 2 * I, H, blocksize);
   const Stack dn = make_stack(down, down_absmax, H, I, blocksize);
