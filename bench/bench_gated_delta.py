@@ -5,8 +5,10 @@ repetitions, medians), at the shapes of the benchmark hybrid (models/configs/qwe
 2 q/k heads, 6 value heads, head dims 128).
 
 Cases: the update's forward + backward of a prompt from a zero state and of a micro-batch of answers
-continuing from their prompt's state (gradients for q, k, v, g, beta and the initial state), and one
-decode step of a batch of 48 rows (fasttrain's in place on the cache's state).
+continuing from their prompt's state (gradients for q, k, v, g, beta and the initial state); the
+same without gradients (the rollout's prefill of 4 prompts from a zero state, the scores' forward
+of 12 answers from their prompt's state); and one decode step of a batch of 48 rows (fasttrain's
+in place on the cache's state).
 Floor of the decode step: the float32 state, 48 x 6 x 128 x 128 x 4 B = 18.9 MB per layer, read
 twice and written once by the kernel (the minimum is once each).
 
@@ -101,6 +103,24 @@ def main(argv=None) -> int:
         t = side_by_side({"fasttrain": fwd_bwd(fasttrain_rule("fused"), xs),
                           "torch chunked": fwd_bwd(fasttrain_rule("torch"), xs),
                           "transformers": fwd_bwd(hf_rule, xs)}, reps)
+        print(f"{name} B={B} T={T}: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in t.items())
+              + f"; fasttrain / transformers {t['fasttrain'] / t['transformers']:.2f}x, "
+              f"/ torch chunked {t['fasttrain'] / t['torch chunked']:.2f}x", flush=True)
+        rows += [row("gated_delta", f"{name} B={B} T={T}", k, "seconds", v, "s") for k, v in t.items()]
+    # no gradient: the rollout's prefill (prompts from a zero state) and the scores' forward (answers
+    # continuing from their prompt's state)
+    nograd = [("prefill no-grad", 2 if a.quick else 4, 32 if a.quick else 300, False),
+              ("answers no-grad", 4 if a.quick else 12, 16 if a.quick else 64, True)]
+    for name, B, T, state in nograd:
+        xs = inputs(B, T, state, grad=False)
+
+        def fwd(fn):
+            def go():
+                with torch.no_grad():
+                    fn(*xs)
+            return go
+        t = side_by_side({"fasttrain": fwd(fasttrain_rule("fused")), "torch chunked": fwd(fasttrain_rule("torch")),
+                          "transformers": fwd(hf_rule)}, reps)
         print(f"{name} B={B} T={T}: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in t.items())
               + f"; fasttrain / transformers {t['fasttrain'] / t['transformers']:.2f}x, "
               f"/ torch chunked {t['fasttrain'] / t['torch chunked']:.2f}x", flush=True)

@@ -5,8 +5,8 @@ MoE layer (hidden 2048, moe_intermediate 768, 128 experts, top-8) scaled down by
 CPU (hidden, intermediate and experts divided by it; top-k kept). Forward (no gradients: the
 rollout) and forward + backward (gradients to x and the LoRA factors: the update), at a decode
 token count and an update token count; time (median of interleaved repetitions, so every
-contender sees the same contention) and peak memory above the inputs (the process's peak resident
-set, reset before each measured call through /proc/self/clear_refs), side by side.
+contender sees the same contention) and peak memory above the inputs (the peak of the live bytes the
+CPU allocator hands out during one call, from the profiler's memory events), side by side.
 
     python bench/bench_moe.py [--scale 4] [--quick] [--csv bench/results/moe_cpu.csv]
 
@@ -39,20 +39,25 @@ QWEN3_30B_A3B = dict(hidden=2048, intermediate=768, experts=128, top_k=8)
 
 
 # ---- measuring -------------------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def peak_mib(fn) -> float:
-    """Peak resident memory (MiB) that one call of fn adds to what the process holds before it."""
+    """Peak live bytes (MiB) that one call of fn allocates above what is live before it: the running
+    sum of the CPU allocator's events (torch.profiler, profile_memory) over the call, which sees every
+    tensor torch allocates, fasttrain's kernel's scratch included, and tensors freed and reallocated
+    alike. (The process's resident-set peak cannot: freed blocks stay mapped in malloc's arenas and
+    are reused, so a second call adds nothing to it.) The CPU autograd engine runs the backward on
+    the calling thread, which the profiler records."""
+    from torch.profiler import ProfilerActivity, profile
     gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")   # resets VmHWM to the current resident size
-    base = _status_kib("VmRSS")
-    fn()
-    return (_status_kib("VmHWM") - base) / 1024
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        prof.toggle_collection_dynamic(False, [ProfilerActivity.CPU])   # allocator events only
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nb in events:
+        live += nb
+        peak = max(peak, live)
+    return peak / 2**20
 
 
 def side_by_side(fns: dict, reps: int) -> dict[str, float]:

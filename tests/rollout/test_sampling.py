@@ -247,3 +247,35 @@ def test_groups_draw_their_noise_side_by_side_with_the_same_values():
         assert torch.equal(runs[1].completion_ids, runs[2].completion_ids)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "fp32-sums"])
+def test_a_plain_bf16_models_projections_take_the_hosts_fast_path(monkeypatch, native):
+    """A plain (not fasttrain-wrapped) bf16 model sampled on a CPU without native bf16 GEMMs runs
+    every projection of the decoder with fp32 sums from the bf16 values (ATen's bf16 GEMM is many
+    times slower there), each rounded once to bf16: bit for bit F.linear in fp32 of the same values.
+    Both paths are forced by the flag fasttrain.nn.dense_linear reads, so every host runs both."""
+    import torch.nn.functional as F
+
+    import fasttrain.nn.dense_linear as dl
+    import fasttrain.rollout.decoder as dec
+
+    monkeypatch.setattr(dl, "_NATIVE_BF16", native)
+    model = tiny_llama(vocab_size=96, seed=0).to(torch.bfloat16)
+    proj = [m for n, m in model.named_modules() if type(m) is torch.nn.Linear and "lm_head" not in n]
+    calls = []
+    real = dec.linear_bf16_as_fp32
+
+    def counted(x, w, out_dtype=None):
+        calls.append(w.data_ptr())
+        return real(x, w, out_dtype)
+    monkeypatch.setattr(dec, "linear_bf16_as_fp32", counted)
+    r = sample(model, PROMPTS[:2], group_size=1, max_new_tokens=3, temperature=0, eos_token_ids=[], seed=0)
+    seen = set(calls)
+    if native:
+        assert not seen
+    else:
+        assert {m.weight.data_ptr() for m in proj} <= seen
+        h = torch.randn(3, proj[0].in_features, dtype=torch.bfloat16)
+        assert torch.equal(dec._plain(proj[0], h), F.linear(h.float(), proj[0].weight.float()).bfloat16())
+    assert r.completion_ids.shape == (2, 3)

@@ -183,17 +183,32 @@ class LlamaFamilyDecoder:
         """Each module of `mods` applied to h: one GEMM over their stacked dense weights when the
         rollout weights hold them, else the modules themselves."""
         if self.weights is None:
-            return tuple(m(h) for m in mods)
+            return tuple(_plain(m, h) for m in mods)
         w = self.weights.fused(mods) if len(mods) > 1 else self.weights.linear(mods[0])
         if w is None:
-            return tuple(m(h) if len(mods) == 1 else self._project(h, (m,))[0] for m in mods)
+            return tuple(_plain(m, h) if len(mods) == 1 else self._project(h, (m,))[0] for m in mods)
         y = linear_bf16_as_fp32(h, w) if fp32_base(h, w) else F.linear(h, w)
         outs = y.split([m.out_features for m in mods], dim=-1) if len(mods) > 1 else (y,)
         return tuple(o if m.bias is None else o + m.bias for o, m in zip(outs, mods))
 
     def _mlp(self, mlp, h: Tensor) -> Tensor:
         act = getattr(mlp, "act_fn", None)
-        if self.weights is None or act is None or not hasattr(mlp, "gate_proj"):
+        if act is None or not hasattr(mlp, "gate_proj") or (self.weights is None and not _plain_fp32(mlp.gate_proj, h)):
             return mlp(h)
         gate, up = self._project(h, (mlp.gate_proj, mlp.up_proj))
         return self._project(act(gate) * up, (mlp.down_proj,))[0]
+
+
+def _plain_fp32(m, h: Tensor) -> bool:
+    """Whether `m` is a plain nn.Linear whose bf16 product on this CPU is taken with fp32 sums
+    (fasttrain.nn.dense_linear.fp32_base: ATen's bf16 GEMM is many times slower than fp32 on a CPU
+    without native bf16 GEMMs). fasttrain's own layers make that choice themselves."""
+    return type(m) is torch.nn.Linear and fp32_base(h, m.weight)
+
+
+def _plain(m, h: Tensor) -> Tensor:
+    """m(h), in fp32 sums from the bf16 values (rounded once to bf16) where `_plain_fp32` says so."""
+    if not _plain_fp32(m, h):
+        return m(h)
+    y = linear_bf16_as_fp32(h, m.weight)
+    return y if m.bias is None else y + m.bias
