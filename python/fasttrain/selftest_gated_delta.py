@@ -68,9 +68,11 @@ def _bounds(q, k, v, beta, s0, scale):
 
 def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, callers=False):
     from fasttrain.ops.gated_delta import gated_delta_backend
-    backend = gated_delta_backend(dev, dtype, head_dim=Dk)
+    backend = gated_delta_backend(dev, dtype, head_dim=Dk, grad=True)
+    forward = gated_delta_backend(dev, dtype, head_dim=Dk, grad=False)      # what a no-grad forward runs
+    both = backend if forward == backend else f"{backend}; no-grad {forward}"
     name = (f"B={B} T={T} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} {DT_NAME[dtype]}{' q/k/g fp32' if callers else ''} "
-            f"chunk={chunk}{' state' if state else ''} [{backend}]")
+            f"chunk={chunk}{' state' if state else ''} [{both}]")
     scale = Dk ** -0.5
 
     def run(check: _Check):
@@ -94,11 +96,14 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, cal
         op, Sp = go(R.gated_delta_rule, pin, ps0, acc)
         ua = _u_acc(dtype)
         low = dtype in (torch.bfloat16, torch.float16)
-        uc = U[dtype if low else torch.bfloat16] if backend == "fla" else 0.0    # fla rounds q, k, v to 16 bits
-        # fasttrain's kernel runs the recurrence itself: per token a recall of Dk terms, the write,
-        # the decay and the difference, carried without growth, then a read-out
-        L = T * (Dk + 4) + Dk if backend == "fused" else T * (1 + Dk / chunk) + chunk + Dk
-        f = 4 * L * ua + 4 * (chunk + Dk) * uc
+
+        def factor(impl):
+            uc = U[dtype if low else torch.bfloat16] if impl == "fla" else 0.0    # fla rounds q, k, v to 16 bits
+            # fasttrain's kernel runs the recurrence itself: per token a recall of Dk terms, the write,
+            # the decay and the difference, carried without growth, then a read-out
+            L = T * (Dk + 4) + Dk if impl == "fused" else T * (1 + Dk / chunk) + chunk + Dk
+            return 4 * L * ua + 4 * (chunk + Dk) * uc
+        f = factor(backend)
         s_max, o_max = _bounds(*ins[:3], ins[4], s0, scale)
 
         def plain_err(a, b):
@@ -107,6 +112,13 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, cal
         with torch.no_grad():
             check.close("o", ok, orf, 2 * plain_err(op, orf) + f * o_max + _rounding(orf, dtype), dtype)
             check.close("state", Sk, Sr, 2 * plain_err(Sp, Sr) + f * s_max, acc)
+            if forward != backend:                   # the no-grad form (prefill, scores) is another one
+                of, Sf = kernel("gated_delta_rule")(*(t.detach() for t in kin), scale=scale,
+                                                    initial_state=None if ks0 is None else ks0.detach(),
+                                                    chunk_size=chunk)
+                ff = factor(forward)
+                check.close("o no-grad", of, orf, 2 * plain_err(op, orf) + ff * o_max + _rounding(orf, dtype), dtype)
+                check.close("state no-grad", Sf, Sr, 2 * plain_err(Sp, Sr) + ff * s_max, acc)
             grads = [("dq", kin[0], rin[0], pin[0]), ("dk", kin[1], rin[1], pin[1]), ("dv", kin[2], rin[2], pin[2]),
                      ("dg", kin[3], rin[3], pin[3]), ("dbeta", kin[4], rin[4], pin[4])]
             if state:
@@ -117,7 +129,7 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, cal
                             gk.dtype)
         return tk, tr
 
-    return name, run, f"gated_delta_rule:{backend}"
+    return name, run, f"gated_delta_rule:{backend}" + (f"+{forward}" if forward != backend else "")
 
 
 def _step_case(dev, B, Hk, Hv, Dk, Dv, dtype, seed=0, held=False):

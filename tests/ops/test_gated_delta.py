@@ -30,8 +30,8 @@ def _inputs(B, T, Hk, rep, Dk, Dv, seed, dtype=torch.float64):
 
 @pytest.fixture(params=["fused", "torch"], autouse=True)
 def backend(request):
-    """Every test here runs on fasttrain's kernel ("fused", the default on a CPU) and on the chunked
-    torch form ("torch")."""
+    """Every test here runs on fasttrain's kernel ("fused", the CPU's default without a gradient) and
+    on the chunked torch form ("torch", the CPU's default with one)."""
     from fasttrain.ops.gated_delta import set_gated_delta_backend
     prev = set_gated_delta_backend(request.param)
     yield request.param

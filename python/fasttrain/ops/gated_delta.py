@@ -19,11 +19,14 @@ Which implementation runs (gated_delta_backend; the reference whenever the kerne
     and the values are 16-bit (fla takes bf16/fp16 q, k, v only: the callers' float32 q/k are
     rounded to v's dtype for it, the state stays float32), else the chunked PyTorch form below
     ("torch", its backward autograd's);
-  a sequence on the CPU: the token kernel, "fused" (states checkpointed every `chunk_size` tokens
-    and recomputed span by span in the backward).
-`set_gated_delta_backend("fused" | "torch" | "fla")` forces one for comparisons. Measured on 2 cores
-(bench/results/cpu-2c-AMD-EPYC-2026-12-01-gated-delta.md): the kernel's decode step is 12x the torch
-ops it replaced; its forward + backward over sequences is 1.4-1.55x the chunked torch form's.
+  a sequence on the CPU: with a gradient wanted (the update), the chunked PyTorch form ("torch":
+    its chunk products are matmuls, which use every core); without one (the rollout's prefill,
+    the scores' forwards), the token kernel ("fused"; it can also checkpoint states every
+    `chunk_size` tokens and recompute them span by span in a backward).
+`set_gated_delta_backend("fused" | "torch" | "fla")` forces one for comparisons. Why this split, as
+measured side by side (bench/results/cpu-2c-AMD-EPYC-2026-12-02-gated-delta.md, a quiet 2-core AVX2
+EPYC, the benchmark hybrid's heads): forward + backward, the kernel takes 1.33-1.68x the chunked
+form's time at 2 threads and 1.01-1.03x at one; forward only, 0.72-0.78x; a decode step, 0.11x.
 
 The chunked form (the WY representation of DeltaNet, Yang et al. 2024, as flash-linear-attention
 computes it). Within a chunk of C tokens let Γ_t = Σ_{s<=t} g_s (so e^{Γ_t − Γ_s} <= 1 for s <= t)
@@ -75,16 +78,18 @@ def _installed(module: str) -> bool:
 
 
 def gated_delta_backend(device: torch.device | str, dtype: torch.dtype = torch.float32, *, step: bool = False,
-                        head_dim: int = 0) -> str:
+                        head_dim: int = 0, grad: bool = False) -> str:
     """What runs on `device` now for values (v) in `dtype` with key head dim `head_dim`: over a
-    sequence (gated_delta_rule), or one token per row (`step`: gated_delta_step and
-    gated_delta_step_). "reference", "fla", "fused" or "torch"."""
+    sequence (gated_delta_rule) with or without a gradient wanted (`grad`), or one token per row
+    (`step`: gated_delta_step and gated_delta_step_). "reference", "fla", "fused" or "torch"."""
     if _use_reference():
         return "reference"
     if _chosen_backend != "auto":
         return _chosen_backend
-    if step or torch.device(device).type != "cuda":
+    if step:
         return "fused"
+    if torch.device(device).type != "cuda":
+        return "torch" if grad else "fused"
     if dtype in _HALF and head_dim <= FLA_MAX_HEAD_DIM and _installed("fla"):
         return "fla"
     return "torch"
@@ -116,7 +121,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     _check(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
         raise ValueError(f"gated_delta_rule: chunk_size must be >= 1, got {chunk_size}")
-    backend = gated_delta_backend(q.device, v.dtype, head_dim=q.shape[-1])
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    backend = gated_delta_backend(q.device, v.dtype, head_dim=q.shape[-1], grad=grad)
     if backend == "reference":
         return _reference.gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     if backend == "fla" and v.dtype != torch.float64:
