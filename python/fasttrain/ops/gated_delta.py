@@ -19,14 +19,14 @@ Which implementation runs (gated_delta_backend; the reference whenever the kerne
     and the values are 16-bit (fla takes bf16/fp16 q, k, v only: the callers' float32 q/k are
     rounded to v's dtype for it, the state stays float32), else the chunked PyTorch form below
     ("torch", its backward autograd's);
-  a sequence on the CPU: with a gradient wanted (the update), the chunked PyTorch form ("torch":
-    its chunk products are matmuls, which use every core); without one (the rollout's prefill,
-    the scores' forwards), the token kernel ("fused"; it can also checkpoint states every
-    `chunk_size` tokens and recompute them span by span in a backward).
-`set_gated_delta_backend("fused" | "torch" | "fla")` forces one for comparisons. Why this split, as
-measured side by side (bench/results/cpu-2c-AMD-EPYC-2026-12-02-gated-delta.md, a quiet 2-core AVX2
-EPYC, the benchmark hybrid's heads): forward + backward, the kernel takes 1.33-1.68x the chunked
-form's time at 2 threads and 1.01-1.03x at one; forward only, 0.72-0.78x; a decode step, 0.11x.
+  a sequence on the CPU: the token kernel, "fused" (states checkpointed every `chunk_size` tokens
+    and recomputed span by span in the backward).
+`set_gated_delta_backend("fused" | "torch" | "fla")` forces one for comparisons. Measured side by side
+(bench/results/cpu-2c-AMD-EPYC-2026-12-02-gated-delta.md, a quiet 2-core AVX2 EPYC, the benchmark
+hybrid's heads): forward + backward, the kernel takes 1.33-1.68x the chunked form's time at 2
+threads and 1.01-1.03x at one; forward only, 0.72-0.78x; a decode step, 0.11x. The update stays on
+the kernel until the memory plan counts the chunked form's bytes (its update peak at 1K tokens is
+1.3x the kernel's); then `grad` selects the chunked form there.
 
 The chunked form (the WY representation of DeltaNet, Yang et al. 2024, as flash-linear-attention
 computes it). Within a chunk of C tokens let Γ_t = Σ_{s<=t} g_s (so e^{Γ_t − Γ_s} <= 1 for s <= t)
@@ -89,7 +89,10 @@ def gated_delta_backend(device: torch.device | str, dtype: torch.dtype = torch.f
     if step:
         return "fused"
     if torch.device(device).type != "cuda":
-        return "torch" if grad else "fused"
+        # `grad` would pick the chunked form for the update (measured faster at 2 threads), but the
+        # memory plan (fasttrain.plan.hybrid_memory) counts only the kernel's bytes so far: the chunked
+        # form's update peak is 1.3x that at 1K tokens, outside the plan's 15%. Kept on the kernel.
+        return "fused"
     if dtype in _HALF and head_dim <= FLA_MAX_HEAD_DIM and _installed("fla"):
         return "fla"
     return "torch"
