@@ -25,6 +25,7 @@ from fasttrain.plan import moe_memory, moe_speed
 from fasttrain.plan.host_speed import measured_step_time
 from fasttrain.plan.run_shape import RunShape
 
+pytestmark = pytest.mark.usefixtures("worlds")     # tests/plan and tests/train on the path
 R = 4
 S = RunShape(prompts=2, group=4, prompt_tokens=16, new_tokens=6, micro_batch=4, passes=2, dtype="float32",
              rank=R, alpha=8.0)
@@ -133,7 +134,8 @@ def test_the_measured_path_says_what_timed_the_experts():
 def test_the_rates_at_the_models_shapes_come_from_running_the_op(monkeypatch):
     """With a known clock the plan measures moe_experts at this model's shapes: the op runs (no grad
     and with backward, at the counted pairs per expert; a decode call), and its rates time the experts."""
-    import fasttrain.ops.moe_experts as face
+    import importlib
+    face = importlib.import_module("fasttrain.ops.moe_experts")   # the module (fasttrain.ops.moe_experts is the op)
 
     calls = []
     op = face.moe_experts
@@ -209,7 +211,8 @@ def test_the_cuda_kernels_allocations_are_the_planned_bytes(monkeypatch, dtype, 
         assert peak == moe_memory.cuda_forward_bytes(N, H, I, E, k, r, r, wb, save), save
         assert kept == N * H * wb + 8 * P + 8 * (E + 1) + (P * (2 * I + H) * 4 if save else 0), save
     _, order, offsets, h, out = outs
-    grads, peak, kept = _allocations(lambda: op.moe_experts_backward(dy.to(dtype), x, idx, w, *rest, order, offsets,
+    dy = dy.to(dtype)                          # autograd hands the backward dy in y's dtype
+    grads, peak, kept = _allocations(lambda: op.moe_experts_backward(dy, x, idx, w, *rest, order, offsets,
                                                                        h, out, [True, True, True]))
     assert peak == moe_memory.cuda_backward_bytes(N, H, I, E, k, r, r, wb, lora_grads=True)
     assert kept == sum(g.numel() * g.element_size() for g in grads)
