@@ -7,6 +7,14 @@
         # 3 Gated DeltaNet + 1 gated attention), random weights, 1 prompt x 2 answers run to the end,
         # prompt padded to 200 tokens, micro-batch 2, two passes, float32, NF4 + LoRA r32: the shapes
         # whose memory tools/plan_check.py and tests/plan check; here their seconds
+    python bench/bench_planned_time.py --moe            # only the mixtures of experts, below
+    python bench/bench_planned_time.py --moe --moe-hidden 64 --moe-experts 8 --moe-new 4   # a smoke run
+        # the bundled qwen3-30b-a3b and qwen3.5-35b-a3b at small width (tests/plan/moe_scaled.py: their
+        # families, layouts, top-8 and relative widths at hidden 256, 32 experts, 2 layers / one
+        # attention interval of 4), random weights, 2 prompts x 4 answers of 32 new tokens, micro-batch
+        # 4, one pass, float32, NF4 + LoRA r 8 on the projections and the experts: the routed experts
+        # timed from fasttrain.ops.moe_experts' rates measured at the model's shapes (the plan's note
+        # says at what), planned against measured per phase
 
 How it is measured, and why: the plan times each phase from rates measured on the host
 (fasttrain.host_rates: matmul, bandwidth, attention, sampling, per-layer framework costs on a
@@ -99,7 +107,8 @@ def planned_vs_measured(trainer, label: str, steps: int = 1, warm: bool = True) 
         for phase in PHASES:
             by_phase[phase] += plan.time.seconds[phase]
     return {"label": label, "steps": steps, "planned": planned, "measured": measured, "by_phase": by_phase,
-            "cpu": dict(cpu), "assumption": plan.time.assumptions[0],
+            "cpu": dict(cpu), "assumption": " ".join([plan.time.assumptions[0]] + [
+                a for a in plan.time.assumptions if a.startswith("MoE:")]),
             "shape": (f"{shape.prompts} prompts x {shape.group} answers, prompt {shape.prompt_tokens} + "
                       f"{shape.new_tokens} new tokens, micro-batch {shape.micro_batch}, {shape.passes} pass(es), "
                       f"{shape.dtype}")}
@@ -163,6 +172,27 @@ def long_case(model: str, layers: int, new: int):
 
 
 LONG = (("smollm2-135m", 2), ("qwen3.5-bench-100m", 4))
+MOE = (("qwen3-30b-a3b", "qwen3_30b_a3b_policy"), ("qwen3.5-35b-a3b", "qwen3_5_35b_a3b_policy"))
+MOE_RUN = {"new": 32}
+
+
+def moe_case(name: str, policy: str):
+    """(a factory of) a MoE case: the bundled `name` at small width (tests/plan/moe_scaled.py, its SIZE
+    set from the command line), the padded letters world, 2 prompts x 4 answers, micro-batch 4."""
+    def make(out: Path):
+        import moe_scaled
+        from conftest_recipe import tiny_recipe
+        from fasttrain.train import Trainer, load_config
+
+        r = tiny_recipe(out, 2, 4, MOE_RUN["new"], 4)
+        r["policy"].update(model=f"moe_scaled:{policy}", rank=8, alpha=16.0)
+        r["loss"]["passes"] = 1
+        r["probe"]["every"] = 0
+        z = moe_scaled.SIZE
+        label = f"{name} at hidden {z['hidden']}, {z['experts']} experts max ({z['layers'] or 'default'} layers)"
+        return Trainer(load_config(r), progress=False), label, 1
+    make.__name__ = f"moe_{policy}"
+    return make
 
 
 def table(res: dict) -> list[str]:
@@ -180,6 +210,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--all", action="store_true", help="also the demo and the study shape on SmolLM2-135M")
     ap.add_argument("--long", default="", help="comma-separated new-token counts: only the long-answer cases")
+    ap.add_argument("--moe", action="store_true", help="only the mixtures of experts (qwen3-30b-a3b, qwen3.5-35b-a3b "
+                                                       "at small width)")
+    ap.add_argument("--moe-hidden", type=int, default=256)
+    ap.add_argument("--moe-experts", type=int, default=32, help="at most this many experts (at least top-k)")
+    ap.add_argument("--moe-layers", type=int, default=0, help="0: 2 (qwen3-30b-a3b), 4 (qwen3.5-35b-a3b)")
+    ap.add_argument("--moe-new", type=int, default=32, help="new tokens per answer")
     args = ap.parse_args()
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
@@ -188,6 +224,11 @@ def main() -> None:
     cases = [tiny_case] + ([demo_case, study_case] if args.all else [])
     if args.long:
         cases = [long_case(m, n, int(t)) for t in args.long.split(",") for m, n in LONG]
+    if args.moe:
+        import moe_scaled
+        moe_scaled.SIZE.update(hidden=args.moe_hidden, experts=args.moe_experts, layers=args.moe_layers)
+        MOE_RUN["new"] = args.moe_new
+        cases = [moe_case(name, policy) for name, policy in MOE]
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             trainer, label, steps = case(Path(tmp) / case.__name__)

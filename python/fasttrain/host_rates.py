@@ -14,6 +14,13 @@ fasttrain's cache folder (host_rates.json), so a plan costs a few seconds only t
   elementwise elements/s of an out-of-place product of two 1024 x 1024 tensors, bf16 and fp32
   sampling    elements/s of one Gumbel-max sampling step over fp32 logits [16, 32768] (log-softmax,
               Exp(1) noise from a generator, log, argmax: the rollout's per-token work over V)
+  experts     fasttrain.ops.moe_experts itself (the routed experts of a mixture-of-experts layer) at a
+              reference layer (hidden 1024, expert width 512, 8 experts, top-2, LoRA r 8 on both
+              stacks, bf16 tokens), NF4 experts and 16-bit ones: FLOP/s (expert_pair_flops) of a
+              no-grad call and of forward + backward at 64 (token, expert) pairs per expert, and bytes/s
+              of a decode step's call (4 tokens, each expert one pair) over the experts' weights and
+              LoRA, repeated layers streaming at least 128 MiB (a plan measures its own model's
+              shapes again with model_moe_rates)
   per layer   seconds the framework spends per decoder layer and per call, apart from arithmetic:
               fasttrain's own decode step (sample), no-grad log-probs (answer_logprobs) and update
               micro-batch (log-probs, the policy loss, backward, gradient clipping, AdamW; with
@@ -40,7 +47,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HostRates", "host_rates", "cached_rates", "measure", "matmul_gflops", "memory_gbps", "cache_path", "host_name"]
+__all__ = ["HostRates", "host_rates", "cached_rates", "measure", "matmul_gflops", "memory_gbps", "cache_path", "host_name",
+           "model_decode_rates", "model_moe_rates", "expert_pair_flops", "MOE_REFERENCE"]
 
 Clock = Callable[[], float]
 PROMPT = 128                      # tokens of the micro model's prompts (framework costs grow with P: masks)
@@ -74,6 +82,12 @@ class HostRates:
     train_call: float
     train_ckpt_layer: float         # the same under gradient checkpointing (the forward recomputed)
     train_ckpt_call: float
+    moe_fwd_nf4: float              # FLOP/s (expert_pair_flops) of moe_experts, NF4 experts + LoRA, no grad
+    moe_fb_nf4: float               # forward + backward
+    moe_decode_nf4: float           # bytes/s of the experts' weights and LoRA a decode step's call reads
+    moe_fwd_16: float               # the same with 16-bit expert stacks (policy.quantize "none")
+    moe_fb_16: float
+    moe_decode_16: float
     measured_at: str                # ISO time (UTC) of the measurement
     clock: str = "wall"             # "wall" or "process_time" (CLOCKS)
     device_kind: str = "cpu"        # "cpu" | "cuda"
@@ -104,6 +118,12 @@ class HostRates:
         if dtype == "bfloat16":
             return self.attention_fb_bf16 if backward else self.attention_fwd_bf16
         return self.attention_fb_fp32 if backward else self.attention_fwd_fp32
+
+    def moe(self, nf4: bool) -> tuple[float, float, float]:
+        """(forward FLOP/s, forward + backward FLOP/s, decode bytes/s) of the reference MoE layer."""
+        if nf4:
+            return self.moe_fwd_nf4, self.moe_fb_nf4, self.moe_decode_nf4
+        return self.moe_fwd_16, self.moe_fb_16, self.moe_decode_16
 
 
 def _median_time(fn, reps: int, clock: Clock, sync) -> float:
@@ -188,6 +208,110 @@ def model_decode_rates(layer_weights: list[tuple[int, int]], kv_heads: int, grou
 
 
 CLOCKS = {"wall": time.perf_counter, "process_time": time.process_time}
+
+# ---- the routed experts: fasttrain.ops.moe_experts itself --------------------------------------------
+MOE_REFERENCE = {"hidden": 1024, "intermediate": 512, "experts": 8, "top_k": 2, "rank": 8}
+MOE_WORKING_SET = 128 << 20          # bytes a decode measurement streams (repeated layers), as model_decode_rates
+
+
+def expert_pair_flops(hidden: int, intermediate: int, rank: int, backward: bool = False) -> float:
+    """FLOPs of one (token, expert) pair through moe_experts: the count its rates are stated in.
+    Forward: gate_up 2·2I·H, the SwiGLU 4·I (exp, add, divide, product), down 2·H·I, the weighted sum
+    2·H, and the LoRA products x·Aᵀ, ·Bᵀ of both stacks, 2·r·(H + 2I) + 2·r·(I + H). With backward,
+    forward + backward: the input gradient through the frozen stacks (6·I·H again), SwiGLU's
+    derivative with act recomputed (12·I), the routing weight's gradient and the weighted dy (3·H),
+    and LoRA twice its forward (the input's gradient and the factors')."""
+    H, I, r = hidden, intermediate, rank
+    lora = 2.0 * r * (2 * H + 3 * I)
+    forward = 6.0 * I * H + 4.0 * I + 2.0 * H + lora
+    return forward + (6.0 * I * H + 12.0 * I + 3.0 * H + 2.0 * lora if backward else 0.0)
+
+
+def _expert_layer(H: int, I: int, E: int, r: int, nf4: bool, dtype: torch.dtype, dev: torch.device):
+    """One layer's experts as a run holds them: (gate_up, down, gate_up LoRA, down LoRA, bytes).
+    NF4 per expert (packed codes and an fp32 absmax per 64 weights, constant values: the kernels'
+    time does not depend on them) or a 16-bit stack of `dtype`; fp32 LoRA factors on both stacks
+    (none for r = 0), leaves that take gradients."""
+    from fasttrain.ops.moe_experts import ExpertStack
+
+    def stack(out: int, inp: int) -> ExpertStack:
+        if nf4:
+            n = out * inp
+            return ExpertStack(E, out, inp, dtype, qweight=torch.full((E, (n + 1) // 2), 0x5A, dtype=torch.uint8,
+                                                                      device=dev),
+                               absmax=torch.full((E, -(-n // 64)), 0.05, device=dev))
+        return ExpertStack(E, out, inp, dtype, weight=torch.full((E, out, inp), 0.01, dtype=dtype, device=dev))
+
+    def lora(out: int, inp: int):
+        if not r:
+            return None
+        return (torch.full((E, r, inp), 0.01, device=dev, requires_grad=True),
+                torch.full((E, out, r), 0.01, device=dev, requires_grad=True))
+    gu, dn, gl, dl = stack(2 * I, H), stack(H, I), lora(2 * I, H), lora(H, I)
+    size = sum(t.numel() * t.element_size() for st in (gu, dn) for t in st.tensors().values())
+    size += sum(t.numel() * 4 for lo in (gl, dl) if lo for t in lo)
+    return gu, dn, gl, dl, size
+
+
+def _time_moe(layers: list, N: int, k: int, E: int, H: int, dtype: torch.dtype, dev: torch.device, clock: Clock,
+              reps: int, backward: bool) -> float:
+    """Median seconds of one moe_experts call on each of `layers` for N tokens, token n's slot j
+    routed to expert (n·k + j) mod E (k distinct experts a token, the pairs spread evenly); with
+    backward, forward + backward to the tokens, the routing weights and the LoRA factors."""
+    from fasttrain.ops.moe_experts import moe_experts
+
+    idx = (torch.arange(N * k, device=dev) % E).view(N, k)
+    w = torch.full((N, k), 1.0 / k, device=dev, requires_grad=backward)
+    x = torch.randn(N, H, device=dev).to(dtype).requires_grad_(backward)
+    dy = torch.randn(N, H, device=dev).to(dtype)
+
+    def run():
+        for gu, dn, gl, dl, _ in layers:
+            y = moe_experts(x, idx, w, gu, dn, gl, dl, 2.0)
+            if backward:
+                torch.autograd.grad(y, [x, w, *(gl or ()), *(dl or ())], dy)
+    with torch.set_grad_enabled(backward):
+        return _median_time(run, reps, clock, _sync_for(dev))
+
+
+def model_moe_rates(hidden: int, intermediate: int, experts: int, top_k: int, rank: int, nf4: bool,
+                    pairs_per_expert: int, decode_experts: int, decode_pairs_per_expert: int, dtype: torch.dtype,
+                    device="cpu", clock: Clock = time.perf_counter, reps: int = 3,
+                    decode_layers: int | None = None) -> tuple[float, float, float]:
+    """(forward FLOP/s, forward + backward FLOP/s, decode bytes/s) of fasttrain.ops.moe_experts at a
+    model's expert shapes, NF4 or 16-bit experts with LoRA of `rank`: FLOPs by expert_pair_flops
+    over `experts` experts of `pairs_per_expert` pairs each (an update's or a prefill's call), and
+    the bytes of the experts' weights and LoRA over a decode step's call (`decode_experts` experts
+    of `decode_pairs_per_expert` pairs), repeated layers over at least MOE_WORKING_SET bytes, as a
+    decode step streams its experts from memory, but at most `decode_layers` of them (the model's
+    MoE layers: a model whose experts fit in a cache decodes from it). Each token's top_k slots go
+    to distinct experts."""
+    dev = torch.device(device)
+    H, I, k = hidden, intermediate, top_k
+    E = max(experts, k)
+    N = -(-E * max(1, pairs_per_expert) // k)
+    layer = [_expert_layer(H, I, E, rank, nf4, dtype, dev)]
+    fwd = N * k * expert_pair_flops(H, I, rank) / _time_moe(layer, N, k, E, H, dtype, dev, clock, reps, False)
+    fb = N * k * expert_pair_flops(H, I, rank, True) / _time_moe(layer, N, k, E, H, dtype, dev, clock, reps, True)
+    del layer
+    E = max(decode_experts, k)
+    layers = [_expert_layer(H, I, E, rank, nf4, dtype, dev)]
+    copies = -(-MOE_WORKING_SET // layers[0][4])
+    layers += [_expert_layer(H, I, E, rank, nf4, dtype, dev) for _ in range(min(copies, decode_layers or copies) - 1)]
+    N = -(-E * max(1, decode_pairs_per_expert) // k)
+    decode = sum(l[4] for l in layers) / _time_moe(layers, N, k, E, H, dtype, dev, clock, reps, False)
+    return fwd, fb, decode
+
+
+def _moe_rates(dev: torch.device, clock: Clock, reps: int) -> dict:
+    """The reference MoE rates (MOE_REFERENCE, bf16 tokens): 64 pairs per expert for the forward
+    and forward + backward, a decode call of one pair per expert; NF4 experts, then 16-bit ones."""
+    ref, out = MOE_REFERENCE, {}
+    for nf4, tag in ((True, "nf4"), (False, "16")):
+        fwd, fb, dec = model_moe_rates(ref["hidden"], ref["intermediate"], ref["experts"], ref["top_k"], ref["rank"],
+                                       nf4, 64, ref["experts"], 1, torch.bfloat16, dev, clock, reps)
+        out.update({f"moe_fwd_{tag}": fwd, f"moe_fb_{tag}": fb, f"moe_decode_{tag}": dec})
+    return out
 
 
 def _elementwise_rate(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> float:
@@ -292,6 +416,7 @@ def measure(device="cpu", clock: Clock = time.perf_counter, reps: int = 3) -> Ho
     db, df = _decode_rates(torch.bfloat16, dev, clock, reps), _decode_rates(torch.float32, dev, clock, reps)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         layers = _layer_costs(dev, clock, reps)
+        moe = _moe_rates(dev, clock, reps)
     return HostRates(
         device=host_name(dev), threads=torch.get_num_threads(),
         matmul_bf16=matmul_gflops(torch.bfloat16, reps=reps, device=dev, clock=clock) * 1e9,
@@ -302,7 +427,7 @@ def measure(device="cpu", clock: Clock = time.perf_counter, reps: int = 3) -> Ho
         decode_rows16_fp32=df["rows16"], decode_rows64_fp32=df["rows64"], decode_attention_fp32=df["attention"],
         elementwise_bf16=_elementwise_rate(torch.bfloat16, dev, clock, reps),
         elementwise_fp32=_elementwise_rate(torch.float32, dev, clock, reps),
-        sampling=_sampling_rate(dev, clock, reps), **layers,
+        sampling=_sampling_rate(dev, clock, reps), **layers, **moe,
         measured_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         clock=next((k for k, v in CLOCKS.items() if v is clock), "given"), device_kind=dev.type)
 
@@ -343,11 +468,13 @@ def _cached() -> dict:
 
 
 def cached_rates(device="cpu") -> HostRates | None:
-    """The rates cached for `device` at this thread count and these versions, or None."""
+    """The rates cached for `device` at this thread count and these versions, or None. An entry
+    written by another version of this file (a field missing, such as an entry from before the MoE
+    rates, or one this version does not know) is None: host_rates measures again and replaces it."""
     entry = _cached().get(_key(torch.device(device)))
     try:
         return HostRates(**entry) if entry else None
-    except TypeError:                         # written by another version of this file
+    except TypeError:
         return None
 
 

@@ -2,7 +2,7 @@
 configs give the published sizes, the experts' bytes are NF4 per expert slice (codes + one fp32 absmax
 per 64 weights) or the 16-bit stacks, the router and the shared-expert gate stay 16-bit, the expert
 LoRA is r per expert, the routing record is layers x k integers per token, and every part prints as
-its own line with the time terms an estimate that says so. (tests/plan/test_measured_peaks.py checks
+its own line with the time terms on paper saying so. (tests/plan/test_measured_peaks.py checks
 the activations against measured steps of tiny MoEs of both families.)"""
 import pytest
 
@@ -65,11 +65,12 @@ def test_plan_prints_every_moe_part_and_the_record(m30):
 
 
 def test_time_from_measured_host_rates_runs_for_moe(m30, worlds):
-    """With a host's measured rates (fasttrain.plan.host_speed) the MoE plan is timed too, and says
-    that those rates cover the projections only."""
+    """With a host's measured rates (fasttrain.plan.host_speed) the MoE plan is timed too, its routed
+    experts from fasttrain.ops.moe_experts' own rates (here the host's reference ones: the rates'
+    clock is not one a plan measures with; tests/plan/test_moe_time.py checks the arithmetic)."""
     from dataclasses import replace
 
     from test_planned_time import _fake_rates          # tests/plan is on the path (the worlds fixture)
     s = RunShape(prompts=2, group=4, prompt_tokens=64, new_tokens=16, micro_batch=4, passes=1)
-    t = plan_time(m30, s, replace(gpu_spec("cpu"), rates=_fake_rates()), compute_dtype="float32")
-    assert t.total > 0 and any("MoE" in a for a in t.assumptions)
+    t = plan_time(m30, s, replace(gpu_spec("cpu"), rates=_fake_rates(clock="given")), compute_dtype="float32")
+    assert t.total > 0 and any("MoE: the routed experts timed from fasttrain.ops.moe_experts" in a for a in t.assumptions)

@@ -304,10 +304,10 @@ class _PlainLayers:
 
 def _layers_of(m: ModelShape, dev: Device):
     """The piece that knows m's layers: _PlainLayers, or fasttrain.plan.hybrid_memory for a hybrid;
-    for a mixture of experts fasttrain.plan.moe_memory's around either (its experts on the device's
-    implementation: fasttrain's kernel on the CPU, the torch form elsewhere)."""
+    for a mixture of experts fasttrain.plan.moe_memory's around either (its experts as the device
+    runs them, moe_memory.form_for: fasttrain's CPU kernel, its CUDA kernel, or the torch form)."""
     base = hybrid_memory if hybrid_memory.is_hybrid(m) else _PlainLayers
-    return moe_memory.MoELayers(base, kernel=dev.kind == "cpu") if moe_memory.is_moe(m) else base
+    return moe_memory.MoELayers(base, moe_memory.form_for(dev.kind, m)) if moe_memory.is_moe(m) else base
 
 
 def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
@@ -473,8 +473,10 @@ def resident_base(m: ModelShape, s: RunShape, dev: Device) -> dict:
     res = dict(m.resident)
     c = _compute_bytes(m, dev)
     # CPU: the NF4 kernels' reusable dequantisation scratch (thread-local, kept). CUDA: the dequantised
-    # weight of one projection, a temporary of every prefill/training call (M > 64), counted in every phase.
-    largest = max(o * i for o, i in m.projections + moe_memory.expert_shapes(m))
+    # weight of one projection, a temporary of every prefill/training call (M > 64), counted in every phase
+    # (an expert's under the torch form; the CUDA kernel decodes its experts inside its projections).
+    experts = moe_memory.expert_shapes(m) if moe_memory.is_moe(m) and moe_memory.form_for(dev.kind, m) != "cuda" else []
+    largest = max(o * i for o, i in m.projections + experts)
     workspace = largest * m.w if dev.kind == "cuda" else 0
     if dev.kind == "cpu":
         workspace = largest * c

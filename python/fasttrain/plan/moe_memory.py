@@ -25,10 +25,15 @@ concatenation), their float32 weighted copy and the [N, H] float32 sum; with aut
 inputs, gate_up's output, act and product, each projection's x·Aᵀ [·, r], the float32 weighted
 copy and the sorting indices are saved. A Qwen3-MoE with dense layers (mlp_only_layers, or off
 decoder_sparse_step) takes the costlier of its two layer kinds. That is the torch form, which runs
-on a GPU until a CUDA kernel comes; on the CPU the experts run fasttrain's kernel, which keeps less
-(kernel_live, kernel_saved, kernel_grads: no per-expert gathered inputs or LoRA products are saved,
-only gate_up's output and the unweighted outputs). `plan_memory` prints what the routed
-experts add to a phase's peak as its own line (moe_activations).
+where no kernel does (form_for): on CUDA under FASTTRAIN_MOE_CUDA=torch and for float64. On the
+CPU the experts run fasttrain's kernel, which keeps less (kernel_live, kernel_saved, kernel_grads:
+no per-expert gathered inputs or LoRA products are saved, only gate_up's output and the unweighted
+outputs). On CUDA they run fasttrain's CUDA kernel (the default), which saves what the CPU kernel
+saves (float32) and whose scratch (cuda_forward_bytes, cuda_backward_bytes: read off the launch
+code, csrc/cuda/kernels/moe_experts.cuh) lives until the op returns: cuda_kernel_live and
+cuda_kernel_grads; it decodes its NF4 blocks inside the grouped projections, so no dequantised
+expert adds to the CUDA workspace. `plan_memory` prints what the routed experts add to a phase's
+peak as its own line (moe_activations).
 
 What is not counted: the per-expert loop's short-lived pieces (one expert's NF4 kernel output in its
 compute dtype), the host copy of the tokens per expert.
@@ -37,7 +42,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-__all__ = ["PARTS", "moe_shape", "is_moe", "describe", "MoELayers", "resident_parts", "expert_shapes", "record_rollout",
+__all__ = ["PARTS", "moe_shape", "is_moe", "describe", "MoELayers", "form_for", "expert_rank", "cuda_forward_bytes",
+           "cuda_backward_bytes", "resident_parts", "expert_shapes", "record_rollout",
            "record_batch", "record_micro_batch", "without_routed", "active_params", "expert_lora_flops",
            "decode_expert_bytes", "load_parts"]
 
@@ -220,17 +226,102 @@ def kernel_grads(m, N: int) -> int:
     return P * f + P * H * f + P * (4 * I + H) * f + N * H * (f + w) + N * E * f
 
 
+def expert_rank(m) -> int:
+    """The experts' LoRA rank: the run's rank where the experts take LoRA, else 0."""
+    return m.rank if m.resident.get("moe_adapter_masters", 0) else 0
+
+
+def cuda_forward_bytes(N: int, H: int, I: int, E: int, k: int, r_gu: int, r_dn: int, w: int, save: bool,
+                       weights_bytes: int = 4) -> int:
+    """What one forward of fasttrain's CUDA kernel allocates (run_forward and forward in
+    csrc/cuda/kernels/moe_experts.cuh), all of it live until the op returns (the launch's Device holds
+    its scratch): the outputs y [N, H] (x's dtype, w bytes), order [P] and offsets [E + 1] (int64),
+    with `save` h [P, 2I] and out [P, H] (float32); the scratch: the grouping's pos_of [P] (int64),
+    tile map [E + 1], ranks [P] and per-chunk counts [(ceil(P / 256) + 1)·(E + 1)] (int32), x's
+    float32 copy [N, H] (x not float32), the routing weights' float32 copy [P] (not float32),
+    x·A_gᵀ [P, r_gu], act [P, I], act·A_dᵀ [P, r_dn], and without `save` out [P, H] (float32)."""
+    P = N * k
+    outputs = N * H * w + 8 * P + 8 * (E + 1) + (P * (2 * I + H) * 4 if save else 0)
+    grouping = 8 * max(P, 1) + 4 * (E + 1)
+    if P == 0:
+        return outputs + grouping
+    grouping += 4 * P + 4 * (-(-P // 256) + 1) * (E + 1)
+    copies = (N * H * 4 if w != 4 else 0) + (P * 4 if weights_bytes != 4 else 0)
+    return outputs + grouping + copies + 4 * P * (r_gu + I + r_dn) + (0 if save else 4 * P * H)
+
+
+def cuda_backward_bytes(N: int, H: int, I: int, E: int, k: int, r_gu: int, r_dn: int, w: int,
+                        lora_grads: bool = False) -> int:
+    """What one backward of fasttrain's CUDA kernel allocates (run_backward and backward), every
+    gradient asked for, all of it live until the op returns: the outputs dx [N, H] (w bytes) and the
+    routing weights' dw [N, k] (float32); the scratch: pos_of [P] (int64), the tile map [E + 1]
+    (int32), dy's float32 copy [N, H] (dy not float32), s·dO·B_d [P, r_dn], dh [P, 2I], for the
+    down LoRA's gradients act [P, I] and act·A_dᵀ [P, r_dn], s·dh·B_g [P, r_gu], for the gate_up
+    LoRA's gradients x's float32 copy [N, H] (x not float32) and x·A_gᵀ [P, r_gu], and dx per pair
+    [P, H] (float32). The LoRA factors' gradients (float32, the factors' shapes) are outputs the plan
+    counts as the adapters' gradients (memory.update_phase); `lora_grads` adds them."""
+    P = N * k
+    grads = E * (r_gu * (H + 2 * I) + r_dn * (I + H)) * 4 if lora_grads else 0
+    out = N * H * w + 4 * P + grads
+    if P == 0:
+        return out
+    f32 = 4 if w != 4 else 0
+    scratch = 8 * P + 4 * (E + 1) + N * H * f32 + 4 * P * (r_dn + 2 * I) + 4 * P * H
+    if r_dn:
+        scratch += 4 * P * (I + r_dn)
+    if r_gu:
+        scratch += 4 * P * r_gu + N * H * f32 + 4 * P * r_gu
+    return out + scratch
+
+
+def cuda_kernel_live(m, N: int) -> int:
+    """No-grad peak of the CUDA kernel over N tokens: the route's indices and weights with the op's
+    forward (cuda_forward_bytes), or the router's own peak before it."""
+    E, k, I, _, _ = m.moe
+    if not k:
+        return 0
+    r, f = expert_rank(m), _f(m)
+    return max(_router_live(m, N), N * k * (8 + f) + cuda_forward_bytes(N, m.hidden, I, E, k, r, r, m.w, False))
+
+
+def cuda_kernel_grads(m, N: int) -> int:
+    """The CUDA kernel's backward (cuda_backward_bytes) and the router softmax's gradient [N, E]."""
+    E, k, I, _, _ = m.moe
+    if not k:
+        return 0
+    r = expert_rank(m)
+    return cuda_backward_bytes(N, m.hidden, I, E, k, r, r, m.w) + N * E * _f(m)
+
+
+def form_for(device_kind: str, m) -> str:
+    """What runs the routed experts on a device of `device_kind` (fasttrain.ops.moe_experts): "cpu"
+    (fasttrain's CPU kernel), "cuda" (fasttrain's CUDA kernel, the default on CUDA), or "torch" (the
+    torch form: on CUDA for a float64 model, or under FASTTRAIN_MOE_CUDA=torch, read now)."""
+    import os
+
+    from fasttrain.ops.moe_experts import CUDA_FORM_VAR
+    if device_kind == "cpu":
+        return "cpu"
+    if m.w == 8 or os.environ.get(CUDA_FORM_VAR, "kernel").strip().lower() == "torch":
+        return "torch"
+    return "cuda"
+
+
+_FORMS = {"cpu": (kernel_live, lambda m, N, c_xa: kernel_saved(m, N), kernel_grads),
+          "cuda": (cuda_kernel_live, lambda m, N, c_xa: kernel_saved(m, N), cuda_kernel_grads),
+          "torch": (routed_live, routed_saved, routed_grads)}
+
+
 class MoELayers:
     """The layer terms of a MoE model: its base family's (`base`: memory._PlainLayers or
     hybrid_memory) for its dense layers (m) and its MoE layers (the shared expert's width, plus the
     routed experts); the costlier kind where the update or a prefill holds one layer, each kind
     times its count where every layer keeps its saved bytes."""
 
-    def __init__(self, base, kernel: bool = False):
+    def __init__(self, base, form: str = "torch"):
         self.base = base
-        # the routed experts' terms: fasttrain's CPU kernel, or the torch form (the fallback elsewhere)
-        self.live, self.saved, self.grads = ((kernel_live, lambda m, N, c_xa: kernel_saved(m, N), kernel_grads)
-                                             if kernel else (routed_live, routed_saved, routed_grads))
+        # the routed experts' terms by what runs them (form_for): CPU kernel, CUDA kernel, torch form
+        self.live, self.saved, self.grads = _FORMS[form]
 
     @staticmethod
     def _moe_m(m):
@@ -330,7 +421,7 @@ def record_micro_batch(m, mb: int, S: int, N: int) -> int:
     return mb * S * per * 8 + 2 * N * per * 8
 
 
-# ---- time: an estimate from the dense rates -----------------------------------------------------------
+# ---- time on paper: an estimate from the datasheet's dense rates (measured: fasttrain.plan.moe_speed) --------
 def active_params(m) -> int:
     """Expert weights one token's forward multiplies (k experts of each MoE layer)."""
     return m.moe_active_params
@@ -355,5 +446,7 @@ def decode_expert_bytes(m, B: int) -> float:
     return (m.resident.get("moe_experts", 0) + m.resident.get("moe_adapter_masters", 0)) * touched
 
 
-ASSUMPTION = ("MoE: the experts' time is an estimate from the dense rates on the k active experts' weights "
-              "(no MoE kernel rate is measured yet); a decode step reads the experts its rows pick, spread evenly")
+ASSUMPTION = ("MoE: the routed experts timed on paper, as dense GEMMs over the k active experts' weights "
+              "(2 FLOPs a weight a token, their LoRA apart) at the same share of the datasheet's bf16 peak, not from "
+              "fasttrain.ops.moe_experts' rates (none measured on this device: `fasttrain plan --gpu cuda` on the card "
+              "measures them); a decode step reads the experts its rows pick, spread evenly, at the bandwidth floor")

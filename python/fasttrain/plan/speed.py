@@ -15,9 +15,13 @@
             re-forward under gradient checkpointing (+2), the LoRA products, and the fused
             log-prob head (forward 2·N·H·V, its gradient vector formed in the same pass 2·N·H·V),
             over the same tokens as the scores (the shared prefix runs with or without checkpointing)
+A mixture of experts' routed experts count here as dense GEMMs over the k active experts' weights
+(2 FLOPs a weight a token, their LoRA apart) at the same share of the peak, and a decode step reads
+the experts its rows pick (fasttrain.plan.moe_memory.ASSUMPTION).
 The FLOP share `mfu` is an assumption printed with the result (no GPU run has measured it yet).
 When the plan is for a device of this host whose rates were measured (fasttrain.host_rates),
-fasttrain.plan.host_speed times every phase from those rates instead.
+fasttrain.plan.host_speed times every phase from those rates instead (the routed experts from
+fasttrain.ops.moe_experts' own measured rates: fasttrain.plan.moe_speed).
 """
 from __future__ import annotations
 
@@ -144,8 +148,6 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
             for p, c, k in waves(s))
         _verify(s, env, verifier_answers_per_s, t)
         t.seconds["scores"], t.seconds["update"] = phases["scores"], phases["update"]
-        if moe_memory.is_moe(m):
-            t.assumptions.append("MoE: the measured rates time the projections only; the experts are not timed")
         return t
     flops = gpu.bf16_flops * mfu
     bw = gpu.bandwidth * decode_share
