@@ -17,7 +17,9 @@ What it compares (same run, each side in its own fresh subprocess, one after the
              (tokenize + transformers generate + decode); update = the rest of the optimizer step
              (on_step_begin -> on_step_end: rewards, reference log-probs, loss, backward, AdamW).
   rollout    fasttrain.rollout.sample against model.generate on the same plain model and batch
-             (n prompts x G rows, T new tokens, no early stop on either side), new tokens per second.
+             (n prompts x G rows, T new tokens, no early stop on either side), new tokens per second;
+             a MoE: sample on the same weights with fasttrain's MoE blocks (16-bit experts), which its
+             decoder routes through.
 
 Numbers: medians over the measured steps after warm-up steps. Peak memory is the peak resident
 set growth of the worker process over its RSS after imports (VmHWM is reset by writing 5 to
@@ -493,6 +495,12 @@ def worker_rollout(a) -> dict:
     dtype = torch.bfloat16 if a.rollout_dtype == "bf16" else torch.float32
     model, tok = load_model(a, dtype)
     model.to(a.device)
+    ours_model = model
+    if a.model in MOE_MODELS:         # fasttrain's decoder drives its own MoE blocks: the same weights, 16-bit experts
+        import copy
+
+        from fasttrain.models.moe import moe_surgery
+        ours_model = moe_surgery(copy.deepcopy(model), nf4=False)
     env = load_env("signal-a")
     prompts = [chat_prompt_ids(tok, p.spec, env.answer_format) for p in env.prompts("train")[:a.prompts]]
     n, G, T = len(prompts), a.group, a.new
@@ -506,7 +514,7 @@ def worker_rollout(a) -> dict:
     enc, am = enc.to(a.device), am.to(a.device)
 
     def ours():
-        r = sample(model, prompts, group_size=G, max_new_tokens=T, temperature=1.0, eos_token_ids=[],
+        r = sample(ours_model, prompts, group_size=G, max_new_tokens=T, temperature=1.0, eos_token_ids=[],
                    seed=0, pad_token_id=pad)
         assert r.completion_ids.shape == (n * G, T)
 
@@ -740,7 +748,8 @@ def main() -> int:
         r = res["rollout"]
         s, g = statistics.median(r["times"]["sample"]), statistics.median(r["times"]["generate"])
         tok = r["tokens"]
-        say(f"\nrollout alone ({r['dtype']}, plain model, {a.prompts}x{a.group} rows, prompt ~{r['prompt_len']} "
+        plain = "plain model; fasttrain's MoE blocks, 16-bit experts" if moe else "plain model"
+        say(f"\nrollout alone ({r['dtype']}, {plain}, {a.prompts}x{a.group} rows, prompt ~{r['prompt_len']} "
             f"tokens, {a.new} new tokens, no early stop, median of {len(r['times']['sample'])}):")
         say(f"  transformers generate     {g:8.2f} s {tok / g:9.1f} tok/s")
         say(f"  fasttrain.rollout.sample  {s:8.2f} s {tok / s:9.1f} tok/s   ratio {g / s:.2f}x  (>= 1.3)")
