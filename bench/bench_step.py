@@ -17,7 +17,9 @@ What it compares (same run, each side in its own fresh subprocess, one after the
              (tokenize + transformers generate + decode); update = the rest of the optimizer step
              (on_step_begin -> on_step_end: rewards, reference log-probs, loss, backward, AdamW).
   rollout    fasttrain.rollout.sample against model.generate on the same plain model and batch
-             (n prompts x G rows, T new tokens, no early stop on either side), new tokens per second.
+             (n prompts x G rows, T new tokens, no early stop on either side), new tokens per second;
+             a MoE: sample on the same weights with fasttrain's MoE blocks (16-bit experts), which its
+             decoder routes through.
 
 Numbers: medians over the measured steps after warm-up steps. Peak memory is the peak resident
 set growth of the worker process over its RSS after imports (VmHWM is reset by writing 5 to
@@ -44,13 +46,31 @@ Distance to the machine's limit (fasttrain side, printed after the table):
              the floor of reading those weights and the mean KV cache once at the read bandwidth
              measured in the same process (a sum over 512 MiB).
 
-Models (--model): the bundled SmolLM2-135M-Instruct (default), or `qwen3.5-bench-100m`, the pinned
-random Qwen3.5-shaped hybrid (fasttrain.models.bench_model: 16 layers in the 27B's 3:1 Gated
-DeltaNet / gated attention layout, hidden 512, 109 M parameters, SmolLM2's tokenizer); TRL runs the
-same model through transformers' own Qwen3.5 code (its torch fallbacks where flash-linear-attention
-and causal-conv1d are not installed), with LoRA on the same twelve projections.
+Models (--model): the bundled SmolLM2-135M-Instruct (default), or one of the pinned random benchmark
+models of fasttrain.models.bench_model (SmolLM2's tokenizer), which TRL runs through transformers'
+own code with LoRA on what fasttrain adapts:
+  qwen3.5-bench-100m    Qwen3.5-shaped hybrid: 16 layers in the 27B's 3:1 Gated DeltaNet / gated
+                        attention layout, hidden 512, 109 M parameters; TRL on transformers' torch
+                        fallbacks where flash-linear-attention and causal-conv1d are not installed,
+                        LoRA on the same twelve projections.
+  qwen3-moe-bench-100m  Qwen3-30B-A3B-shaped mixture of experts: 5 layers, hidden 512, 32 experts
+                        top-4 of width 192, 103.5 M parameters. fasttrain: NF4 experts with LoRA per
+                        expert (its default targets: q/k/v/o and both expert stacks), routing replay.
+                        TRL: PEFT LoRA on q/k/v/o (target_modules) and on both expert stacks
+                        (target_parameters mlp.experts.gate_up_proj / down_proj: r per expert, the
+                        stack rebuilt as W + dW on every forward), router_aux_loss_coef = 0 on both
+                        sides, transformers' experts implementation --trl-experts ("auto": the
+                        fastest of those the host runs, timed on one expert layer before the workers
+                        start; eager loops over the experts hit, grouped_mm sorts the tokens by
+                        expert into one grouped GEMM per stack, batched_mm gathers one weight copy
+                        per token and expert). Both sides' adapted modules are printed and recorded.
 
-Run: python bench/bench_step.py [--quick] [--device cpu|cuda] [--model smollm2-135m|qwen3.5-bench-100m] [--csv PATH]
+Results: --csv appends the rows (columns model, experts and the host's name among them); --save also
+writes bench/results/<host>-<date>-step-<model>[-<experts>][-quick].md (the printed summary under
+the command line) and the .csv beside it.
+
+Run: python bench/bench_step.py [--quick] [--device cpu|cuda] [--model smollm2-135m|qwen3.5-bench-100m|qwen3-moe-bench-100m]
+     [--trl-experts auto|eager|grouped_mm|batched_mm] [--csv PATH] [--save]
 """
 from __future__ import annotations
 
@@ -68,23 +88,86 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MODELS = ("smollm2-135m", "qwen3.5-bench-100m")
-BENCH_FACTORY = "fasttrain.models.bench_model:qwen3_5_bench"
+# --model: the bundled SmolLM2 (loaded by fasttrain.models) or a benchmark model's factory
+BENCH_FACTORIES = {"qwen3.5-bench-100m": "fasttrain.models.bench_model:qwen3_5_bench",
+                   "qwen3-moe-bench-100m": "fasttrain.models.bench_model:qwen3_moe_bench"}
+MODELS = ("smollm2-135m", *BENCH_FACTORIES)
+MOE_MODELS = ("qwen3-moe-bench-100m",)
+MODEL_NAMES = {"smollm2-135m": "SmolLM2-135M-Instruct",
+               "qwen3.5-bench-100m": "the random 109 M Qwen3.5-shaped hybrid (qwen3.5-bench-100m)",
+               "qwen3-moe-bench-100m": "the random 103.5 M Qwen3-30B-A3B-shaped MoE (qwen3-moe-bench-100m, "
+                                       "32 experts top-4)"}
+# the experts' fused stacks PEFT's target_parameters adapt (transformers' Qwen3-MoE parameter names)
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 
 def load_model(a, dtype):
-    """(model, tokenizer) of --model in `dtype`: the bundled SmolLM2 or the pinned hybrid."""
-    if a.model == "qwen3.5-bench-100m":
-        from fasttrain.models.bench_model import qwen3_5_bench
-        return qwen3_5_bench(dtype)
+    """(model, tokenizer) of --model in `dtype`; a MoE in transformers' experts implementation
+    --trl-experts (what the TRL and rollout workers run; fasttrain replaces the experts anyway)."""
+    if a.model in BENCH_FACTORIES:
+        import importlib
+        mod, _, fn = BENCH_FACTORIES[a.model].partition(":")
+        model, tok = getattr(importlib.import_module(mod), fn)(dtype)
+        if a.model in MOE_MODELS:
+            set_experts(model, a.trl_experts)
+        return model, tok
     from fasttrain.models import load_policy
     return load_policy(None, dtype=dtype)
 
 
-def lora_targets(a) -> list[str]:
-    from fasttrain.models.families import QWEN3_5
-    return list(QWEN3_5.projections if a.model == "qwen3.5-bench-100m" else TARGETS)
+def set_experts(model, impl: str) -> None:
+    """Switch `model` to transformers' experts implementation `impl`, or fail saying what it runs."""
+    model.set_experts_implementation(impl)
+    got = model.config._experts_implementation
+    if got != impl:
+        raise RuntimeError(f"--trl-experts {impl}: transformers runs {got!r} instead")
+
+
+def lora_targets(a, model) -> list[str]:
+    """TRL's target_modules: the family's projections that are nn.Linear modules of `model` (for a
+    MoE whose layers are all sparse: the attention's four)."""
+    from torch import nn
+
+    from fasttrain.models.families import adapter_targets
+    names = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return [t for t in adapter_targets(model) if t in names]
+
+
+def trl_lora_config(a, model):
+    """PEFT's LoraConfig for the TRL side: rank/alpha as fasttrain's, on the same projections and
+    (a MoE) both expert stacks through target_parameters."""
+    from peft import LoraConfig
+    extra = {"target_parameters": list(EXPERT_PARAMETERS)} if a.model in MOE_MODELS else {}
+    return LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=lora_targets(a, model), lora_dropout=0.0,
+                      task_type="CAUSAL_LM", **extra)
+
+
+def adapted_summary(model) -> str:
+    """What carries LoRA in `model` (fasttrain's adapted layers or a PEFT model), as
+    "q_proj x5, ..., experts.gate_up_proj x5 (r per expert)": one name per module kind, counted."""
+    from collections import Counter
+    counts: Counter = Counter()
+    try:
+        from peft.tuners.lora import LoraLayer, ParamWrapper
+    except ImportError:                      # fasttrain's side needs no PEFT
+        LoraLayer = ParamWrapper = ()
+    from fasttrain.nn import adapted_layers
+    from fasttrain.nn.moe_experts import moe_expert_layers
+    for name, m in adapted_layers(model):
+        if m.adapter:
+            counts[name.rpartition(".")[2]] += 1
+    for _, m in moe_expert_layers(model):
+        if m.adapter:
+            counts["experts.gate_up"] += 1
+            counts["experts.down"] += 1
+    for name, m in model.named_modules():
+        if isinstance(m, ParamWrapper):
+            counts[f"experts.{m.parameter_name}"] += 1
+        elif isinstance(m, LoraLayer) and not name.endswith(".base_layer"):
+            counts[name.rpartition(".")[2]] += 1
+    return ", ".join(f"{k} x{v}" + (" (r per expert)" if k.startswith("experts.") else "")
+                     for k, v in counts.items()) or "nothing"
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -130,13 +213,15 @@ def fasttrain_config(a, out_dir: str, selection: str):
                 "device": a.device},
         "policy": {"dtype": "float32" if a.fasttrain_dtype == "fp32" else "bfloat16", "rank": a.rank,
                    "alpha": float(a.alpha), "quantize": a.quantize,
-                   **({"model": BENCH_FACTORY} if a.model == "qwen3.5-bench-100m" else {})},
+                   **({"model": BENCH_FACTORIES[a.model]} if a.model in BENCH_FACTORIES else {})},
         "env": {"name": "signal-a", "prompts": selection},
         "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new,
                     "temperature": 1.0},
         "loss": {"kind": "cispo", "cispo_cap": a.cap, "beta": a.beta, "token_mask": "all", "passes": 1},
         "optim": {"lr": a.lr, "micro_batch": a.micro_batch, "grad_clip": 1.0},
         "probe": {"every": 0},
+        # a MoE: no load-balancing loss (TRL's router_aux_loss_coef is 0 too), routing replayed from the rollout
+        **({"moe": {"router_aux_loss_coef": 0.0, "routing_replay": "rollout"}} if a.model in MOE_MODELS else {}),
     })
 
 
@@ -184,7 +269,10 @@ def worker_fasttrain(a) -> dict:
             "setting": f"{a.fasttrain_dtype} base " + ("quantized to NF4" if a.quantize == "nf4" else "kept 16-bit")
                        + " + fp32 LoRA masters, rollout from "
                        f"{'dense merged weights' if tr.rollout_weights is not None else 'the adapted layers'}"
-                       f" (rollout.base_weights={R.base_weights}), compile={R.compile}"}
+                       f" (rollout.base_weights={R.base_weights}), compile={R.compile}"
+                       + (f", {'NF4' if a.quantize == 'nf4' else '16-bit'} experts, routing replay"
+                          if a.model in MOE_MODELS else ""),
+            "adapts": adapted_summary(tr.model)}
 
 
 def capture_rollout_shapes() -> list[dict]:
@@ -204,10 +292,12 @@ def capture_rollout_shapes() -> list[dict]:
 
 
 def _dims(model) -> dict:
-    """Sizes the FLOP and bandwidth counts need. proj: the weights of the adapted projections (the
-    family's, as built); L: the layers with attention over the context (a hybrid's full-attention
-    ones; its Gated DeltaNet state math is not counted: a few % of the projections at this shape)."""
+    """Sizes the FLOP and bandwidth counts need. proj: the weights a token runs through in the
+    adapted projections (the family's, as built) and, in a MoE, its k experts' two stacks and the
+    router; L: the layers with attention over the context (a hybrid's full-attention ones; its Gated
+    DeltaNet state math is not counted: a few % of the projections at this shape)."""
     from fasttrain.models.families import adapter_targets
+    from fasttrain.nn.moe_experts import moe_blocks
     c = model.config
     nh = c.num_attention_heads
     D = getattr(c, "head_dim", None) or c.hidden_size // nh
@@ -217,6 +307,9 @@ def _dims(model) -> dict:
     names = set(adapter_targets(model))
     proj = sum(m.in_features * m.out_features for n, m in model.named_modules()
                if n.rpartition(".")[2] in names and hasattr(m, "in_features"))
+    for _, b in moe_blocks(model):
+        ex = b.experts
+        proj += b.top_k * 3 * ex.intermediate * ex.hidden + b.num_experts * ex.hidden   # gate_up + down, router
     return {"H": H, "L": sum(k == "full_attention" for k in kinds), "nh": nh, "nkv": nkv, "D": D,
             "V": c.vocab_size, "proj": proj}
 
@@ -279,6 +372,7 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
         weight_bytes = resident_bytes(tr.model)["total"]["base"]            # NF4 codes + scales, or 16-bit
     weight_bytes += d["H"] * d["V"] * esz                                   # lm_head
     B, P = a.prompts * a.group, max(map(len, ids))
+    weight_bytes += expert_read_bytes(tr.model, B)
     kv_bytes = d["L"] * 2 * B * d["nkv"] * d["D"] * (P + T / 2) * esz      # the mean context's cache
     from fasttrain.plan.meta_model import hybrid_state
     kv_bytes += 2 * B * hybrid_state(tr.model.config, dt).get("state_bytes", 0)   # a hybrid's state: read + written
@@ -288,11 +382,23 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
             "precision": a.fasttrain_dtype}
 
 
+def expert_read_bytes(model, rows: int) -> float:
+    """Bytes a decode step of `rows` tokens reads from a MoE's experts: each layer's stacks (NF4 codes
+    + scales, or 16-bit) and expert LoRA factors, times the expected share of its experts that at
+    least one of the rows' top-k reaches, 1 - (1 - k/E)^rows (uniform routing); 0 for a dense model."""
+    from fasttrain.nn.moe_experts import moe_blocks
+    total = 0.0
+    for _, b in moe_blocks(model):
+        held = sum(t.numel() * t.element_size() for t in b.experts.buffers(recurse=False))
+        held += sum(p.numel() * p.element_size() for p in b.experts.adapter_parameters())
+        total += held * (1 - (1 - b.top_k / b.num_experts) ** rows)
+    return total
+
+
 def worker_trl(a) -> dict:
     import torch
     import transformers
     from datasets import Dataset
-    from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
     from fasttrain.models import chat_prompt_ids, extract_answer
@@ -328,11 +434,13 @@ def worker_trl(a) -> dict:
         learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, max_steps=a.warmup + a.steps, shuffle_dataset=False, seed=a.seed,
         logging_steps=10_000, save_strategy="no", report_to="none", disable_tqdm=True,
-        gradient_checkpointing=True, dataloader_num_workers=0)
-    lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=lora_targets(a), lora_dropout=0.0,
-                      task_type="CAUSAL_LM")
+        gradient_checkpointing=True, dataloader_num_workers=0,
+        **({"router_aux_loss_coef": 0.0} if a.model in MOE_MODELS else {}))   # fasttrain's default: no aux loss
     trainer = GRPOTrainer(model=model, reward_funcs=signal_reward, args=cfg, train_dataset=data,
-                          processing_class=tok, peft_config=lora)
+                          processing_class=tok, peft_config=trl_lora_config(a, model))
+    if a.model in MOE_MODELS and (trainer.aux_loss_enabled or model.config._experts_implementation != a.trl_experts):
+        raise RuntimeError(f"TRL: aux loss {trainer.aux_loss_enabled}, experts "
+                           f"{model.config._experts_implementation!r}; the benchmark asks for none and {a.trl_experts!r}")
 
     gen_times: list[float] = []
     original_generate = trainer._generate
@@ -373,8 +481,10 @@ def worker_trl(a) -> dict:
         s["tokens"] = n * a.prompts * a.group
     setting = {"bf16": "bf16 weights, bf16=True", "bf16-autocast": "fp32 weights, bf16=True (autocast)",
                "fp32": "fp32 weights, bf16=False"}[a.trl_precision]
+    if a.model in MOE_MODELS:
+        setting += f", transformers experts_implementation={a.trl_experts}, router_aux_loss_coef=0"
     return {"steps": steps[a.warmup:], "memory": mem, "prompt_order": [p.id for p in ordered],
-            "setting": setting + ", gradient checkpointing, PEFT LoRA"}
+            "setting": setting + ", gradient checkpointing, PEFT LoRA", "adapts": adapted_summary(trainer.model)}
 
 
 def worker_rollout(a) -> dict:
@@ -385,6 +495,12 @@ def worker_rollout(a) -> dict:
     dtype = torch.bfloat16 if a.rollout_dtype == "bf16" else torch.float32
     model, tok = load_model(a, dtype)
     model.to(a.device)
+    ours_model = model
+    if a.model in MOE_MODELS:         # fasttrain's decoder drives its own MoE blocks: the same weights, 16-bit experts
+        import copy
+
+        from fasttrain.models.moe import moe_surgery
+        ours_model = moe_surgery(copy.deepcopy(model), nf4=False)
     env = load_env("signal-a")
     prompts = [chat_prompt_ids(tok, p.spec, env.answer_format) for p in env.prompts("train")[:a.prompts]]
     n, G, T = len(prompts), a.group, a.new
@@ -398,7 +514,7 @@ def worker_rollout(a) -> dict:
     enc, am = enc.to(a.device), am.to(a.device)
 
     def ours():
-        r = sample(model, prompts, group_size=G, max_new_tokens=T, temperature=1.0, eos_token_ids=[],
+        r = sample(ours_model, prompts, group_size=G, max_new_tokens=T, temperature=1.0, eos_token_ids=[],
                    seed=0, pad_token_id=pad)
         assert r.completion_ids.shape == (n * G, T)
 
@@ -424,6 +540,61 @@ def worker_rollout(a) -> dict:
     return {"times": times, "tokens": n * G * T, "prompt_len": P, "dtype": a.rollout_dtype}
 
 
+# ---- transformers' experts implementation (--trl-experts auto) -----------------------------------
+def pick_experts(a) -> tuple[str, str]:
+    """(implementation, why) for --trl-experts auto: one step's expert work on one layer of the
+    benchmark MoE, in TRL's weight dtype, per implementation: forward + backward at a micro-batch's
+    answer tokens (the weights taking gradients, as PEFT's W + dW does) times the micro-batches of
+    a step, plus a forward at the batch's rows (a decode step) times the new tokens; the fastest
+    that runs wins. batched_mm enters only when the weights it gathers per (token, expert) at the
+    update's token count stay under 1 GiB."""
+    import torch
+    from harness import time_it
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from fasttrain.models.bench_model import MOE_BENCH_CONFIG, bench_config
+    cfg = bench_config(MOE_BENCH_CONFIG)
+    dtype = torch.float32 if a.trl_precision in ("fp32", "bf16-autocast") else torch.bfloat16
+    E, k, H, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    rows, tokens = a.prompts * a.group, a.micro_batch * a.new
+    g = torch.Generator().manual_seed(0)
+
+    def routed(n):
+        w, idx = torch.randn(n, E, generator=g).softmax(-1).topk(k, dim=-1)
+        x, w = torch.randn(n, H, generator=g).to(dtype), (w / w.sum(-1, keepdim=True)).to(dtype)
+        return x.to(a.device), idx.to(a.device), w.to(a.device)
+    upd, dec = routed(tokens), routed(rows)
+    times, why = {}, []
+    for impl in EXPERTS_IMPLEMENTATIONS:
+        gathered = tokens * k * 3 * I * H * torch.empty((), dtype=dtype).element_size()
+        if impl == "batched_mm" and gathered > 2**30:
+            why.append(f"batched_mm skipped (would gather {gathered / 2**30:.1f} GiB of weights)")
+            continue
+        cfg._experts_implementation = impl
+        torch.manual_seed(0)
+        ex = Qwen3MoeExperts(cfg).to(a.device, dtype)
+        for prm in ex.parameters():
+            prm.data.normal_(0.0, 0.02)
+
+        def fb():
+            ex(upd[0].detach().requires_grad_(), upd[1], upd[2]).float().square().mean().backward()
+            ex.zero_grad(set_to_none=True)
+
+        def fwd():
+            with torch.no_grad():
+                ex(*dec)
+        try:
+            times[impl] = (rows // a.micro_batch * time_it(fb, reps=3, device=a.device)
+                           + a.new * time_it(fwd, reps=3, device=a.device))
+        except Exception as e:  # noqa: BLE001  (an implementation this host cannot run is left out)
+            why.append(f"{impl} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    if not times:
+        raise RuntimeError("--trl-experts auto: no experts implementation of transformers ran here: " + "; ".join(why))
+    best = min(times, key=times.get)
+    why.insert(0, ", ".join(f"{name} {t:.2f} s" for name, t in times.items()))
+    return best, "one layer's expert work per step, " + "; ".join(why)
+
+
 # ---- orchestration ----------------------------------------------------------------------------
 def run_worker(name: str, argv: list[str], timeout: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -441,6 +612,14 @@ def run_worker(name: str, argv: list[str], timeout: int) -> dict:
     return res
 
 
+SUMMARY: list[str] = []            # what main printed, for --save
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+    SUMMARY.append(text)
+
+
 def med(steps: list[dict], key: str) -> float:
     return statistics.median(s[key] for s in steps)
 
@@ -449,7 +628,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--model", choices=MODELS, default="smollm2-135m",
-                    help="the bundled SmolLM2-135M, or the pinned random Qwen3.5-shaped hybrid")
+                    help="the bundled SmolLM2-135M, or a pinned random benchmark model (the Qwen3.5-shaped hybrid, "
+                         "the Qwen3-30B-A3B-shaped MoE)")
+    ap.add_argument("--trl-experts", choices=["auto", *EXPERTS_IMPLEMENTATIONS], default="auto",
+                    help="a MoE's experts implementation in transformers (the TRL and rollout workers); auto: the "
+                         "fastest here of those that run, timed on one expert layer first")
     ap.add_argument("--quick", action="store_true",
                     help="smoke config (gpu_check): 1 prompt x 4 answers, 8 new tokens, 1 warm-up + 1 measured step")
     # Defaults: the study's shape. On a shared 2-core box each TRL step of it takes minutes.
@@ -477,6 +660,8 @@ def main() -> int:
     ap.add_argument("--only", default="fasttrain,trl,rollout", help="comma-separated: fasttrain,trl,rollout")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per worker")
     ap.add_argument("--csv", default="", help="append long-format rows here (bench/run_all.py passes it)")
+    ap.add_argument("--save", action="store_true",
+                    help="also write bench/results/<host>-<date>-step-<model>[-<experts>][-quick].md and .csv")
     ap.add_argument("--worker", choices=["fasttrain", "trl", "rollout"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -498,77 +683,110 @@ def main() -> int:
         a.fasttrain_dtype = fast if a.fasttrain_dtype == "auto" else a.fasttrain_dtype
         a.rollout_dtype = fast if a.rollout_dtype == "auto" else a.rollout_dtype
         a.trl_precision = fast if a.trl_precision == "auto" else a.trl_precision
-        print(f"precision: {fast} is the faster on this host ({why}); fasttrain {a.fasttrain_dtype}, "
-              f"TRL {a.trl_precision}, rollout bench {a.rollout_dtype}")
+        say(f"precision: {fast} is the faster on this host ({why}); fasttrain {a.fasttrain_dtype}, "
+            f"TRL {a.trl_precision}, rollout bench {a.rollout_dtype}")
         argv += ["--fasttrain-dtype", a.fasttrain_dtype, "--trl-precision", a.trl_precision,
                  "--rollout-dtype", a.rollout_dtype]
+    moe = a.model in MOE_MODELS
+    if moe and a.trl_experts == "auto":
+        a.trl_experts, why = pick_experts(a)
+        say(f"experts: transformers' {a.trl_experts} is the fastest here ({why})")
+        argv += ["--trl-experts", a.trl_experts]
     only = {s.strip() for s in a.only.split(",") if s.strip()}
     B = a.prompts * a.group
     load = os.getloadavg()[0]
-    model_name = ("the random 109 M Qwen3.5-shaped hybrid (qwen3.5-bench-100m)" if a.model == "qwen3.5-bench-100m"
-                  else "SmolLM2-135M-Instruct")
-    print(f"bench_step: {model_name}, signal-a, {a.prompts} prompts x {a.group} answers = {B} rows, "
-          f"<= {a.new} new tokens, micro-batch {a.micro_batch}, LoRA r={a.rank} alpha={a.alpha} on the {len(lora_targets(a))} "
-          f"projections, CISPO cap {a.cap}, beta {a.beta}, lr {a.lr}; {a.warmup} warm-up + {a.steps} measured "
-          f"steps per side, medians; device {a.device}, {torch.get_num_threads()} threads, {machine_name()}; "
-          f"load average {load:.1f} at start (the machine is shared: ratios side by side are what count)")
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+    experts = f", TRL on transformers' {a.trl_experts} experts" if moe else ""
+    say(f"bench_step: {MODEL_NAMES[a.model]}{experts}, signal-a, {a.prompts} prompts x {a.group} answers = {B} rows, "
+        f"<= {a.new} new tokens, micro-batch {a.micro_batch}, LoRA r={a.rank} alpha={a.alpha} (what each side "
+        f"adapts is listed below), CISPO cap {a.cap}, beta {a.beta}, lr {a.lr}; {a.warmup} warm-up + {a.steps} measured "
+        f"steps per side, medians; device {a.device}, {torch.get_num_threads()} threads, {machine_name()}; "
+        f"load average {load:.1f} at start (the machine is shared: ratios side by side are what count)")
+    say("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
     res: dict[str, dict] = {}
     for name in ("trl", "fasttrain", "rollout"):
         if name in only:
             res[name] = run_worker(name, argv, a.timeout)
     rows = []
     case = f"{a.prompts}x{a.group}x{a.new}"
-    extra = {"device": a.device, "load_avg": f"{load:.1f}"}
+    extra = {"device": a.device, "load_avg": f"{load:.1f}", "model": a.model,
+             "experts": a.trl_experts if moe else ""}
     if "fasttrain" in res and "trl" in res:
         f, t = res["fasttrain"], res["trl"]
         if f["prompt_order"] != t["prompt_order"]:
             raise RuntimeError("the two sides trained on different prompts")
-        print(f"\nfasttrain: {f['setting']}\nTRL:       {t['setting']}")
-        print(f"{'':24s}{'fasttrain':>12s}{'TRL':>12s}{'ratio':>9s}   (ratio = fasttrain / TRL; target)")
-        # targets: the step at <= 0.35x TRL's time, generation <= 0.5x, peak memory <= 0.35x
-        for key, label, target in (("step", "step s", 0.35), ("generation", "  generation s", 0.5),
+        say(f"\nfasttrain: {f['setting']}\nTRL:       {t['setting']}")
+        say(f"fasttrain adapts: {f['adapts']}\nTRL adapts:       {t['adapts']}")
+        say(f"{'':24s}{'fasttrain':>12s}{'TRL':>12s}{'ratio':>9s}   (ratio = fasttrain / TRL; target)")
+        # targets: the step at <= 0.35x TRL's time (a MoE: 0.3x), generation <= 0.5x, peak memory <= 0.35x
+        for key, label, target in (("step", "step s", 0.3 if moe else 0.35), ("generation", "  generation s", 0.5),
                                    ("update", "  update s", None)):
             fv, tv = med(f["steps"], key), med(t["steps"], key)
-            print(f"{label:24s}{fv:12.2f}{tv:12.2f}{fv / tv:9.2f}" + (f"   (<= {target})" if target else ""))
+            say(f"{label:24s}{fv:12.2f}{tv:12.2f}{fv / tv:9.2f}" + (f"   (<= {target})" if target else ""))
             rows += [row("step", case, "fasttrain", f"{key}_s", fv, "s", **extra),
                      row("step", case, "trl", f"{key}_s", tv, "s", **extra),
                      row("step", case, "fasttrain/trl", f"{key}_ratio", fv / tv, "x", **extra)]
         fm, tm = f["memory"]["peak_rss_growth_mib"], t["memory"]["peak_rss_growth_mib"]
-        print(f"{'peak RSS growth MiB':24s}{fm:12.0f}{tm:12.0f}{fm / tm:9.2f}   (<= 0.35)")
+        say(f"{'peak RSS growth MiB':24s}{fm:12.0f}{tm:12.0f}{fm / tm:9.2f}   (<= 0.35)")
         rows += [row("step", case, "fasttrain", "peak_rss_growth_mib", fm, "MiB", **extra),
                  row("step", case, "trl", "peak_rss_growth_mib", tm, "MiB", **extra),
                  row("step", case, "fasttrain/trl", "peak_rss_growth_ratio", fm / tm, "x", **extra)]
         if a.device == "cuda":
             fc, tc = f["memory"]["peak_cuda_mib"], t["memory"]["peak_cuda_mib"]
-            print(f"{'peak CUDA alloc MiB':24s}{fc:12.0f}{tc:12.0f}{fc / tc:9.2f}")
+            say(f"{'peak CUDA alloc MiB':24s}{fc:12.0f}{tc:12.0f}{fc / tc:9.2f}")
             rows += [row("step", case, "fasttrain", "peak_cuda_mib", fc, "MiB", **extra),
                      row("step", case, "trl", "peak_cuda_mib", tc, "MiB", **extra)]
         ftok = statistics.mean(s["tokens"] for s in f["steps"]) / B
         ttok = statistics.mean(s.get("tokens", float("nan")) for s in t["steps"]) / B
-        print(f"{'mean completion tokens':24s}{ftok:12.1f}{ttok:12.1f}   (each side samples its own answers)")
-        print(f"{'absolute peak RSS MiB':24s}{f['memory']['peak_rss_mib']:12.0f}{t['memory']['peak_rss_mib']:12.0f}"
-              "   (includes each side's imports)")
+        say(f"{'mean completion tokens':24s}{ftok:12.1f}{ttok:12.1f}   (each side samples its own answers)")
+        say(f"{'absolute peak RSS MiB':24s}{f['memory']['peak_rss_mib']:12.0f}{t['memory']['peak_rss_mib']:12.0f}"
+            "   (includes each side's imports)")
         ph = {k: statistics.median(s["phases"][k] for s in f["steps"]) for k in f["steps"][0]["phases"]}
-        print("fasttrain phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
+        say("fasttrain phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
     if "fasttrain" in res:
         rows += print_limits(res["fasttrain"], case, extra)
     if "rollout" in res:
         r = res["rollout"]
         s, g = statistics.median(r["times"]["sample"]), statistics.median(r["times"]["generate"])
         tok = r["tokens"]
-        print(f"\nrollout alone ({r['dtype']}, plain model, {a.prompts}x{a.group} rows, prompt ~{r['prompt_len']} "
-              f"tokens, {a.new} new tokens, no early stop, median of {len(r['times']['sample'])}):")
-        print(f"  transformers generate     {g:8.2f} s {tok / g:9.1f} tok/s")
-        print(f"  fasttrain.rollout.sample  {s:8.2f} s {tok / s:9.1f} tok/s   ratio {g / s:.2f}x  (>= 1.3)")
+        plain = "plain model; fasttrain's MoE blocks, 16-bit experts" if moe else "plain model"
+        say(f"\nrollout alone ({r['dtype']}, {plain}, {a.prompts}x{a.group} rows, prompt ~{r['prompt_len']} "
+            f"tokens, {a.new} new tokens, no early stop, median of {len(r['times']['sample'])}):")
+        say(f"  transformers generate     {g:8.2f} s {tok / g:9.1f} tok/s")
+        say(f"  fasttrain.rollout.sample  {s:8.2f} s {tok / s:9.1f} tok/s   ratio {g / s:.2f}x  (>= 1.3)")
         rc = f"{a.prompts}x{a.group}x{a.new}-{r['dtype']}"
         rows += [row("step_rollout", rc, "generate", "tok_per_s", tok / g, "tok/s", **extra),
                  row("step_rollout", rc, "fasttrain", "tok_per_s", tok / s, "tok/s", **extra),
                  row("step_rollout", rc, "fasttrain/generate", "speedup", g / s, "x", **extra)]
-    print(f"load average at end {os.getloadavg()[0]:.1f}")
+    say(f"load average at end {os.getloadavg()[0]:.1f}")
     if a.csv:
         write_csv(rows, Path(a.csv))
+    if a.save:
+        save_results(a, rows)
     return 0
+
+
+def save_results(a, rows: list[dict]) -> None:
+    """bench/results/<host>-<date>-step-<model>[-<experts>][-quick].md (the summary printed above,
+    under the command that made it) and .csv (the rows)."""
+    import datetime as dt
+
+    from harness import RESULTS, machine_name, write_csv
+    moe = a.model in MOE_MODELS
+    stem = (f"{machine_name()}-{dt.date.today().isoformat()}-step-{a.model}" + (f"-{a.trl_experts}" if moe else "")
+            + ("-quick" if a.quick else ""))
+    md, csv_path = RESULTS / f"{stem}.md", RESULTS / f"{stem}.csv"
+    csv_path.unlink(missing_ok=True)
+    write_csv(rows, csv_path)
+    cmd = " ".join(["python bench/bench_step.py", *_strip_csv(sys.argv[1:])])
+    head = [f"# bench_step on {MODEL_NAMES[a.model]}, fasttrain vs TRL, {machine_name()}, {dt.date.today().isoformat()}",
+            "", f"Host: {machine_name()}; device {a.device}."
+            + (f" TRL's experts: transformers' {a.trl_experts}." if moe else ""),
+            f"Command: `{cmd}`", ""]
+    if a.quick:
+        head += ["A --quick run is a smoke test (1 prompt x 4 answers, 8 new tokens): it shows both sides run end "
+                 "to end, not how fast either is.", ""]
+    md.write_text("\n".join(head + ["```", *SUMMARY, "```", "", f"Raw numbers: `{csv_path.name}`.", ""]))
+    print(f"wrote {md} and {csv_path}")
 
 
 def print_limits(f: dict, case: str, extra: dict) -> list[dict]:
@@ -579,12 +797,12 @@ def print_limits(f: dict, case: str, extra: dict) -> list[dict]:
     achieved = flops / upd / 1e9
     share = achieved / lim["matmul_gflops"]
     ratio = lim["decode_step_s"] / lim["decode_floor_s"]
-    print(f"\ndistance to this machine's limit (fasttrain, {lim['precision']}):")
-    print(f"  update   {flops / 1e12:.2f} TFLOP in {upd:.1f} s = {achieved:.0f} GFLOP/s; a {lim['precision']} "
-          f"2048^3 matmul here runs {lim['matmul_gflops']:.0f} GFLOP/s: {100 * share:.0f}% of it (target >= 50%)")
-    print(f"  decode   {lim['decode_step_s'] * 1e3:.0f} ms/step; floor {lim['decode_floor_s'] * 1e3:.1f} ms = "
-          f"{lim['decode_weight_mib']:.0f} MiB weights + {lim['decode_kv_mib']:.0f} MiB KV cache at "
-          f"{lim['read_gbps']:.1f} GB/s read: {ratio:.1f}x the floor")
+    say(f"\ndistance to this machine's limit (fasttrain, {lim['precision']}):")
+    say(f"  update   {flops / 1e12:.2f} TFLOP in {upd:.1f} s = {achieved:.0f} GFLOP/s; a {lim['precision']} "
+        f"2048^3 matmul here runs {lim['matmul_gflops']:.0f} GFLOP/s: {100 * share:.0f}% of it (target >= 50%)")
+    say(f"  decode   {lim['decode_step_s'] * 1e3:.0f} ms/step; floor {lim['decode_floor_s'] * 1e3:.1f} ms = "
+        f"{lim['decode_weight_mib']:.0f} MiB weights + {lim['decode_kv_mib']:.0f} MiB KV cache at "
+        f"{lim['read_gbps']:.1f} GB/s read: {ratio:.1f}x the floor")
     return [row("step", case, "fasttrain", "update_gflops", achieved, "GFLOP/s", **extra),
             row("step", case, "fasttrain", "update_share_of_matmul", share, "x", **extra),
             row("step", case, "fasttrain", "decode_ms_per_step", lim["decode_step_s"] * 1e3, "ms", **extra),

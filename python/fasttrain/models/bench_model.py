@@ -1,11 +1,18 @@
-"""The pinned hybrid benchmark model: a random Qwen3_5ForCausalLM of the shape in
-models/configs/qwen3.5-bench-100m.json (109 M parameters, the 27B's 3:1 layer layout at hidden 512)
-over the bundled SmolLM2 tokenizer and vocabulary, so the built-in environments' prompts run.
+"""The pinned benchmark models: random transformers models of the shapes in models/configs, over
+the bundled SmolLM2 tokenizer and vocabulary, so the built-in environments' prompts run.
 
     policy.model = "fasttrain.models.bench_model:qwen3_5_bench"      # a recipe (a model factory)
+    policy.model = "fasttrain.models.bench_model:qwen3_moe_bench"
 
-Seeded: the same weights in every process (bench/bench_step.py builds it once per side). What it
-is not: a trained model; its answers are noise, which is all a speed benchmark needs.
+qwen3_5_bench    Qwen3_5ForCausalLM, qwen3.5-bench-100m.json: 109 M parameters, the 27B's 3:1 layer
+                 layout at hidden 512.
+qwen3_moe_bench  Qwen3MoeForCausalLM, qwen3-moe-bench-100m.json: 103.5 M parameters, Qwen3-30B-A3B's
+                 layers at hidden 512 (32 experts top-4 in each of 5 layers; no load-balancing loss).
+
+Seeded: the same weights in every process (bench/bench_step.py builds it once per side), drawn by
+transformers' own initialisation (a router of std 0.02 gives logits of std ~0.45 on unit-RMS
+inputs: no ties, the top-k spread over the experts). What it is not: a trained model; its answers
+are noise, which is all a speed benchmark needs.
 """
 from __future__ import annotations
 
@@ -14,22 +21,38 @@ from importlib import resources
 
 import torch
 
-__all__ = ["BENCH_CONFIG", "qwen3_5_bench"]
+__all__ = ["BENCH_CONFIG", "MOE_BENCH_CONFIG", "bench_config", "qwen3_5_bench", "qwen3_moe_bench"]
 
 BENCH_CONFIG = "qwen3.5-bench-100m"
+MOE_BENCH_CONFIG = "qwen3-moe-bench-100m"
+
+
+def bench_config(name: str):
+    """The transformers config of the bundled benchmark config `name` (keys starting with "_" dropped)."""
+    from transformers import AutoConfig
+    data = json.loads(resources.files("fasttrain.models").joinpath("configs", f"{name}.json").read_text())
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    return AutoConfig.for_model(data.pop("model_type"), **data)
 
 
 def qwen3_5_bench(dtype: str = "bfloat16", seed: int = 0):
     """(model, tokenizer): the random benchmark hybrid in `dtype` and SmolLM2's tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    return _build(BENCH_CONFIG, dtype, seed)
+
+
+def qwen3_moe_bench(dtype: str = "bfloat16", seed: int = 0):
+    """(model, tokenizer): the random benchmark mixture of experts in `dtype` and SmolLM2's tokenizer."""
+    return _build(MOE_BENCH_CONFIG, dtype, seed)
+
+
+def _build(name: str, dtype, seed: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .bundled import bundled_gguf
     from .loading import _gguf_as_dir, _offline
 
     _offline()
-    data = json.loads(resources.files("fasttrain.models").joinpath("configs", f"{BENCH_CONFIG}.json").read_text())
-    data = {k: v for k, v in data.items() if not k.startswith("_")}
-    cfg = AutoConfig.for_model(data.pop("model_type"), **data)
+    cfg = bench_config(name)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg)
