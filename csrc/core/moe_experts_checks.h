@@ -85,17 +85,18 @@ inline MoEArgs check_moe_args(const char* op, const at::Tensor& x, const at::Ten
   return a;
 }
 
-// The backward's dy [N, H] and the forward's saved tensors (order [P], offsets [E + 1], h [P, 2I] and
-// out [P, H] in the compute dtype ct: the forward must have run with save=True).
+// The backward's dy [N, H] and the forward's saved tensors (order [P], offsets [E + 1], h [P, 2I] and,
+// where the forward keeps them (out_saved: the CUDA kernel), out [P, H], in the compute dtype ct: the
+// forward must have run with save=True).
 inline void check_moe_backward_args(const char* op, const MoEArgs& a, const at::Tensor& dy, const at::Tensor& order,
                                     const at::Tensor& offsets, const at::Tensor& h, const at::Tensor& out,
-                                    at::ScalarType ct) {
+                                    at::ScalarType ct, bool out_saved = true) {
   const int64_t P = a.N * a.k;
   FT_CHECK_ARG(dy.dim() == 2 && dy.size(0) == a.N && dy.size(1) == a.H && dy.is_floating_point(), op, "dy",
                "must be floating [", a.N, ", ", a.H, "], got ", dy.scalar_type(), " ", dy.sizes());
   FT_CHECK_ARG(order.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && order.numel() == P &&
-                   offsets.numel() == a.E + 1 && h.numel() == P * 2 * a.I && out.numel() == P * a.H &&
-                   h.scalar_type() == ct && out.scalar_type() == ct,
+                   offsets.numel() == a.E + 1 && h.numel() == P * 2 * a.I && h.scalar_type() == ct &&
+                   (!out_saved || (out.numel() == P * a.H && out.scalar_type() == ct)),
                op, "order/offsets/h/out", "must be the forward's saved tensors (run it with save=True)");
   for (const at::Tensor* t : {&dy, &order, &offsets, &h, &out})
     FT_CHECK_ARG(t->device() == dy.device(), op, "dy and the saved tensors", "must be on one device, got ",

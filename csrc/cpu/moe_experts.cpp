@@ -15,20 +15,25 @@
 //   - LoRA runs factorised: x·Aᵀ once per expert, then each tile adds (x·Aᵀ)·B_tileᵀ·s;
 //   - the routing weights and the k-slot sum are applied per token at the end, in a fixed slot
 //     order (deterministic; no atomics, no races between experts).
-// Parallel (at::parallel_for) over (expert, row tile) work items in the forward and over active
-// experts in the backward (each expert's LoRA gradients are its own; the input gradient goes to a
-// per-pair buffer that is summed per token at the end).
+// Parallel (at::parallel_for) over (expert, row tile) work items in the forward and over chunks of
+// experts in the backward (each expert's LoRA gradients are its own; the input gradient is summed
+// per token in a fixed order at the end).
 // Compute dtype: float64 for float64 x (the tests' exact path), else float32; the forward saves
-// the gate/up values h [pairs, 2I] and the unweighted expert outputs [pairs, H] for the backward
-// (when asked to), which decodes the weights again.
+// only the gate/up values h [pairs, 2I] for the backward (when asked to), which decodes the weights
+// again and gathers each expert's rows of dy and x in its own task: its routing weights' gradient
+// goes through the down projection (dy·W_d against the activation), so no [pairs, H] tensor is
+// kept from the forward or made in the backward except the input gradient's per-pair buffer when
+// there are at least as many threads as slots (else per-task sums of [tokens, H]).
 // The element math (SwiGLU and its derivative, the NF4 levels) is core/math.h's.
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/math.h"
 #include "core/moe_experts_checks.h"
 #include "core/variant.h"
@@ -61,7 +66,7 @@ struct Stack {
     if (!nf4) return t.copy_(w[e].narrow(0, r0, rows));
     const uint8_t* q = w.const_data_ptr<uint8_t>() + e * w.size(1);
     const float* am = absmax.const_data_ptr<float>() + e * absmax.size(1);
-    AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_decode", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, ct, "moe_experts_decode", [&] {
       nf4cpu::decode_range<scalar_t>(q, am, bs, r0 * in, (r0 + rows) * in, t.data_ptr<scalar_t>());
     });
     return t;
@@ -153,6 +158,21 @@ at::Tensor lora_in(const at::Tensor& xs, const Lora& l, const int64_t* off, int6
   return xa;
 }
 
+// The GEMMs' dtype: bfloat16 when x is bfloat16 and the CPU has native bf16 GEMMs (avx512_bf16 /
+// AMX, several times the fp32 rate there; a bf16 GEMM without them is far slower than fp32), as
+// nf4_linear decides; else the compute dtype. The sums across tiles, the SwiGLU, the k-slot sum and
+// every gradient's accumulation stay in the compute dtype.
+at::ScalarType gemm_dtype(const at::Tensor& x, at::ScalarType ct) {
+  return (x.scalar_type() == at::kBFloat16 && cpu_has_bf16()) ? at::kBFloat16 : ct;
+}
+
+// acc += a·b: in place when a and b are acc's dtype, else their GEMM in theirs (one rounding of the
+// product) added into acc.
+void add_mm(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == acc.scalar_type()) acc.addmm_(a, b);
+  else acc.add_(at::mm(a, b));
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_experts_cpu(
@@ -165,35 +185,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_exper
   const MoEArgs a = check_moe_args(kOp, x, expert_index, routing_weights, gate_up, gate_up_absmax, down,
                                    down_absmax, blocksize, intermediate, gu_a, gu_b, dn_a, dn_b);
   const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType gt = gemm_dtype(x, ct);
   const int64_t N = a.N, H = a.H, I = a.I, k = a.k, P = N * k;
   const Stack gu = make_stack(gate_up, gate_up_absmax, 2 * I, H, blocksize);
   const Stack dn = make_stack(down, down_absmax, H, I, blocksize);
-  const Lora lg = make_lora(gu_a, gu_b, ct), ld = make_lora(dn_a, dn_b, ct);
+  const Lora lg = make_lora(gu_a, gu_b, gt), ld = make_lora(dn_a, dn_b, gt);
   Grouping g = group_pairs(expert_index, a.E);
   const int64_t* off = g.offsets.const_data_ptr<int64_t>();
-  const at::TensorOptions opt = x.options().dtype(ct);
+  const at::TensorOptions opt = x.options().dtype(ct), gopt = x.options().dtype(gt);
 
-  const at::Tensor xs = gather_rows(x.to(ct), g.order, k);  // [P, H]
-  const at::Tensor xa = lora_in(xs, lg, off, a.E);           // [P, r_gu]
-  at::Tensor act = at::empty({P, I}, opt);
-  at::Tensor h = save ? at::empty({P, 2 * I}, opt) : at::empty({0}, opt);
+  at::Tensor xs = gather_rows(x.to(gt), g.order, k);        // [P, H], dropped after gate_up
+  at::Tensor xa = lora_in(xs, lg, off, a.E);                 // [P, r_gu]
+  at::Tensor act = at::empty({P, I}, gopt);
+  at::Tensor h = save ? at::empty({P, 2 * I}, gopt) : at::empty({0}, gopt);
 
   // gate_up: tile j0..j1 of the intermediate width = gate rows j0..j1 and up rows I+j0..I+j1
-  const std::vector<Item> gitems = tiles(off, a.E, I, std::max<int64_t>(1, gu.tile(ct, I) / 2));
+  const std::vector<Item> gitems = tiles(off, a.E, I, std::max<int64_t>(1, gu.tile(gt, I) / 2));
   at::parallel_for(0, (int64_t)gitems.size(), 1, [&](int64_t i0, int64_t i1) {
     at::Tensor bg, bu;
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = gitems[i];
       const int64_t o = off[it.e], c = off[it.e + 1] - o;
       const at::Tensor xe = xs.narrow(0, o, c);
-      at::Tensor gv = at::mm(xe, gu.rows(it.e, it.r0, it.rows, ct, bg).t());        // [c, rows]
-      at::Tensor uv = at::mm(xe, gu.rows(it.e, I + it.r0, it.rows, ct, bu).t());
+      at::Tensor gv = at::mm(xe, gu.rows(it.e, it.r0, it.rows, gt, bg).t());        // [c, rows]
+      at::Tensor uv = at::mm(xe, gu.rows(it.e, I + it.r0, it.rows, gt, bu).t());
       if (lg.on()) {
         const at::Tensor xae = xa.narrow(0, o, c);
         gv.addmm_(xae, lg.b[it.e].narrow(0, it.r0, it.rows).t(), 1.0, scale);
         uv.addmm_(xae, lg.b[it.e].narrow(0, I + it.r0, it.rows).t(), 1.0, scale);
       }
-      AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_swiglu", [&] {
+      AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gt, "moe_experts_swiglu", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
         const scalar_t* pg = gv.const_data_ptr<scalar_t>();
         const scalar_t* pu = uv.const_data_ptr<scalar_t>();
         scalar_t* pa = act.data_ptr<scalar_t>() + o * I + it.r0;
@@ -201,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_exper
         for (int64_t m = 0; m < c; ++m)
           for (int64_t j = 0; j < it.rows; ++j) {
             const scalar_t gj = pg[m * it.rows + j], uj = pu[m * it.rows + j];
-            pa[m * I + j] = fm::moe_swiglu(gj, uj);
+            pa[m * I + j] = static_cast<scalar_t>(fm::moe_swiglu<acc_t>(gj, uj));
             if (ph) {
               ph[m * 2 * I + j] = gj;
               ph[m * 2 * I + I + j] = uj;
@@ -211,16 +233,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_exper
     }
   });
 
+  xs.reset();
+  xa.reset();
+
   // down: tile h0..h1 of the output rows; out [P, H] the unweighted expert outputs
   const at::Tensor ad = lora_in(act, ld, off, a.E);  // [P, r_dn]
-  at::Tensor out = at::empty({P, H}, opt);
-  const std::vector<Item> ditems = tiles(off, a.E, H, dn.tile(ct, H));
+  at::Tensor out = at::empty({P, H}, gopt);
+  const std::vector<Item> ditems = tiles(off, a.E, H, dn.tile(gt, H));
   at::parallel_for(0, (int64_t)ditems.size(), 1, [&](int64_t i0, int64_t i1) {
     at::Tensor bd;
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = ditems[i];
       const int64_t o = off[it.e], c = off[it.e + 1] - o;
-      at::Tensor ov = at::mm(act.narrow(0, o, c), dn.rows(it.e, it.r0, it.rows, ct, bd).t());  // [c, rows]
+      at::Tensor ov = at::mm(act.narrow(0, o, c), dn.rows(it.e, it.r0, it.rows, gt, bd).t());  // [c, rows]
       if (ld.on()) ov.addmm_(ad.narrow(0, o, c), ld.b[it.e].narrow(0, it.r0, it.rows).t(), 1.0, scale);
       out.narrow(0, o, c).narrow(1, it.r0, it.rows).copy_(ov);
     }
@@ -230,23 +255,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_exper
   at::Tensor y = at::empty({N, H}, opt);
   const at::Tensor w = routing_weights.to(ct).contiguous();
   AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_combine", [&] {
-    const scalar_t* pw = w.const_data_ptr<scalar_t>();
-    const scalar_t* po = out.const_data_ptr<scalar_t>();
-    scalar_t* py = y.data_ptr<scalar_t>();
-    at::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        scalar_t* yn = py + n * H;
-        std::fill(yn, yn + H, scalar_t(0));
-        for (int64_t j = 0; j < k; ++j) {
-          const scalar_t wj = pw[n * k + j];
-          const scalar_t* on = po + g.pos[n * k + j] * H;
-          for (int64_t d = 0; d < H; ++d) yn[d] += wj * on[d];
+    using acc_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gt, "moe_experts_combine_out", [&] {
+      const acc_t* pw = w.const_data_ptr<acc_t>();
+      const scalar_t* po = out.const_data_ptr<scalar_t>();
+      acc_t* py = y.data_ptr<acc_t>();
+      at::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) {
+          acc_t* yn = py + n * H;
+          std::fill(yn, yn + H, acc_t(0));
+          for (int64_t j = 0; j < k; ++j) {
+            const acc_t wj = pw[n * k + j];
+            const scalar_t* on = po + g.pos[n * k + j] * H;
+            for (int64_t d = 0; d < H; ++d) yn[d] += wj * static_cast<acc_t>(on[d]);
+          }
         }
-      }
+      });
     });
   });
-  if (!save) out = at::empty({0}, opt);
-  return {y.to(x.scalar_type()), g.order, g.offsets, h, out};
+  // the outputs are not saved: the backward takes the routing weights' gradient through W_d instead
+  return {y.to(x.scalar_type()), g.order, g.offsets, h, at::empty({0}, gopt)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_experts_backward_cpu(
@@ -262,8 +290,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const MoEArgs a = check_moe_args(op, x, expert_index, routing_weights, gate_up, gate_up_absmax, down,
                                    down_absmax, blocksize, intermediate, gu_a, gu_b, dn_a, dn_b);
   const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType gt = gemm_dtype(x, ct);  // the forward's GEMM dtype, h's dtype
   const int64_t N = a.N, H = a.H, I = a.I, k = a.k, P = N * k, E = a.E;
-  check_moe_backward_args(op, a, dy_, order, offsets, h, out, ct);
+  check_moe_backward_args(op, a, dy_, order, offsets, h, out, gt, /*out_saved=*/false);
   const bool need_x = mask[0], need_w = mask[1], need_lora = mask[2];
   const Stack gu = make_stack(gate_up, gate_up_absmax, 2 * I, H, blocksize);
   const Stack dn = make_stack(down, down_absmax, H, I, blocksize);
@@ -273,93 +302,142 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const int64_t* off = offs.const_data_ptr<int64_t>();
   const int64_t* po = ord.const_data_ptr<int64_t>();
 
-  const at::Tensor dys = gather_rows(dy_.to(ct), ord, k);                          // [P, H]
+  // Each expert's rows of dy and x are gathered inside its task (no [P, H] copies of either), and the
+  // routing weights' gradient comes without the forward's outputs: with g = dy_n·W_d and
+  // gb = dy_n·B_d (the output gradient seen through the down projection and its LoRA factor),
+  //   dw_p = dy_n · out_p = act_p · g + s·(act_p·A_dᵀ) · gb,   dact_p = w_p·(g + s·gb·A_d),
+  // the same sums regrouped, so the forward saves only h.
+  const at::Tensor dyg = dy_.to(gt).contiguous();                                   // [N, H]
   const at::Tensor wv = routing_weights.to(ct).contiguous().view({P}).index_select(0, ord);  // [P]
+  const at::Tensor tok = at::floor_divide(ord, k);                                  // [P] the pairs' tokens
+  const int64_t* pt = tok.const_data_ptr<int64_t>();
   at::Tensor dw = at::zeros({P}, opt);
-  at::Tensor dxs = need_x ? at::zeros({P, H}, opt) : at::empty({0}, opt);
   auto zeros_like_opt = [&](const std::optional<at::Tensor>& t) {
     return (need_lora && t.has_value()) ? at::zeros(t->sizes(), opt) : at::empty({0}, opt);
   };
   at::Tensor dga = zeros_like_opt(gu_a), dgb = zeros_like_opt(gu_b), dda = zeros_like_opt(dn_a),
              ddb = zeros_like_opt(dn_b);
   const bool chain = need_x || (need_lora && (lg.on() || ld.on()));
-  const at::Tensor xs = chain ? gather_rows(x.to(ct), ord, k) : at::Tensor();
+  const at::Tensor xc = (need_lora && lg.on()) ? x.to(ct).contiguous() : at::Tensor();
 
-  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+  // The experts in C contiguous chunks, one task each. The input gradient: with fewer chunks than
+  // slots, each chunk adds its pairs' rows into its own [N, H] sum (C·N·H < P·H), summed over the
+  // chunks in chunk order at the end; else each pair's row goes to a [P, H] buffer, summed per token
+  // in slot order. Both orders are fixed by C alone (deterministic for a given thread count).
+  const int64_t C = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), E));
+  const bool by_chunk = need_x && C < k;
+  at::Tensor dxs = !need_x ? at::empty({0}, opt) : by_chunk ? at::zeros({C, N, H}, opt) : at::empty({P, H}, opt);
+
+  at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
     at::Tensor buf;
-    for (int64_t e = e0; e < e1; ++e) {
-      const int64_t o = off[e], c = off[e + 1] - o;
-      if (!c) continue;
-      const at::Tensor dye = dys.narrow(0, o, c), oute = out.view({P, H}).narrow(0, o, c);
-      if (need_w) {
-        const at::Tensor d = (dye * oute).sum(1);
-        AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_dw", [&] {
-          scalar_t* pdw = dw.data_ptr<scalar_t>();
-          const scalar_t* pd = d.const_data_ptr<scalar_t>();
-          for (int64_t m = 0; m < c; ++m) pdw[po[o + m]] = pd[m];
+    for (int64_t ch = c0; ch < c1; ++ch)
+      for (int64_t e = ch * E / C; e < (ch + 1) * E / C; ++e) {
+        const int64_t o = off[e], c = off[e + 1] - o;
+        if (!c) continue;
+        const at::Tensor te = tok.narrow(0, o, c);
+        const at::Tensor dyeg = dyg.index_select(0, te);                                // [c, H] in gt
+        const at::Tensor dye = dyeg.to(ct);
+        const at::Tensor we = wv.narrow(0, o, c).unsqueeze(1);                          // [c, 1]
+        const at::Tensor he = h.view({P, 2 * I}).narrow(0, o, c);
+        at::Tensor act = at::empty({c, I}, opt);
+        AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_act", [&] {
+          using acc_t = scalar_t;
+          acc_t* pa = act.data_ptr<acc_t>();
+          AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gt, "moe_experts_act_h", [&] {
+            const scalar_t* ph = he.const_data_ptr<scalar_t>();
+            for (int64_t m = 0; m < c; ++m)
+              for (int64_t j = 0; j < I; ++j)
+                pa[m * I + j] = fm::moe_swiglu<acc_t>(ph[m * 2 * I + j], ph[m * 2 * I + I + j]);
+          });
         });
-      }
-      if (!chain) continue;
-      const at::Tensor dO = dye * wv.narrow(0, o, c).unsqueeze(1);                // [c, H]
-      const at::Tensor he = h.view({P, 2 * I}).narrow(0, o, c);
-      at::Tensor act = at::empty({c, I}, opt), dact;
-      AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_act", [&] {
-        const scalar_t* ph = he.const_data_ptr<scalar_t>();
-        scalar_t* pa = act.data_ptr<scalar_t>();
-        for (int64_t m = 0; m < c; ++m)
-          for (int64_t j = 0; j < I; ++j) pa[m * I + j] = fm::moe_swiglu(ph[m * 2 * I + j], ph[m * 2 * I + I + j]);
-      });
-      // down: dact = dO·W_d + s·(dO·B_d)·A_d; dB_d = s·dOᵀ·(act·A_dᵀ); dA_d = s·(dO·B_d)ᵀ·act
-      if (ld.on()) {
-        const at::Tensor dad = at::mm(dO, ld.b[e]).mul_(scale);                   // [c, r]
-        if (need_lora) {
-          ddb[e].copy_(at::mm(dO.t(), at::mm(act, ld.a[e].t())).mul_(scale));
-          dda[e].copy_(at::mm(dad.t(), act));
+        // g = dy·W_d, tile by tile of the decoded down rows
+        at::Tensor g = at::zeros({c, I}, opt);
+        const int64_t td = dn.tile(gt, H);
+        for (int64_t r0 = 0; r0 < H; r0 += td) {
+          const int64_t rows = std::min(td, H - r0);
+          add_mm(g, dyeg.narrow(1, r0, rows), dn.rows(e, r0, rows, gt, buf));
         }
-        dact = at::mm(dad, ld.a[e]);
-      } else {
-        dact = at::zeros({c, I}, opt);
-      }
-      const int64_t td = dn.tile(ct, H);
-      for (int64_t r0 = 0; r0 < H; r0 += td) {
-        const int64_t rows = std::min(td, H - r0);
-        dact.addmm_(dO.narrow(1, r0, rows), dn.rows(e, r0, rows, ct, buf));
-      }
-      // SwiGLU
-      at::Tensor dh = at::empty({c, 2 * I}, opt);
-      AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_swiglu_backward", [&] {
-        const scalar_t* ph = he.const_data_ptr<scalar_t>();
-        const scalar_t* pda = dact.const_data_ptr<scalar_t>();
-        scalar_t* pdh = dh.data_ptr<scalar_t>();
-        for (int64_t m = 0; m < c; ++m)
-          for (int64_t j = 0; j < I; ++j)
-            fm::moe_swiglu_backward(ph[m * 2 * I + j], ph[m * 2 * I + I + j], pda[m * I + j], pdh[m * 2 * I + j],
-                                    pdh[m * 2 * I + I + j]);
-      });
-      // gate_up: dx = dh·W_gu + s·(dh·B_g)·A_g; dB_g = s·dhᵀ·(x·A_gᵀ); dA_g = s·(dh·B_g)ᵀ·x
-      const at::Tensor xe = xs.narrow(0, o, c);
-      at::Tensor dxe;
-      if (lg.on()) {
-        const at::Tensor dxa = at::mm(dh, lg.b[e]).mul_(scale);
-        if (need_lora) {
-          dgb[e].copy_(at::mm(dh.t(), at::mm(xe, lg.a[e].t())).mul_(scale));
-          dga[e].copy_(at::mm(dxa.t(), xe));
+        at::Tensor gb, ad;
+        if (ld.on()) {
+          gb = at::mm(dye, ld.b[e]);                                                    // [c, r]
+          ad = at::mm(act, ld.a[e].t());                                                // [c, r]
         }
-        if (need_x) dxe = at::mm(dxa, lg.a[e]);
+        if (need_w) {
+          at::Tensor d = (act * g).sum(1);
+          if (ld.on()) d.add_((ad * gb).sum(1), scale);
+          AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_dw", [&] {
+            scalar_t* pdw = dw.data_ptr<scalar_t>();
+            const scalar_t* pd = d.const_data_ptr<scalar_t>();
+            for (int64_t m = 0; m < c; ++m) pdw[po[o + m]] = pd[m];
+          });
+        }
+        if (!chain) continue;
+        // down: dact = w·(g + s·gb·A_d); dB_d = s·(w·dy)ᵀ·ad; dA_d = s·(w·gb)ᵀ·act
+        at::Tensor dact = g;
+        if (ld.on()) {
+          const at::Tensor dad = (gb * we).mul_(scale);                                 // s·(dO·B_d)
+          if (need_lora) {
+            ddb[e].copy_(at::mm((dye * we).t(), ad).mul_(scale));
+            dda[e].copy_(at::mm(dad.t(), act));
+          }
+          dact.addmm_(gb, ld.a[e], 1.0, scale);
+        }
+        dact.mul_(we);
+        // SwiGLU
+        at::Tensor dh = at::empty({c, 2 * I}, opt);
+        AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_swiglu_backward", [&] {
+          using acc_t = scalar_t;
+          const acc_t* pda = dact.const_data_ptr<acc_t>();
+          acc_t* pdh = dh.data_ptr<acc_t>();
+          AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gt, "moe_experts_swiglu_backward_h", [&] {
+            const scalar_t* ph = he.const_data_ptr<scalar_t>();
+            for (int64_t m = 0; m < c; ++m)
+              for (int64_t j = 0; j < I; ++j)
+                fm::moe_swiglu_backward<acc_t>(ph[m * 2 * I + j], ph[m * 2 * I + I + j], pda[m * I + j],
+                                               pdh[m * 2 * I + j], pdh[m * 2 * I + I + j]);
+          });
+        });
+        // gate_up: dx = dh·W_gu + s·(dh·B_g)·A_g; dB_g = s·dhᵀ·(x·A_gᵀ); dA_g = s·(dh·B_g)ᵀ·x
+        const at::Tensor xe = (lg.on() && need_lora) ? xc.index_select(0, te) : at::Tensor();
+        at::Tensor dxe;
+        if (lg.on()) {
+          const at::Tensor dxa = at::mm(dh, lg.b[e]).mul_(scale);
+          if (need_lora) {
+            dgb[e].copy_(at::mm(dh.t(), at::mm(xe, lg.a[e].t())).mul_(scale));
+            dga[e].copy_(at::mm(dxa.t(), xe));
+          }
+          if (need_x) dxe = at::mm(dxa, lg.a[e]);
+        }
+        if (!need_x) continue;
+        if (!dxe.defined()) dxe = at::zeros({c, H}, opt);
+        const at::Tensor dhg = dh.to(gt);
+        const int64_t tg = gu.tile(gt, 2 * I);
+        for (int64_t r0 = 0; r0 < 2 * I; r0 += tg) {
+          const int64_t rows = std::min(tg, 2 * I - r0);
+          add_mm(dxe, dhg.narrow(1, r0, rows), gu.rows(e, r0, rows, gt, buf));
+        }
+        if (by_chunk) {
+          AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_dx_add", [&] {
+            scalar_t* acc = dxs.data_ptr<scalar_t>() + ch * N * H;
+            const scalar_t* pd = dxe.const_data_ptr<scalar_t>();
+            for (int64_t m = 0; m < c; ++m) {
+              scalar_t* an = acc + pt[o + m] * H;
+              const scalar_t* dm = pd + m * H;
+              for (int64_t d = 0; d < H; ++d) an[d] += dm[d];
+            }
+          });
+        } else {
+          dxs.narrow(0, o, c).copy_(dxe);
+        }
       }
-      if (!need_x) continue;
-      if (!dxe.defined()) dxe = at::zeros({c, H}, opt);
-      const int64_t tg = gu.tile(ct, 2 * I);
-      for (int64_t r0 = 0; r0 < 2 * I; r0 += tg) {
-        const int64_t rows = std::min(tg, 2 * I - r0);
-        dxe.addmm_(dh.narrow(1, r0, rows), gu.rows(e, r0, rows, ct, buf));
-      }
-      dxs.narrow(0, o, c).copy_(dxe);
-    }
   });
 
   at::Tensor dx = at::empty({0}, x.options());
-  if (need_x) {  // dx_n = Σ_j dxs[pos(n, j)], slots in order
+  if (need_x && by_chunk) {  // dx = Σ_chunks, in chunk order
+    at::Tensor acc = dxs[0];
+    for (int64_t ch = 1; ch < C; ++ch) acc.add_(dxs[ch]);
+    dx = acc.to(x.scalar_type());
+  } else if (need_x) {  // dx_n = Σ_j dxs[pos(n, j)], slots in order
     std::vector<int64_t> pos(P);
     for (int64_t i = 0; i < P; ++i) pos[po[i]] = i;
     at::Tensor acc = at::empty({N, H}, opt);

@@ -81,3 +81,12 @@ def test_a_tool_rollouts_record_covers_tool_tokens_and_replays(family):
     context = roll.completion_mask & ~roll.action_mask
     assert bool(context.any())                                # tool-result tokens were forwarded
     _check_record_and_replay(hf, model, roll)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_rollout_of_unswapped_model_says_what_to_do(family):
+    """transformers' own sparse blocks record no routing: sampling such a model stops with an error
+    that names the step that swaps fasttrain's expert blocks in, not a failure deep in the decoder."""
+    hf = FAMILIES[family](vocab_size=97, dtype=torch.float32)
+    with pytest.raises(ValueError, match="moe_surgery"):
+        sample(hf, PROMPTS, group_size=2, max_new_tokens=2, temperature=1.0, eos_token_ids=[2], seed=0)

@@ -16,7 +16,10 @@ On the CPU the op is fasttrain's kernel (csrc/cpu/moe_experts.cpp): the (token, 
 grouped by expert by a counting sort inside the op, each expert's weight decoded a tile of rows at
 a time inside the matmul (never a dequantised expert), the SwiGLU taken on each gate/up tile, the
 routing weights and the k-slot sum applied per token at the end; its backward (to x, the routing
-weights and the LoRA factors) decodes the weights again. On CUDA tensors it is fasttrain's CUDA
+weights and the LoRA factors) decodes the weights again. Its GEMMs run in bfloat16 for bfloat16 x
+where the CPU has native bf16 GEMMs (avx512_bf16 / AMX), else in the compute dtype (float32,
+float64 for float64); sums across tiles, the SwiGLU, the k-slot sum and the gradients' accumulation
+are in the compute dtype. On CUDA tensors it is fasttrain's CUDA
 kernel (csrc/cuda/kernels/moe_experts.cuh): the same op with the grouping, the NF4 decode inside the
 grouped projections, the fused SwiGLU and the factorised LoRA on the device, no host sync, computing
 in float32 (x float32/float16/bfloat16, stacks NF4 or float32/float16/bfloat16). The torch form is
@@ -247,14 +250,29 @@ def _ct(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _cpu_gemm_dtype(x):
+    """The CPU kernel's GEMM dtype (h's): bfloat16 for bfloat16 x where the CPU has native bf16
+    GEMMs (the extension's own answer, as nf4_linear's), else the compute dtype."""
+    if x.dtype == torch.bfloat16:
+        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
+        if _cpu_bf16_compute():
+            return torch.bfloat16
+    return _ct(x)
+
+
 @torch.library.register_fake("fasttrain::moe_experts")
 def _(x, expert_index, routing_weights, gate_up, gate_up_absmax, down, down_absmax, blocksize, intermediate,
       gate_up_a, gate_up_b, down_a, down_b, scale, save):
     N, H = x.shape
     P = N * expert_index.shape[1]
     ct = _ct(x)
-    h = x.new_empty((P, 2 * intermediate) if save else (0,), dtype=ct)
-    out = x.new_empty((P, H) if save else (0,), dtype=ct)
+    if x.device.type == "cpu":          # the CPU kernel: h in its GEMM dtype, no outputs kept
+        gt = _cpu_gemm_dtype(x)
+        h = x.new_empty((P, 2 * intermediate) if save else (0,), dtype=gt)
+        out = x.new_empty((0,), dtype=gt)
+    else:
+        h = x.new_empty((P, 2 * intermediate) if save else (0,), dtype=ct)
+        out = x.new_empty((P, H) if save else (0,), dtype=ct)
     return (x.new_empty((N, H)), expert_index.new_empty((P,)), expert_index.new_empty((gate_up.shape[0] + 1,)), h,
             out)
 

@@ -27,9 +27,9 @@ copy and the sorting indices are saved. A Qwen3-MoE with dense layers (mlp_only_
 decoder_sparse_step) takes the costlier of its two layer kinds. That is the torch form, which runs
 where no kernel does (form_for): on CUDA under FASTTRAIN_MOE_CUDA=torch and for float64. On the
 CPU the experts run fasttrain's kernel, which keeps less (kernel_live, kernel_saved, kernel_grads:
-no per-expert gathered inputs or LoRA products are saved, only gate_up's output and the unweighted
-outputs). On CUDA they run fasttrain's CUDA kernel (the default), which saves what the CPU kernel
-saves (float32) and whose scratch (cuda_forward_bytes, cuda_backward_bytes: read off the launch
+no per-expert gathered inputs or LoRA products are saved, only gate_up's output). On CUDA they run
+fasttrain's CUDA kernel (the default), which saves gate_up's output and the unweighted outputs
+(float32: cuda_kernel_saved) and whose scratch (cuda_forward_bytes, cuda_backward_bytes: read off the launch
 code, csrc/cuda/kernels/moe_experts.cuh) lives until the op returns: cuda_kernel_live and
 cuda_kernel_grads; it decodes its NF4 blocks inside the grouped projections, so no dequantised
 expert adds to the CUDA workspace. `plan_memory` prints what the routed experts add to a phase's
@@ -145,6 +145,19 @@ def _f(m) -> int:
     return 8 if m.w == 8 else 4
 
 
+def _g(m) -> int:
+    """Bytes of the CPU kernel's GEMM operands (h, act, the outputs, the gathered inputs): 2 for a
+    16-bit model where this host's CPU has native bf16 GEMMs (the kernel then runs them in bf16, as
+    nf4_linear does, and as its plan counts a 16-bit width as bf16), else the compute dtype's."""
+    if m.w != 2:
+        return _f(m)
+    try:
+        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
+        return 2 if _cpu_bf16_compute() else 4
+    except (ImportError, OSError, RuntimeError):
+        return 4
+
+
 def _router_live(m, N: int) -> int:
     """route(): the [N, E] logits (model dtype), their float32 copy and softmax, top-k weights and
     indices (and the renormalised weights); what the forward keeps after it: indices and weights."""
@@ -189,41 +202,66 @@ def routed_grads(m, N: int) -> int:
 
 
 def kernel_live(m, N: int) -> int:
-    """No-grad peak of fasttrain's CPU kernel (csrc/cpu/moe_experts.cpp) over N tokens: the pairs'
-    order [P] and the offsets [E + 1] (int64), act [P, I], each projection's x·Aᵀ [P, r], the outputs
-    [P, H] and the sum [N, H] in the compute dtype (float32, float64 for float64) and the sum's copy
-    in the model dtype; the decoded weight tiles (256 KiB a thread) are not counted."""
+    """No-grad peak of fasttrain's CPU kernel (csrc/cpu/moe_experts.cpp) over N tokens, at its last
+    step (the weighted sum): the pairs' order [P] and the offsets [E + 1] (int64), act [P, I], the
+    down projection's act·Aᵀ [P, r], the outputs [P, H], the routing weights' copy [P] and the sum
+    [N, H] in the compute dtype (float32, float64 for float64) and the sum's copy in the model dtype.
+    The gathered inputs [P, H] and x·Aᵀ [P, r] of the gate_up step are dropped before the outputs
+    are made (that step holds less: P·(H + r + I) against P·(H + r + I + 1) + N·H·(f + w)); the
+    decoded weight tiles (256 KiB a thread) are not counted."""
     E, k, I, _, _ = m.moe
     if not k:
         return 0
-    w, f, H, r = m.w, _f(m), m.hidden, m.rank
+    w, f, g, H, r = m.w, _f(m), _g(m), m.hidden, m.rank
     P = N * k
     kept = N * k * (8 + f)                               # the route's indices and weights
-    body = P * 8 + (E + 1) * 8 + P * I * f + 2 * P * r * f + P * H * f + N * H * (f + w)
+    body = P * 8 + (E + 1) * 8 + P * H * g + P * I * g + P * r * g + P * f + N * H * (f + w)
     return max(_router_live(m, N), kept + body)
 
 
 def kernel_saved(m, N: int) -> int:
-    """What the kernel saves for its backward: the router's softmax and the route, the pairs' order
-    and offsets, gate_up's output [P, 2I] and the unweighted outputs [P, H] (compute dtype)."""
+    """What the CPU kernel saves for its backward: the router's softmax and the route, the pairs'
+    order and offsets, and gate_up's output [P, 2I] (in the GEMM dtype, _g)."""
     E, k, I, _, _ = m.moe
     if not k:
         return 0
-    f, H = _f(m), m.hidden
+    f = _f(m)
     P = N * k
-    return N * E * f + N * k * (8 + 2 * f) + P * 8 + (E + 1) * 8 + P * (2 * I + H) * f
+    return N * E * f + N * k * (8 + 2 * f) + P * 8 + (E + 1) * 8 + P * 2 * I * _g(m)
+
+
+def cuda_kernel_saved(m, N: int) -> int:
+    """What the CUDA kernel saves: the router's softmax and the route, the pairs' order and offsets,
+    gate_up's output [P, 2I] and the unweighted outputs [P, H] (float32), which its backward reads
+    for the routing weights' gradient."""
+    E, k, I, _, _ = m.moe
+    if not k:
+        return 0
+    f = _f(m)
+    P = N * k
+    return N * E * f + N * k * (8 + 2 * f) + P * 8 + (E + 1) * 8 + P * (2 * I + m.hidden) * f
 
 
 def kernel_grads(m, N: int) -> int:
-    """The kernel's backward: the routing weights' gradient [P], the gathered inputs' [P, H], per
-    expert act, its gradient, gate_up's gradient and the expert's input gradient (counted for all P
-    rows at once, the worst case of one expert taking every pair), the [N, H] sum and its cast."""
+    """The CPU kernel's backward, in the compute dtype: dy's and x's copies [N, H] (where the model
+    dtype is not the compute dtype), the gathered routing weights, the pairs' tokens and the routing
+    weights' gradient [P]; the input gradient's sums: C [N, H] (C = min(threads, E) chunks of experts)
+    where C < k, else a per-pair [P, H]; per expert (counted for all P rows at once, the worst case
+    of one expert taking every pair) its rows of dy, dO and x and its input gradient [c, H], act, g
+    and gate_up's gradient [c, 4I], and where the GEMMs run in bf16 the rows of dy and dh in it;
+    then the [N, H] sum's cast, and the router's [N, E]."""
     E, k, I, _, _ = m.moe
     if not k:
         return 0
     w, f, H = m.w, _f(m), m.hidden
     P = N * k
-    return P * f + P * H * f + P * (4 * I + H) * f + N * H * (f + w) + N * E * f
+    g = _g(m)
+    copies = (N * H * f if w != f else 0) + (N * H * g if w != g else 0)   # x in the compute dtype (LoRA), dy in the GEMM's
+    import torch
+    C = max(1, min(torch.get_num_threads(), E))         # this host's threads: the CPU form plans this host
+    sums = C * N * H * f if C < k else P * H * f + N * H * f
+    gemm_copies = P * (H + 2 * I) * g if g != f else 0  # the expert's rows of dy and dh in the GEMM dtype
+    return copies + P * (2 * f + 8) + sums + P * (4 * H + 4 * I) * f + gemm_copies + N * H * w + N * E * f
 
 
 def expert_rank(m) -> int:
@@ -308,7 +346,7 @@ def form_for(device_kind: str, m) -> str:
 
 
 _FORMS = {"cpu": (kernel_live, lambda m, N, c_xa: kernel_saved(m, N), kernel_grads),
-          "cuda": (cuda_kernel_live, lambda m, N, c_xa: kernel_saved(m, N), cuda_kernel_grads),
+          "cuda": (cuda_kernel_live, lambda m, N, c_xa: cuda_kernel_saved(m, N), cuda_kernel_grads),
           "torch": (routed_live, routed_saved, routed_grads)}
 
 

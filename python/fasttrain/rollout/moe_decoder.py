@@ -52,6 +52,15 @@ class _Recording:
 
     def _start_record(self) -> None:
         self.blocks = [b for _, b in moe_blocks(self.model)]
+        if not self.blocks:
+            from fasttrain.models.moe import hf_sparse_blocks
+            found = hf_sparse_blocks(self.model)
+            what = (f"its {len(found)} sparse blocks are transformers' own ({type(found[0][1]).__name__})"
+                    if found else "it has no mixture-of-experts block fasttrain knows")
+            raise ValueError(
+                f"fasttrain.rollout: a {type(self.model).__name__} mixture-of-experts model needs fasttrain's "
+                f"expert blocks to decode and record its routing, but {what}; call "
+                "fasttrain.models.moe.moe_surgery(model, nf4=False) first (the trainer's build_policy does)")
         self.start_record()
 
     def start_record(self) -> None:
