@@ -29,7 +29,12 @@ def machine_name() -> str:
                 break
     except OSError:
         pass
-    return f"cpu-{os.cpu_count()}c-" + "".join(c if c.isalnum() else "-" for c in cpu)[:40].strip("-")
+    # the vendor's marks and filler out ("Intel(R) Xeon(R) Processor" -> "Intel-Xeon", "AMD EPYC 9V74
+    # 80-Core Processor" -> "AMD-EPYC-9V74-80-Core")
+    import re
+    cpu = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|\bProcessor\b|@.*$", " ", cpu)
+    name = "-".join("".join(c if c.isalnum() else " " for c in cpu).split())
+    return f"cpu-{os.cpu_count()}c-" + name[:40].strip("-")
 
 
 def versions() -> dict:

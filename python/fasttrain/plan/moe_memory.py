@@ -243,25 +243,32 @@ def cuda_kernel_saved(m, N: int) -> int:
 
 
 def kernel_grads(m, N: int) -> int:
-    """The CPU kernel's backward, in the compute dtype: dy's and x's copies [N, H] (where the model
-    dtype is not the compute dtype), the gathered routing weights, the pairs' tokens and the routing
-    weights' gradient [P]; the input gradient's sums: C [N, H] (C = min(threads, E) chunks of experts)
-    where C < k, else a per-pair [P, H]; per expert (counted for all P rows at once, the worst case
-    of one expert taking every pair) its rows of dy, dO and x and its input gradient [c, H], act, g
-    and gate_up's gradient [c, 4I], and where the GEMMs run in bf16 the rows of dy and dh in it;
-    then the [N, H] sum's cast, and the router's [N, E]."""
+    """The CPU kernel's backward, in the compute dtype f (GEMM operands in _g): dy's and x's copies
+    [N, H] (where the model dtype differs), the gathered routing weights, their gradient and the
+    pairs' tokens [P]; the input gradient's sums, C [N, H] (C = min(threads, E) chunks of experts)
+    where C < k, else a per-pair [P, H] and at the end the [N, H] sum; and while the C tasks run,
+    each one expert's rows: of dy (f and g), x (for the LoRA gradients), the input gradient [c, H],
+    act, dy·W_d and gate_up's gradient (f and g) [c, 4I], four [c, r] LoRA products. The rows in
+    flight are the C tasks' experts at twice an expert's mean share each (min(P, C·⌈2P/E⌉)): routing
+    replay keeps the rollout's load and a balanced router spreads it; a collapsed router that sends
+    more than twice its share to one expert exceeds this. Then the [N, H] sum's cast and the
+    router's [N, E]."""
     E, k, I, _, _ = m.moe
     if not k:
         return 0
-    w, f, H = m.w, _f(m), m.hidden
+    w, f, g, H, r = m.w, _f(m), _g(m), m.hidden, expert_rank(m)
     P = N * k
-    g = _g(m)
-    copies = (N * H * f if w != f else 0) + (N * H * g if w != g else 0)   # x in the compute dtype (LoRA), dy in the GEMM's
     import torch
     C = max(1, min(torch.get_num_threads(), E))         # this host's threads: the CPU form plans this host
-    sums = C * N * H * f if C < k else P * H * f + N * H * f
-    gemm_copies = P * (H + 2 * I) * g if g != f else 0  # the expert's rows of dy and dh in the GEMM dtype
-    return copies + P * (2 * f + 8) + sums + P * (4 * H + 4 * I) * f + gemm_copies + N * H * w + N * E * f
+    copies = (N * H * f if w != f else 0) + (N * H * g if w != g else 0)
+    kept = copies + P * (2 * f + 8)
+    by_chunk = C < k
+    sums = C * N * H * f if by_chunk else P * H * f
+    rows = min(P, C * -(-2 * P // E))
+    per_row = (3 * H + 4 * I + 4 * r) * f + ((H + 2 * I) * g if g != f else 0)
+    loop = kept + sums + rows * per_row
+    end = kept + sums + (0 if by_chunk else N * H * f) + N * H * w
+    return max(loop, end) + N * E * f
 
 
 def expert_rank(m) -> int:
