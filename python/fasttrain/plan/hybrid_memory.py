@@ -169,7 +169,9 @@ def _delta_live(m: ModelShape, U: int, P: int, B: int, A: int, grad: bool = Fals
     answers_conv = prompts + U * P * 2 * kq * f + B * (K - 1) * C * w + _conv_peak(m, B, A)
     held = prompts + B * A * (C * w + 2 * kq * f)
     if chunked:
-        at_rule = B * st * f + _chunked_forward_peak(m, B, A, True)
+        # (also the answers' conv window [B, K-1+A, C], held by `_` (their new conv state, a view) until
+        # the rule returns)
+        at_rule = B * st * f + B * (K - 1 + A) * C * w + _chunked_forward_peak(m, B, A, True)
     else:
         at_rule = 2 * B * st * f + B * A * Z * (2 * f + (w if w != f else 0))
     at_norm = B * A * Z * w + B * st * f + N * Z * w + _gated_norm_peak(m, N)
