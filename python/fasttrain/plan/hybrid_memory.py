@@ -317,8 +317,11 @@ def _rule_grads(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int
 
 def backward_temps(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
     """The largest set of gradients live at once in any layer's backward beyond the saved bytes (no
-    checkpointing)."""
-    return max(_mlp_grads(m, U * P + B * A), _rule_grads(m, U, P, B, A, c_xa))
+    checkpointing). The delta rule's run in the last Gated DeltaNet layer's backward, after the
+    full-attention layers behind it (trailing_full) ran theirs and freed what they saved."""
+    N = U * P + B * A
+    after = m.trailing_full * (N * _common_saved_per_row(m, c_xa) + _attention_saved(m, U, P, B, A, c_xa))
+    return max(_mlp_grads(m, N), _rule_grads(m, U, P, B, A, c_xa) - after)
 
 
 # ---- the rollout: fasttrain.rollout.hybrid_decoder --------------------------------------------------
