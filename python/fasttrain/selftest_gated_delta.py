@@ -114,8 +114,8 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, cal
         # most T + chunk products per entry
         from fasttrain.ops.gated_delta import _floor
         results = [orf, Sr] + [t.grad for t in rin] + ([rs0.grad] if state else [])
-        clamp = (math.exp(_floor(acc)) * (T + chunk) * max(float(t.detach().abs().max()) for t in results if t.numel())
-                 if backend == "torch" else 0.0)
+        largest = max(float(t.detach().abs().max()) for t in results if t.numel())
+        clamp = math.exp(_floor(acc)) * (T + chunk) * largest if backend == "torch" else 0.0
 
         def plain_err(a, b):
             return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
