@@ -93,7 +93,8 @@ def test_hybrid_update_on_the_forced_token_kernel_matches_measured_peaks(worlds,
 
     assert update_rule_form() == "chunked"
     r = tiny_recipe(tmp_path, 2, 3, 40, 6)
-    r["policy"].update(dtype="float32", gradient_checkpointing=checkpointing, model="padded_world:wide_hybrid_as_loaded")
+    r["policy"].update(dtype="float32", gradient_checkpointing=checkpointing,
+                       model="padded_world:wide_hybrid_as_loaded")
     prev = set_gated_delta_backend("fused")
     try:
         assert update_rule_form() == "fused"

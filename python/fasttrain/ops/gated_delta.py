@@ -391,8 +391,8 @@ def _chunked_backward(do, dS, q, k, v, g, beta, ckpt, scale: float, C: int, acc)
         attn = QKᵀ ⊙ D: dQK = d attn ⊙ D, dD += d attn ⊙ QKᵀ, dQ += dQK K, dK += dQKᵀ Q;
         X = (I + L)⁻¹ R: dR = (I + L)⁻ᵀ dX, dL = −strictly_lower(dR Xᵀ);
         L = β_row ⊙ KKᵀ ⊙ D: dβ_t += Σ_s dL_ts (KKᵀ ⊙ D)_ts, dKK = β_row dL ⊙ D,
-        dD += β_row dL ⊙ KKᵀ, dK += (dKK + dKKᵀ) K; R = [βV | βe^Γ K]: dV = β dR_v, dβ += Σ_d dR_v·V, dK += βe^Γ dR_k,
-        with b = Σ_d dR_k·K: dβ += b e^Γ, dΓ += b β e^Γ;
+        dD += β_row dL ⊙ KKᵀ, dK += (dKK + dKKᵀ) K; R = [βV | βe^Γ K]: dV = β dR_v,
+        dβ += Σ_d dR_v·V, dK += βe^Γ dR_k, with b = Σ_d dR_k·K: dβ += b e^Γ, dΓ += b β e^Γ;
         D = e^{Γt−Γs}: with E = dD ⊙ D, dΓ += Σ_s E_ts − Σ_t E_st; dΓ_{C} to the chunk's last place;
         Γ = cumsum g: dg = the reverse cumulative sum of dΓ (padding: g = β = q = k = v = 0 there)."""
     B, T, Hk, Dk = q.shape
