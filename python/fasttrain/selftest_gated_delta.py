@@ -26,8 +26,8 @@ Tolerances (derived; the selftest module's header states the shared conventions 
   otherwise (the torch chunked form keeps them in float32); the torch chunked form adds
   e^floor·(T + C)·(the largest reference result), e^floor bounding what its clamp of decay
   factors below e^floor (fasttrain.ops.gated_delta._floor) changes a product by. The backward:
-  the same form with the magnitudes replaced by the largest reference gradient of each input times the largest |o| cotangent path, err_plain taken from the plain
-  recurrence's own backward. causal_conv1d: K products summed per output: (K + 2)·u_a·Σ_j|w_j||x_j|
+  the same form with the magnitudes replaced by the largest reference gradient of each input
+  times the largest |o| cotangent path, err_plain taken from the plain recurrence's own backward. causal_conv1d: K products summed per output: (K + 2)·u_a·Σ_j|w_j||x_j|
   before the SiLU (Lipschitz 1.1), plus the output's rounding; the state is copied exactly.
 """
 from __future__ import annotations
