@@ -1,7 +1,8 @@
-"""Benchmark: fasttrain.ops.gated_delta_rule (fasttrain's kernel) against the chunked PyTorch form it
-replaced and against transformers' torch fallback (what TRL runs for a Qwen3.5 model on a machine
-without flash-linear-attention), on the same inputs, side by side in one process (interleaved
-repetitions, medians), at the shapes of the benchmark hybrid (models/configs/qwen3.5-bench-100m.json:
+"""Benchmark: fasttrain.ops.gated_delta_rule's two CPU forms, fasttrain's token kernel ("fasttrain":
+decode, prefill and scores) and the chunked PyTorch form with its written-out backward ("torch
+chunked": the update), against each other and against transformers' torch fallback (what TRL runs
+for a Qwen3.5 model on a machine without flash-linear-attention), on the same inputs, side by side
+in one process (interleaved repetitions, medians), at the shapes of the benchmark hybrid (models/configs/qwen3.5-bench-100m.json:
 2 q/k heads, 6 value heads, head dims 128).
 
 Cases: the update's forward + backward of a prompt from a zero state and of a micro-batch of answers

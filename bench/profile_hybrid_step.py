@@ -4,9 +4,10 @@ rollout's decode, on the pinned ~100M Qwen3.5-shaped benchmark model (models/con
 
     PYTHONPATH=python python bench/profile_hybrid_step.py [--rows 8 --group 4 --prompt 96 --answer 64]
 
-Method: each phase is timed as it runs (the gated delta rule on fasttrain's kernel, the CPU
-default), again with the chunked PyTorch form of the rule (`set_gated_delta_backend("torch")`:
-what ran before the kernel), and again with the delta rule and the conv replaced by stand-ins of
+Method: each phase is timed with the gated delta rule's sequences on fasttrain's kernel
+(`set_gated_delta_backend("fused")`: the CPU default without a gradient), again with the chunked
+PyTorch form (`set_gated_delta_backend("torch")`: the CPU default for the update; decode steps on
+its torch ops), and again with the delta rule and the conv replaced by stand-ins of
 the same shapes that cost next to nothing (o = v·β, the state passed through; y = x); the
 differences are what those ops cost on each path. Median of --reps runs after a warm-up. Prints one
 line per phase.
@@ -127,20 +128,25 @@ def main(argv=None) -> int:
     print(f"# {torch.get_num_threads()} threads, {a.dtype}, rows {a.rows} (group {a.group}), prompt {a.prompt}, "
           f"answer {a.answer}, decode {a.decode} steps; NF4 + LoRA r16")
     from fasttrain.ops.gated_delta import set_gated_delta_backend
-    for name, fn in (("update fwd+bwd", update), ("rollout prefill+decode", rollout)):
-        full = timed(fn, a.reps)
-        prev = set_gated_delta_backend("torch")
-        try:
-            chunked = timed(fn, a.reps)
-        finally:
-            set_gated_delta_backend(prev)
+    from fasttrain.ops.gated_delta import gated_delta_backend
+    for name, fn, grad in (("update fwd+bwd", update, True), ("rollout prefill+decode", rollout, False)):
+        times = {}
+        for form in ("fused", "torch"):
+            prev = set_gated_delta_backend(form)
+            try:
+                times[form] = timed(fn, a.reps)
+            finally:
+                set_gated_delta_backend(prev)
         with stand_ins():
             rest = timed(fn, a.reps)
+        full, chunked = times["fused"], times["torch"]
         share = max(full - rest, 0.0) / full
         share_t = max(chunked - rest, 0.0) / chunked
-        print(f"{name}: {full:.3f} s with the kernel ({100 * share:.1f}% in the delta rule and conv), {chunked:.3f} s "
-              f"with the chunked torch form ({100 * share_t:.1f}%); without the delta rule and conv {rest:.3f} s",
-              flush=True)
+        default = gated_delta_backend("cpu", grad=grad)
+        print(f"{name}: {full:.3f} s with the kernel ({100 * share:.1f}% in the delta rule and conv: "
+              f"{max(full - rest, 0.0):.3f} s), {chunked:.3f} s with the chunked torch form ({100 * share_t:.1f}%: "
+              f"{max(chunked - rest, 0.0):.3f} s); without the delta rule and conv {rest:.3f} s; the default "
+              f"sequence form here: {default}", flush=True)
     return 0
 
 

@@ -24,7 +24,8 @@ def test_sequences_on_cuda_run_a_chunked_form_and_single_tokens_the_kernel(monke
     assert gated_delta_backend("cuda", torch.float32, head_dim=128) == "torch"  # fla takes 16-bit values only
     assert gated_delta_backend("cuda", BF16, head_dim=512) == "torch"          # fla's kernels: K <= 256
     assert gated_delta_backend("cuda", BF16, step=True) == "fused"             # decode keeps the kernel
-    assert gated_delta_backend("cpu", BF16, head_dim=128) == "fused"
+    assert gated_delta_backend("cpu", BF16, head_dim=128) == "fused"                 # CPU, no gradient: the kernel
+    assert gated_delta_backend("cpu", BF16, head_dim=128, grad=True) == "torch"      # the CPU update: the chunked form
 
 
 def _callers_inputs(T: int, state: bool = True):

@@ -4,6 +4,8 @@ the derivation in fasttrain/selftest_gated_delta.py with u = 2^-53), plus the pr
 rollout and the update rely on: any chunk size gives the same result, a sequence split anywhere
 and continued from the carried state equals the whole, the one-token step repeated equals the
 sequence, and the initial state receives the gradient the one-token recurrence gives it."""
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -119,12 +121,76 @@ def test_gradients_including_the_initial_state_equal_the_recurrence():
     assert want[5].abs().max() > 0.1          # the initial state does receive a gradient
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradients_in_float32_and_bf16_within_float32_roundings(dtype):
+@pytest.mark.parametrize("split", [0, 7, 16, 21])
+def test_gradients_through_a_carried_state_equal_the_whole_recurrence(split):
+    """The update's use: the prompt's call hands its final state to the answers' call (gathered per
+    row, as prefix_forward_hybrid does), v a strided view of the conv output; the gradients of both
+    calls' inputs and of the first initial state equal the float64 recurrence over the whole
+    sequence (the final state's gradient of the first call is what carries the second's back)."""
+    q, k, v, gl, beta, s0 = _inputs(2, 21, 2, 3, 8, 4, seed=13)
+    wide = torch.cat([torch.zeros_like(v), v], -1)            # v as a view with row stride 2·Dv
+    g = torch.Generator().manual_seed(21)
+    do = torch.randn(2, 21, 6, 4, generator=g, dtype=torch.float64)
+    dS = torch.randn(2, 6, 8, 4, generator=g, dtype=torch.float64)
+
+    def leaves():
+        return [t.clone().requires_grad_() for t in (q, k, wide, gl, beta, s0)]
+
+    xs = leaves()
+    qq, kk, ww, gg, bb, ss = xs
+    vv = ww[..., 4:]
+    a = [t[:, :split] for t in (qq, kk, vv, gg, bb)]
+    b = [t[:, split:] for t in (qq, kk, vv, gg, bb)]
+    rows = torch.tensor([0, 1])
+    o1, S1 = F.gated_delta_rule(*a, initial_state=ss, chunk_size=8)
+    o2, S2 = F.gated_delta_rule(*b, initial_state=S1[rows], chunk_size=8)
+    ((torch.cat([o1, o2], 1) * do).sum() + (S2 * dS).sum()).backward()
+    got = [x.grad for x in xs]
+    ys = leaves()
+    o, S = R.gated_delta_rule(ys[0], ys[1], ys[2][..., 4:], ys[3], ys[4], initial_state=ys[5])
+    ((o * do).sum() + (S * dS).sum()).backward()
+    want = [y.grad for y in ys]
+    for name, x, y in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+        # the same L·u form as the values (twice: two calls), relative to each gradient's largest entry
+        assert (x - y).abs().max() <= 2 * 4 * _roundings(21, 8, 8) * U64 * 50 * y.abs().max(), name
+    assert torch.equal(got[2][..., :4], torch.zeros_like(got[2][..., :4]))   # nothing leaks outside the view
+
+
+def test_the_backend_rule_per_phase_and_its_override():
+    """gated_delta_backend's rule on the CPU: the update (a gradient wanted) runs the chunked torch
+    form, a prefill or the scores (no gradient) and a decode step the token kernel;
+    set_gated_delta_backend forces one form for all, and the plan counts the update's form."""
+    from fasttrain.ops.gated_delta import gated_delta_backend, set_gated_delta_backend
+    from fasttrain.plan.hybrid_memory import update_rule_form
+    set_gated_delta_backend("auto")           # the rule itself, whatever the fixture chose
+    assert gated_delta_backend("cpu", torch.bfloat16, head_dim=128, grad=True) == "torch"
+    assert gated_delta_backend("cpu", torch.bfloat16, head_dim=128, grad=False) == "fused"
+    assert gated_delta_backend("cpu", step=True) == "fused"
+    assert update_rule_form() == "chunked"
+    for forced, form in (("fused", "fused"), ("torch", "chunked")):
+        set_gated_delta_backend(forced)
+        assert {gated_delta_backend("cpu", grad=g) for g in (True, False)} == {forced}
+        assert update_rule_form() == form
+    with pytest.raises(ValueError, match="allowed"):
+        set_gated_delta_backend("chunked")
+    # which form a call runs follows the rule: with a gradient the chunked form's own backward
+    set_gated_delta_backend("auto")
+    q, k, v, gl, beta, s0 = _inputs(1, 9, 1, 2, 4, 4, seed=2)
+    o, _ = F.gated_delta_rule(q.requires_grad_(), k, v, gl, beta, initial_state=s0)
+    assert type(o.grad_fn).__name__ == "_ChunkedRuleBackward"
+    with torch.no_grad():
+        o, _ = F.gated_delta_rule(q, k, v, gl, beta, initial_state=s0)
+    assert o.grad_fn is None
+
+
+@pytest.mark.parametrize("dtype,decay", [(torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 40)])
+def test_gradients_in_float32_and_bf16_within_float32_roundings(dtype, decay):
     """16-bit and float32 inputs run in float32 inside: values and every gradient within 4·L·u32 of
     the float64 recurrence (scaled by each one's largest entry), for a span of checkpoints that
-    does not divide T."""
+    does not divide T. `decay` 40: log decays down to -120 a token, so a chunk's e^{Γ_t − Γ_s} fall
+    far below float32's smallest normal (the chunked form clamps those exponents)."""
     ins64 = _inputs(2, 23, 1, 3, 16, 8, seed=11)
+    ins64 = (*ins64[:3], ins64[3] * decay, *ins64[4:])
     ins = [t.to(dtype) for t in ins64[:5]] + [ins64[5].float()]
     g = torch.Generator().manual_seed(4)
     # the cotangent of o is exact in o's dtype (o is bf16 on that side: its gradient is rounded to it)
@@ -140,9 +206,15 @@ def test_gradients_in_float32_and_bf16_within_float32_roundings(dtype):
     want = run(R.gated_delta_rule, [t.double() for t in ins])
     got = run(F.gated_delta_rule, ins, chunk_size=5)
     u32 = 2.0 ** -24
+    # the chunked form replaces a decay factor below e^floor by e^floor (fasttrain.ops.gated_delta._floor):
+    # each of a result's products changes by at most e^floor times that product without the factor,
+    # which the problem's largest result bounds; at most T + C such products per entry
+    from fasttrain.ops.gated_delta import _floor, gated_delta_backend
+    scale_all = max(float(b.detach().abs().max()) for b in want)
+    clamp = math.exp(_floor(torch.float32)) * (23 + 5) * scale_all if gated_delta_backend("cpu") == "torch" else 0.0
     for name, a, b in zip(("o", "S", "q", "k", "v", "g", "beta", "initial_state"), got, want):
         out_round = 2.0 ** -8 if (name == "o" or name in ("q", "k", "v", "g", "beta")) and dtype == torch.bfloat16 else 0
-        bound = (4 * _roundings(23, 5, 16) * u32 * 50 + out_round) * float(b.detach().abs().max())
+        bound = (4 * _roundings(23, 5, 16) * u32 * 50 + out_round) * float(b.detach().abs().max()) + clamp
         assert float((a.double() - b).abs().max()) <= bound, name
 
 

@@ -79,6 +79,32 @@ def test_hybrid_phases_match_measured_peaks(worlds, tmp_path, monkeypatch, model
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_hybrid_update_on_the_forced_token_kernel_matches_measured_peaks(worlds, tmp_path, monkeypatch,
+                                                                         checkpointing):
+    """set_gated_delta_backend("fused") keeps the update's delta rule on the token kernel (the CPU
+    default there is the chunked form): the plan counts that form's bytes then
+    (hybrid_memory.update_rule_form), within the same bound."""
+    from conftest_recipe import tiny_recipe
+    from measured_step import planned_and_measured
+    from fasttrain.ops.gated_delta import set_gated_delta_backend
+    from fasttrain.plan.hybrid_memory import update_rule_form
+    from fasttrain.train import Trainer, load_config
+
+    assert update_rule_form() == "chunked"
+    r = tiny_recipe(tmp_path, 2, 3, 40, 6)
+    r["policy"].update(dtype="float32", gradient_checkpointing=checkpointing,
+                       model="padded_world:wide_hybrid_as_loaded")
+    prev = set_gated_delta_backend("fused")
+    try:
+        assert update_rule_form() == "fused"
+        got = planned_and_measured(Trainer(load_config(r), progress=False), monkeypatch)
+    finally:
+        set_gated_delta_backend(prev)
+    for phase, (planned, measured) in got.items():
+        assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
+
+
 @pytest.mark.parametrize("model,n,G,T,mb,checkpointing,quantize", [
     ("tiny_qwen3_moe_policy", 3, 4, 16, 12, True, "nf4"), ("tiny_qwen3_moe_policy", 2, 4, 8, 6, False, "none"),
     ("tiny_qwen3_5_moe_policy", 3, 4, 16, 12, True, "nf4"), ("tiny_qwen3_5_moe_policy", 2, 4, 8, 6, False, "nf4")])

@@ -11,9 +11,12 @@ float64 for a float64 model):
     (C = 2·Hk·Dk + Hv·Dv conv channels), in_proj_z [Z = Hv·Dv], in_proj_b/a [Hv] and the decay g [Hv]
     in float32; the causal conv over [K-1 + tokens] inputs per sequence (fasttrain.ops.causal_conv1d:
     a float32 sum, SiLU, back to w); q, k L2-normalised in f [Hk·Dk each]; the delta rule
-    (fasttrain.ops.gated_delta_rule's fused kernel: f contiguous copies of its inputs, o [Z] in f,
-    the final state [Hv, Dk, Dv] in f per sequence, and with a gradient the state at the start of
-    every CHUNK tokens); the gated RMSNorm (float32 inside) and out_proj.
+    (fasttrain.ops.gated_delta_rule) in the form gated_delta_backend picks on the CPU: without a
+    gradient (the rollout's prefill, the scores) the fused kernel (f contiguous copies of its
+    inputs, o [Z] in f, the final state [Hv, Dk, Dv] in f per sequence); with one (the update) the
+    chunked form (update_rule_form; its per-call terms are _chunked_forward_peak and
+    _chunked_backward_peak below, from _ChunkedRule's accounting), both keeping the state at the
+    start of every CHUNK tokens for the backward; the gated RMSNorm (float32 inside) and out_proj.
   gated full attention (HybridDecoder._attention, prefix_forward_hybrid._attention): q_proj gives
     the query and an output gate [2·qd], per-head q_norm/k_norm (float32 inside), the rotary
     embedding on the first `rotary_dim` dims, K/V repeated for grouped-query attention (no grouping
@@ -33,10 +36,61 @@ from math import ceil
 
 from fasttrain.plan.meta_model import ModelShape
 
-__all__ = ["CHUNK", "is_hybrid", "prefix_inputs", "prefix_layer_live", "prefix_saved", "backward_peak",
-           "backward_temps", "prefill_layer_peak", "decode_locals", "decode_mlp"]
+__all__ = ["CHUNK", "is_hybrid", "update_rule_form", "prefix_inputs", "prefix_layer_live", "prefix_saved",
+           "backward_peak", "backward_temps", "prefill_layer_peak", "decode_locals", "decode_mlp"]
 
 CHUNK = 32          # fasttrain.ops.gated_delta_rule's chunk_size: a state is kept every CHUNK tokens
+
+
+def update_rule_form() -> str:
+    """The delta rule's form in the update (a gradient wanted) on the CPU, as
+    fasttrain.ops.gated_delta_backend picks it now: "chunked" (the torch form, the default) or
+    "fused" (the token kernel: forced with set_gated_delta_backend("fused"); the reference, a
+    plain-PyTorch fallback, is counted as the kernel)."""
+    from fasttrain.ops.gated_delta import gated_delta_backend
+    return "chunked" if gated_delta_backend("cpu", grad=True) == "torch" else "fused"
+
+
+def _chunk_terms(m: ModelShape, rows: int, T: int) -> tuple[int, int, int, int, int, int]:
+    """Bytes of one chunked-form call over `rows` sequences of T tokens, padded to N chunks of
+    CHUNK: (X_k, X_v, X_c, X_1, s, N) of fasttrain.ops.gated_delta._ChunkedRule's accounting, i.e.
+    [rows, Hv, N·CHUNK] cells times Dk, Dv, CHUNK and 1 elements of f, and one state per row."""
+    _, Dk, Hv, Dv, _ = m.delta
+    f = _dims(m)[1]
+    N = ceil(T / CHUNK)
+    cells = rows * Hv * N * CHUNK * f
+    return cells * Dk, cells * Dv, cells * CHUNK, cells, rows * Hv * Dk * Dv * f, N
+
+
+def _chunked_forward_peak(m: ModelShape, rows: int, T: int, given_state: bool) -> int:
+    """The chunked form's forward with a gradient wanted, at its peak above what the caller holds
+    (_ChunkedRule: its own tensors, o [rows, T, Hv, Dv] in f (and its cast to w), the kept states
+    and the running state; `given_state`: the caller passes the initial state, so the first chunk's
+    is the caller's)."""
+    w, f = _dims(m)[:2]
+    Z = _dims(m)[3]
+    Xk, Xv, Xc, X1, s, N = _chunk_terms(m, rows, T)
+    o = rows * T * Z * f
+    kept = N * s
+    s_old = s if (N > 1 or not given_state) else 0
+    scores = 3 * Xk + Xv + 2 * Xc + 2 * X1
+    loop = 3 * Xk + Xv + Xc + X1 + o + kept + s_old + max(3 * Xv // N, Xv // N + 2 * s)
+    end = o + (rows * T * Z * w if w != f else 0) + s + kept
+    return max(scores, loop, end)
+
+
+def _chunked_backward_peak(m: ModelShape, rows: int, T: int) -> int:
+    """The chunked form's backward at its peak above what it keeps (the states) and the gradients
+    it is handed (_ChunkedRule: in the loop, or at the scores' gradient, or at the dQ/dK product,
+    or with V made again), with the final state's gradient it was given and the running one."""
+    Xk, Xv, Xc, X1, s, N = _chunk_terms(m, rows, T)
+    cv, ck, cc = Xv // N, Xk // N, Xc // N
+    s_cur = s if N > 1 else 0
+    loop = 6 * Xk + 2 * Xv + 4 * Xc + 3 * X1 + s + s_cur + 3 * cv + max(cv, cc, ck, 2 * s)
+    scores = 6 * Xk + 2 * Xv + 5 * Xc + 3 * X1 + 2 * s
+    products = 7 * Xk + 2 * Xv + 4 * Xc + 3 * X1 + 2 * s
+    values = 4 * Xk + 3 * Xv + 2 * Xc + 3 * X1 + 2 * s
+    return max(loop, scores, products, values)
 
 
 def is_hybrid(m: ModelShape) -> bool:
@@ -91,26 +145,37 @@ def prefix_inputs(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
     return masks + N + 2 * N * _rot(m) * m.w
 
 
-def _delta_live(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
-    """A Gated DeltaNet layer's mixer at its peak, no gradient (every local of _delta stays
-    referenced until it returns). Over the N rows qkv, z, beta, g throughout; then the largest of:
-    the prompts' conv; the answers' conv (their gathered conv states [B, K-1, C]) with the prompts'
-    conv window [U, K-1+P, C] and output, q, k, delta-rule output and final states [U, Hv, Dk, Dv]
-    held; with the answers' conv output and q, k held in place of the prompts', the answers' delta
-    rule (the gathered initial states [B, Hv, Dk, Dv], the kernel's f copy of v, its output and
-    final states, o cast to w) or the gated norm (with the answers' o and final states, still bound:
-    o of all rows stacked, the norm's buffers)."""
+def _delta_live(m: ModelShape, U: int, P: int, B: int, A: int, grad: bool = False) -> int:
+    """A Gated DeltaNet layer's mixer at its peak (every local of _delta stays referenced until it
+    returns), no gradient kept (the scores; the update's forward under checkpointing, `grad`, where
+    the delta rule is the chunked form: update_rule_form). Over the N rows qkv, z, beta, g
+    throughout; then the largest of: the prompts' conv; with the chunked form, the prompts' delta
+    rule (_chunked_forward_peak, with their conv window [U, K-1+P, C], output, q and k held); the
+    answers' conv (their gathered conv states [B, K-1, C]) with the prompts' conv window and output,
+    q, k, delta-rule output and final states [U, Hv, Dk, Dv] held; with the answers' conv output and
+    q, k held in place of the prompts', the answers' delta rule (the gathered initial states
+    [B, Hv, Dk, Dv] and the kernel's f copy of v, its output and final states, o cast to w; or the
+    chunked form's peak) or the gated norm (with the answers' o and final states, still bound: o of
+    all rows stacked, the norm's buffers)."""
     w, f, kq, Z, C, Hv, st, K = _dims(m)
     N = U * P + B * A
+    chunked = grad and update_rule_form() == "chunked"
     base = N * (C + Z + Hv) * w + N * Hv * 4
     prompts = U * (K - 1 + P) * C * w + U * P * (C + Z) * w + U * st * f
+    prompt_rule = U * (K - 1 + P) * C * w + U * P * (C * w + 2 * kq * f) + _chunked_forward_peak(m, U, P, False) \
+        if chunked else 0
     if not A:
-        return base + max(_conv_peak(m, U, P), prompts + U * P * 2 * kq * f + _gated_norm_peak(m, N))
+        return base + max(_conv_peak(m, U, P), prompt_rule, prompts + U * P * 2 * kq * f + _gated_norm_peak(m, N))
     answers_conv = prompts + U * P * 2 * kq * f + B * (K - 1) * C * w + _conv_peak(m, B, A)
     held = prompts + B * A * (C * w + 2 * kq * f)
-    at_rule = 2 * B * st * f + B * A * Z * (2 * f + (w if w != f else 0))
+    if chunked:
+        # (also the answers' conv window [B, K-1+A, C], held by `_` (their new conv state, a view) until
+        # the rule returns)
+        at_rule = B * st * f + B * (K - 1 + A) * C * w + _chunked_forward_peak(m, B, A, True)
+    else:
+        at_rule = 2 * B * st * f + B * A * Z * (2 * f + (w if w != f else 0))
     at_norm = B * A * Z * w + B * st * f + N * Z * w + _gated_norm_peak(m, N)
-    return base + max(_conv_peak(m, U, P), answers_conv, held + max(at_rule, at_norm))
+    return base + max(_conv_peak(m, U, P), prompt_rule, answers_conv, held + max(at_rule, at_norm))
 
 
 def _attention_live(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
@@ -128,14 +193,16 @@ def _attention_live(m: ModelShape, U: int, P: int, B: int, A: int) -> int:
     return proj + prompts + answers
 
 
-def prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int, mlp_extra: int = 0) -> int:
-    """No-grad peak of the costlier layer kind of prefix_forward_hybrid: the layer's input and its
-    normalised copy [N, H] held through it, plus the mixer's peak, or (after the mixer returned) its
-    output, the new residual and the MLP at its product (plus `mlp_extra`: a MoE layer's routed
-    experts, fasttrain.plan.moe_memory)."""
+def prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int, mlp_extra: int = 0, *,
+                      grad: bool = False) -> int:
+    """Peak of the costlier layer kind of prefix_forward_hybrid with no saved tensors kept (no grad,
+    or `grad`: the update's forward of a checkpointed layer, whose delta rule is the update's form):
+    the layer's input and its normalised copy [N, H] held through it, plus the mixer's peak, or
+    (after the mixer returned) its output, the new residual and the MLP at its product (plus
+    `mlp_extra`: a MoE layer's routed experts, fasttrain.plan.moe_memory)."""
     w, H = m.w, m.hidden
     N = U * P + B * A
-    mixer = max(_delta_live(m, U, P, B, A), _attention_live(m, U, P, B, A) if m.full_layers else 0)
+    mixer = max(_delta_live(m, U, P, B, A, grad), _attention_live(m, U, P, B, A) if m.full_layers else 0)
     return max(2 * N * H * w + mixer, 4 * N * H * w + _mlp_live(m, N, c) + mlp_extra)
 
 
@@ -161,12 +228,14 @@ def _common_saved_per_row(m: ModelShape, c_xa: int) -> int:
 def _delta_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
     """What a Gated DeltaNet mixer saves for its backward. Per token row: x·Aᵀ of its projections
     (in_proj_b/a run on the 16-bit path: fp32, with their inputs' fp32 copies in a 16-bit model);
-    softplus's input, sigmoid's output, g and beta as the kernel reads them (f); the conv's
-    pre-activation (f) and what the L2 norms read (fp32 model: the conv's float32 output, whole;
-    else the f copies of q and k); the kernel's inputs q, k (f) and its contiguous copy of v; the
+    softplus's input, sigmoid's output, g and beta as the kernel reads them (f; the chunked form
+    keeps beta as given, the sigmoid's output); the conv's pre-activation (f) and what the L2 norms
+    read (fp32 model: the conv's float32 output, whole; else the f copies of q and k); the rule's
+    inputs q, k (f) and its contiguous copy of v (the kernel's in f, the chunked form's in w); the
     gated norm's float32 input, weight·norm(o), silu(z)'s input and output, out_proj's input. Per
-    sequence: the kernel's state checkpoints, one every CHUNK tokens [Hv, Dk, Dv] in f."""
+    sequence: the state at the start of every CHUNK tokens [Hv, Dk, Dv] in f (both forms)."""
     w, f, kq, Z, C, Hv, st, K = _dims(m)
+    chunked = update_rule_form() == "chunked"
     H, r = m.hidden, m.rank
     N = U * P + B * A
     nf4 = [(C, H), (Z, H), (H, Z)]
@@ -174,9 +243,9 @@ def _delta_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> in
     if m.quantize == "none":
         dense, nf4 = dense + nf4, []
     proj = len(nf4) * r * c_xa + len(dense) * r * (8 if w == 8 else 4) + _dense_saved(m, dense)
-    heads = Hv * (4 + w + 4 + (f if w != f else 0))
+    heads = Hv * (4 + w + 4 + (f if w != f and not chunked else 0))
     conv = C * f + (C * f if w == f else 2 * kq * f)
-    rule = 2 * kq * f + Z * f
+    rule = 2 * kq * f + Z * (w if chunked else f)
     norm = Z * (3 * f + 2 * w)
     ckpt = (U * ceil(P / CHUNK) + (B * ceil(A / CHUNK) if A else 0)) * st * f
     return N * (proj + heads + conv + rule + norm) + ckpt
@@ -229,19 +298,30 @@ def _rule_grads(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int
     """The delta rule's backward beyond what the layer saved: the gradient of o and the kernel's dq,
     dk per value head [N, Hv, Dk], dv, dg, dbeta, the initial states' gradient, with the gated
     norm's gradients of z and o and the conv's still referenced, less what the layer's backward
-    freed before it (the MLP's, the second norm's and the gated norm's saved tensors, consumed)."""
+    freed before it (the MLP's, the second norm's and the gated norm's saved tensors, consumed).
+    With the chunked form (update_rule_form) also, the larger of: in the answers' call, the
+    gradients of o and z of all rows and _chunked_backward_peak of the answers; in the prompts'
+    call, those, the answers' conv gradient and initial states' gradients, and the prompts' peak."""
     w, f, kq, Z, C, Hv, st, K = _dims(m)
     H, I = m.hidden, m.intermediate
     N = U * P + B * A
     grads = N * (2 * (Hv * m.delta[1]) * f + 3 * Z * f + 2 * Hv * f + C * f) + 2 * B * st * f
+    if update_rule_form() == "chunked":
+        handed = N * 2 * Z * f
+        answers = handed + _chunked_backward_peak(m, B, A) if A else 0
+        prompts = handed + (B * A * C * f + 2 * B * st * f if A else 0) + _chunked_backward_peak(m, U, P)
+        grads = max(N * (2 * kq * f + 3 * Z * f + 2 * Hv * f + C * f) + 2 * B * st * f, answers, prompts)
     freed = N * ((4 * H + H * w) + 4 * I * w + 3 * m.rank * c_xa + Z * (3 * f + 2 * w))
     return grads - freed
 
 
 def backward_temps(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
     """The largest set of gradients live at once in any layer's backward beyond the saved bytes (no
-    checkpointing)."""
-    return max(_mlp_grads(m, U * P + B * A), _rule_grads(m, U, P, B, A, c_xa))
+    checkpointing). The delta rule's run in the last Gated DeltaNet layer's backward, after the
+    full-attention layers behind it (trailing_full) ran theirs and freed what they saved."""
+    N = U * P + B * A
+    after = m.trailing_full * (N * _common_saved_per_row(m, c_xa) + _attention_saved(m, U, P, B, A, c_xa))
+    return max(_mlp_grads(m, N), _rule_grads(m, U, P, B, A, c_xa) - after)
 
 
 # ---- the rollout: fasttrain.rollout.hybrid_decoder --------------------------------------------------

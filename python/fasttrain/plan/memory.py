@@ -270,9 +270,11 @@ class _PlainLayers:
 
     prefix_inputs = staticmethod(_prefix_inputs)
     @staticmethod
-    def prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int, mlp_extra: int = 0) -> int:
+    def prefix_layer_live(m: ModelShape, U: int, P: int, B: int, A: int, c: int, mlp_extra: int = 0, *,
+                          grad: bool = False) -> int:
         """Every local of the layer stays referenced until it returns: a MoE layer's routed experts
-        (`mlp_extra`, fasttrain.plan.moe_memory) add to its peak."""
+        (`mlp_extra`, fasttrain.plan.moe_memory) add to its peak. (`grad`, the update's forward
+        under checkpointing, runs the same code as the scores' forward here.)"""
         return _prefix_layer_live(m, U, P, B, A, c) + mlp_extra
 
     @staticmethod
@@ -452,7 +454,7 @@ def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dic
     head_in = n_tok * H * (w + 4 + w)                                     # hidden rows, the norm's fp32 input and output
     if checkpointing:
         kept = L * N * H * w
-        fwd = max(kept + lay.prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev)), kept + head_in)
+        fwd = max(kept + lay.prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev), grad=True), kept + head_in)
         bwd = kept + lay.backward_peak(m, U, P, mb, A, c_xa)
     else:
         kept = lay.prefix_saved(m, U, P, mb, A, c_xa) + L * N * H * w

@@ -90,6 +90,7 @@ class ModelShape:
     recurrent_bytes: int = 0         # per row: the recurrent states [Hv, Dk, Dv] of every such layer (float32)
     state_flops: float = 0.0
     delta: tuple = ()                # Gated DeltaNet heads: (Hk, Dk, Hv, Dv, conv kernel K); () for none
+    trailing_full: int = 0           # full-attention layers after the last Gated DeltaNet layer
     rotary_dim: int = 0              # dims the rotary embedding turns (0: all of head_dim)
     context: int = 0                 # max_position_embeddings (prompt + answer); 0: not given
     # mixtures of experts (fasttrain.plan.moe_memory): (E experts, k active, expert width I, MoE
@@ -212,8 +213,9 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
 
 
 def hybrid_state(cfg, dtype: torch.dtype) -> dict:
-    """full_layers, state_bytes (= conv_bytes + recurrent_bytes), state_flops, delta (the Gated DeltaNet head dims) and rotary_dim of a
-    hybrid's config (nothing for a plain transformer).
+    """full_layers, trailing_full (full-attention layers after the last Gated DeltaNet one),
+    state_bytes (= conv_bytes + recurrent_bytes), state_flops, delta (the Gated DeltaNet head dims)
+    and rotary_dim of a hybrid's config (nothing for a plain transformer).
     Per Gated DeltaNet layer and sequence: the conv window (K-1 inputs of the 2·Hk·Dk + Hv·Dv conv
     channels, model dtype) and the recurrent state [Hv, Dk, Dv] in float32 (float64 for a float64
     model). Per token and layer the recurrence reads and writes the state: decay, Sᵀk, the rank-1
@@ -231,7 +233,8 @@ def hybrid_state(cfg, dtype: torch.dtype) -> dict:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    return {"full_layers": len(kinds) - n_lin, "state_bytes": n_lin * (conv + recurrent),
+    trailing = len(kinds) - 1 - max(i for i, k in enumerate(kinds) if k == "linear_attention")
+    return {"full_layers": len(kinds) - n_lin, "trailing_full": trailing, "state_bytes": n_lin * (conv + recurrent),
             "conv_bytes": n_lin * conv, "recurrent_bytes": n_lin * recurrent,
             "state_flops": n_lin * (8.0 * Hv * Dk * Dv + 2.0 * K * channels), "delta": (Hk, Dk, Hv, Dv, K),
             "rotary_dim": int(head_dim * factor)}

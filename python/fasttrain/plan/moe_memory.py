@@ -391,10 +391,11 @@ class MoELayers:
         shared = N * (3 * I * w + (I * c if c != w else 0))
         return max(self.live(m, N) - shared, N * m.hidden * w)
 
-    def prefix_layer_live(self, m, U, P, B, A, c):
+    def prefix_layer_live(self, m, U, P, B, A, c, *, grad: bool = False):
         N = U * P + B * A
-        return self._kinds(m, self.base.prefix_layer_live(m, U, P, B, A, c),
-                           self.base.prefix_layer_live(self._moe_m(m), U, P, B, A, c, self._at_mlp(m, N, c)))
+        return self._kinds(m, self.base.prefix_layer_live(m, U, P, B, A, c, grad=grad),
+                           self.base.prefix_layer_live(self._moe_m(m), U, P, B, A, c, self._at_mlp(m, N, c),
+                                                       grad=grad))
 
     def prefix_saved(self, m, U, P, B, A, c_xa):
         L, n = m.layers, m.moe[3]
