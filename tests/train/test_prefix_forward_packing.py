@@ -152,7 +152,8 @@ def _llama(base: str, kind: str):
     with torch.no_grad():
         g = torch.Generator().manual_seed(6)
         for p in params:                       # B non-zero, so the adapters change log p
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.2
+            p.mul_(1 + noise) if p.dim() == 1 else p.copy_(noise)     # DoRA's magnitude: near its start
     for p in params:
         p.requires_grad_(True)
     return model, params

@@ -28,8 +28,9 @@ norm, every projection (NF4, LoRA and DoRA layers as they are, one matmul over t
 tokens and the N answer tokens), the MLP, the final norm and the log-prob head run on real tokens
 only. Attention runs per length bucket (rows of similar length padded to the bucket's longest,
 at most 1/8 of its tokens), each row's queries over its prompt's keys and its own answers; so
-attention alone still pays for that bounded padding, and the U prompts for their left padding
-(P columns each, as before). A micro-batch with nothing to drop (every row as long as the longest)
+attention alone still pays for that bounded padding (torch's scaled_dot_product_attention takes a
+padded batch, not cumulative offsets, and one call per row would cost a call per row and layer;
+buckets bound both), and the U prompts for their left padding (P columns each, as before). A micro-batch with nothing to drop (every row as long as the longest)
 runs the padded layout, which is then the same work. Under gradient checkpointing a layer is
 the same checkpointed function of (prompt hidden states [U, P, H], packed answers [N, H]).
 The MoE families (train/prefix_forward_moe.py) keep the padded layout: their routing record is laid
