@@ -133,7 +133,9 @@ def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny, checkpoi
         model.activation_checkpointing_enable({"use_reentrant": False})
     seen, hook = _tokens_through_q_proj(model)
     out, saved = {}, {}
-    for shared in (False, True):
+    # the full forward, the shared-prefix one in the padded layout, and the shared-prefix one with the
+    # answers packed (the default)
+    for way in ("full", "padded", "packed"):
         for p in params:
             p.grad = None
         seen.clear()
@@ -144,31 +146,41 @@ def test_shared_prefix_forward_equals_the_full_forward_in_float64(tiny, checkpoi
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logp, ent = answer_logprobs(model, roll.input_ids, roll.attention_mask, roll.prompt_len,
-                                        roll.completion_ids, roll.completion_mask, 1.0, shared_prefix=shared)
-        saved[shared] = numel[0]
+                                        roll.completion_ids, roll.completion_mask, 1.0, shared_prefix=way != "full",
+                                        packed=way == "packed")
+        saved[way] = numel[0]
         forward_tokens = sum(seen)
         (logp * torch.linspace(-1, 1, logp.numel()).reshape(logp.shape)).sum().backward()
-        out[shared] = (logp.detach(), ent, [p.grad.clone() for p in params], forward_tokens, sum(seen))
+        out[way] = (logp.detach(), ent, [p.grad.clone() for p in params], forward_tokens, sum(seen))
     hook.remove()
-    full, shared = out[False], out[True]
-    # tokens through a layer: the full forward runs B·(P+T), the shared one U·P + B·(T-1) (3 prompts)
-    assert full[3] == B * (P + T) and shared[3] == 3 * P + B * (T - 1)
-    # the backward recomputes each layer (checkpointing) from those same tokens, or runs nothing
-    assert shared[4] == shared[3] * (2 if checkpointing else 1)
-    assert full[4] == full[3] * (2 if checkpointing else 1)
+    full = out["full"]
     m = roll.completion_mask.bool()
+    # the packed answer inputs: a row's real inputs before its last wanted position (answer_packing)
+    last = torch.where(m, torch.arange(T), -1).amax(1)
+    real = roll.attention_mask[:, P:P + T - 1].bool()
+    n_packed = int((real & (torch.arange(T - 1)[None] < last[:, None])).sum())
+    assert n_packed < B * (T - 1)                 # the rows that end early leave something to drop
+    # tokens through a layer: the full forward runs B·(P+T), the shared one U·P + B·(T-1) (3 prompts),
+    # the packed one U·P + the packed answer inputs
+    assert full[3] == B * (P + T) and out["padded"][3] == 3 * P + B * (T - 1)
+    assert out["packed"][3] == 3 * P + n_packed
+    # the backward recomputes each layer (checkpointing) from those same tokens, or runs nothing
+    for way in out:
+        assert out[way][4] == out[way][3] * (2 if checkpointing else 1)
     assert bool(m.sum() > 0) and float(full[0][m].abs().max()) > 0
-    torch.testing.assert_close(shared[0], full[0], rtol=0, atol=1e-10)
-    torch.testing.assert_close(shared[1], full[1], rtol=0, atol=1e-10)
-    for a, b in zip(full[2], shared[2]):
-        # the adapter masters (and so their gradients) are float32: the two forwards sum the
-        # group's contributions in a different order, so allow a few float32 ulps of the largest entry
-        scale = float(a.abs().max())
-        assert a.dtype == torch.float32 and scale > 0
-        torch.testing.assert_close(b, a, rtol=0, atol=8 * torch.finfo(torch.float32).eps * scale)
-    if checkpointing:
-        # checkpointed layers keep their inputs only: the shared forward keeps less than the full one
-        assert saved[True] < saved[False]
+    for way in ("padded", "packed"):
+        shared = out[way]
+        torch.testing.assert_close(shared[0], full[0], rtol=0, atol=1e-10)
+        torch.testing.assert_close(shared[1], full[1], rtol=0, atol=1e-10)
+        for a, b in zip(full[2], shared[2]):
+            # the adapter masters (and so their gradients) are float32: the two forwards sum the
+            # group's contributions in a different order, so allow a few float32 ulps of the largest entry
+            scale = float(a.abs().max())
+            assert a.dtype == torch.float32 and scale > 0
+            torch.testing.assert_close(b, a, rtol=0, atol=8 * torch.finfo(torch.float32).eps * scale)
+        if checkpointing:
+            # checkpointed layers keep their inputs only: the shared forward keeps less than the full one
+            assert saved[way] < saved["full"]
 
 
 def test_shared_prefix_forward_under_checkpointing_keeps_only_layer_inputs(tiny):

@@ -43,7 +43,7 @@ def _decoder(model):
 
 def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completion_ids, completion_mask,
                     temperature: float, shared_prefix: bool = True, position_ids=None, prompt_index=None,
-                    routing=None):
+                    routing=None, packed: bool = True):
     """log p and entropy [B, T] of the answer tokens (zeros where completion_mask is 0).
 
     `shared_prefix`: run each distinct prompt once and let its answers attend to its keys and
@@ -53,25 +53,27 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
     Rollout.prompt_index), which the update passes; callers holding only ids and a mask omit them
     and get cumsum(mask) - 1 positions and groups of equal prompt tokens. `routing`: a mixture of
     experts' rollout record of these rows (fasttrain.rollout.moe_routing.ReplayRouting), replayed by
-    the shared-prefix forward; None routes by the model's own router."""
+    the shared-prefix forward; None routes by the model's own router. `packed`: the shared-prefix
+    forward runs only the answers' real tokens through the layers (fasttrain.train.answer_packing;
+    same values and gradients as the padded layout); False forces the padded layout [B, T-1]."""
     from fasttrain.ops import fused_logprob
-    from fasttrain.train.prefix_forward import shared_prefix_hidden
+    from fasttrain.train.prefix_forward import shared_prefix_selected
 
     decoder = _decoder(model)
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     T = completion_ids.shape[1]
-    h = None
+    m = completion_mask.bool()
+    h = None                                                          # [n, H]: the hidden states at m
     if shared_prefix:
-        h = shared_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index,
-                                 routing=routing)
+        h = shared_prefix_selected(model, input_ids, attention_mask, position_ids, prompt_len, T, m, prompt_index,
+                                   routing=routing, packed=packed)
     if h is None:
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=False).last_hidden_state
-        h = hidden[:, prompt_len - 1: prompt_len - 1 + T]             # [B, T, H] predicts answer token t
-    m = completion_mask.bool()
+        h = hidden[:, prompt_len - 1: prompt_len - 1 + T][m]          # [B, T, H] predicts answer token t
     lm = model.lm_head
-    logp_sel, ent_sel = fused_logprob(h[m], lm.weight, completion_ids[m], temperature,
+    logp_sel, ent_sel = fused_logprob(h, lm.weight, completion_ids[m], temperature,
                                       bias=getattr(lm, "bias", None))
     logp = torch.zeros(m.shape, dtype=logp_sel.dtype, device=h.device).masked_scatter(m, logp_sel)
     ent = torch.zeros(m.shape, dtype=ent_sel.dtype, device=h.device).masked_scatter(m, ent_sel.detach())

@@ -20,6 +20,21 @@ What it is not: a general attention implementation. It drives the modules of a L
 model (the families `fasttrain.rollout.decoder` knows), so NF4 and adapter layers run as they
 are; anything else (attention dropout in training, a sliding window shorter than the sequence)
 returns None and the caller runs the model's own forward.
+
+Packed answers (`shared_prefix_selected`, what the update calls; `packed=False` forces the padded
+layout): the answers' token rows are the real answer inputs of all rows, N of them, flattened
+[N, H] with cumulative offsets (fasttrain.train.answer_packing), not [B, T-1]: the embedding, every
+norm, every projection (NF4, LoRA and DoRA layers as they are, one matmul over the U·P prompt
+tokens and the N answer tokens), the MLP, the final norm and the log-prob head run on real tokens
+only. Attention runs per length bucket (rows of similar length padded to the bucket's longest,
+at most 1/8 of its tokens), each row's queries over its prompt's keys and its own answers; so
+attention alone still pays for that bounded padding (torch's scaled_dot_product_attention takes a
+padded batch, not cumulative offsets, and one call per row would cost a call per row and layer;
+buckets bound both), and the U prompts for their left padding (P columns each, as before). A micro-batch with nothing to drop (every row as long as the longest)
+runs the padded layout, which is then the same work. Under gradient checkpointing a layer is
+the same checkpointed function of (prompt hidden states [U, P, H], packed answers [N, H]).
+The MoE families (train/prefix_forward_moe.py) keep the padded layout: their routing record is laid
+out in its token order.
 """
 from __future__ import annotations
 
@@ -30,8 +45,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fasttrain.rollout.decoder import LlamaFamilyDecoder, _rotate_half
+from fasttrain.train.answer_packing import AnswerPacking, bucket_masks, pack_answers
 
-__all__ = ["shared_prefix_hidden", "llama_prefix_hidden", "prompt_groups", "prefix_masks"]
+__all__ = ["shared_prefix_hidden", "shared_prefix_selected", "llama_prefix_hidden", "llama_packed_hidden",
+           "prompt_groups", "prefix_masks"]
 
 
 def _family(model) -> LlamaFamilyDecoder | None:
@@ -119,6 +136,46 @@ def shared_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, posit
     return llama_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index, wrap)
 
 
+def shared_prefix_selected(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                           prompt_len: int, T: int, select: Tensor, prompt_index: Tensor | None = None,
+                           routing=None, packed: bool = True) -> Tensor | None:
+    """The final-norm hidden states [n, H] of the wanted positions `select` [B, T] (bool; row-major,
+    as shared_prefix_hidden(...)[select]), each distinct prompt run once. `packed`: the answers run
+    packed (the module doc) where the family has that form (Llama, the Qwen3.5 hybrid) and packing
+    drops something; False forces the padded layout. Other arguments and None as
+    shared_prefix_hidden."""
+    if packed:
+        kind = _family_kind(model)
+        if kind in ("llama", "qwen3_5"):
+            P = prompt_len
+            inverse, first = prompt_groups(input_ids, attention_mask, P, prompt_index)
+            pk = pack_answers(attention_mask, select, P, inverse, first.shape[0], contiguous=kind == "qwen3_5")
+            if pk is not None:
+                if kind == "qwen3_5":
+                    from fasttrain.train.prefix_forward_hybrid import hybrid_packed_hidden
+                    h = hybrid_packed_hidden(model, input_ids, attention_mask, position_ids, P, inverse, first, pk)
+                else:
+                    h = llama_packed_hidden(model, input_ids, attention_mask, position_ids, P, T, inverse, first, pk)
+                if h is not None:
+                    return h
+    h = shared_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index,
+                             routing=routing)
+    return None if h is None else h[select.bool()]
+
+
+def _family_kind(model) -> str:
+    """"moe", "qwen3_5" (the hybrid) or "llama" (the Llama family, and a model outside the families,
+    which LlamaFamilyDecoder then drives or refuses)."""
+    from fasttrain.models.families import family_of
+    try:
+        family = family_of(model)
+    except ValueError:
+        return "llama"
+    if family.moe:
+        return "moe"
+    return "qwen3_5" if family.name == "qwen3_5" else "llama"
+
+
 def llama_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int,
                         T: int, prompt_index: Tensor | None = None, wrap=None) -> Tensor | None:
     """shared_prefix_hidden of the Llama family's layers (the attention of every layer is full)."""
@@ -160,6 +217,34 @@ def llama_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, positi
     x_p, x_a = run_layers(dec, runs, x_p, x_a)
     h = torch.cat([x_p[inverse, P - 1:P], x_a], dim=1)                 # [B, T, H]
     return dec.norm(h)
+
+
+def llama_packed_hidden(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int,
+                        T: int, inverse: Tensor, first: Tensor, pk: AnswerPacking) -> Tensor | None:
+    """llama_prefix_hidden with the answers packed as `pk` says: the hidden states [n, H] of pk's
+    wanted positions (pk.source), or None where llama_prefix_hidden would return None."""
+    dec = _family(model)
+    if dec is None:
+        return None
+    P = prompt_len
+    if dec.sliding_window is not None and P + T > dec.sliding_window:
+        return None
+    U = first.shape[0]
+    prompt_mask, _ = prefix_masks(attention_mask, first, P, 0)
+    cos_p, sin_p = dec.rotary_table(position_ids[first, :P])           # [U, P, D]
+    x_p = dec.embed(input_ids[first, :P])                              # [U, P, H]
+    A = T - 1
+    ids_a = pk.tokens(input_ids[:, P:P + A])                           # [N] the packed answer inputs
+    cos_a, sin_a = dec.rotary_table(pk.tokens(position_ids[:, P:P + A])[None])   # [1, N, D]
+    x_a = dec.embed(ids_a)                                             # [N, H]
+    G = dec.group
+    if G > 1:
+        prompt_mask = prompt_mask.unsqueeze(2).expand(U, 1, G, P, P).reshape(U, 1, G * P, P)
+    masks = bucket_masks(pk, attention_mask[:, :P], G)
+    runs = [functools.partial(_packed_layer, dec, layer, inverse, cos_p[:, None], sin_p[:, None], prompt_mask,
+                              cos_a[0, :, None], sin_a[0, :, None], pk, masks) for layer in dec.layers]
+    x_p, x_a = run_layers(dec, runs, x_p, x_a)
+    return dec.norm(torch.cat([x_p[:, P - 1], x_a])[pk.source])
 
 
 def _layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor, sin_p: Tensor, prompt_mask: Tensor,
@@ -204,6 +289,53 @@ def _layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor, sin_p
     x = x + attn.o_proj(torch.cat(outs))
     x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x[:n_p].view(U, P, H), x[n_p:].view(B, A, H)
+
+
+def _packed_layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor, sin_p: Tensor, prompt_mask: Tensor,
+                  cos_a: Tensor, sin_a: Tensor, pk: AnswerPacking, masks: list[Tensor],
+                  x_p: Tensor, x_a: Tensor) -> tuple[Tensor, Tensor]:
+    """One decoder layer over the U prompts x_p [U, P, H] and the N packed answer tokens x_a [N, H]
+    (cos_a/sin_a [N, 1, D]); attention per bucket of pk with its mask of `masks`."""
+    U, P, H = x_p.shape
+    N = x_a.shape[0]
+    D, G, nh, nkv = dec.head_dim, dec.group, dec.n_heads, dec.n_kv
+    attn = layer.self_attn
+    n_p = U * P
+    x = torch.cat([x_p.reshape(n_p, H), x_a])                          # [U·P + N, H]
+    h = layer.input_layernorm(x)
+    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    if dec.qk_norm:
+        q = attn.q_norm(q.view(-1, nh, D)).view(q.shape)
+        k = attn.k_norm(k.view(-1, nkv, D)).view(k.shape)
+
+    def attend(q_: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """q_ [n, nh, s, D] over keys/values [n, nkv, L, D] -> [n, s, nh·D] (the G query heads of a
+        KV head as G·s query rows of it; the masks come repeated G times)."""
+        n, _, s_, _ = q_.shape
+        o = F.scaled_dot_product_attention(q_.reshape(n, nkv, G * s_, D), keys, values, attn_mask=mask,
+                                           scale=dec.scaling)
+        return o.view(n, nh, s_, D).transpose(1, 2).reshape(n, s_, nh * D)
+
+    q_p = q[:n_p].view(U, P, nh, D).transpose(1, 2)
+    k_p = k[:n_p].view(U, P, nkv, D).transpose(1, 2)
+    v_p = v[:n_p].view(U, P, nkv, D).transpose(1, 2)
+    q_p = q_p * cos_p + _rotate_half(q_p) * sin_p
+    k_p = k_p * cos_p + _rotate_half(k_p) * sin_p
+    outs = [attend(q_p, k_p, v_p, prompt_mask).reshape(n_p, nh * D)]
+    q_a, k_a, v_a = q[n_p:].view(N, nh, D), k[n_p:].view(N, nkv, D), v[n_p:].view(N, nkv, D)
+    q_a = q_a * cos_a + _rotate_half(q_a) * sin_a
+    k_a = k_a * cos_a + _rotate_half(k_a) * sin_a
+    per_bucket = []
+    for bucket, mask in zip(pk.buckets, masks):
+        group = inverse[bucket.rows]
+        keys = torch.cat([k_p[group], pk.pad(k_a, bucket).transpose(1, 2)], dim=2)    # [n, kv, P+M, D]
+        values = torch.cat([v_p[group], pk.pad(v_a, bucket).transpose(1, 2)], dim=2)
+        per_bucket.append(attend(pk.pad(q_a, bucket).transpose(1, 2), keys, values, mask))
+    if per_bucket:
+        outs.append(pk.unpad(per_bucket))
+    x = x + attn.o_proj(torch.cat(outs))
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x[:n_p].view(U, P, H), x[n_p:]
 
 
 def run_layers(dec, runs, x_p, x_a):
