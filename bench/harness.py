@@ -34,7 +34,20 @@ def machine_name() -> str:
     import re
     cpu = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|\bProcessor\b|@.*$", " ", cpu)
     name = "-".join("".join(c if c.isalnum() else " " for c in cpu).split())
-    return f"cpu-{os.cpu_count()}c-" + name[:40].strip("-")
+    # The CPU's model string alone does not tell hosts apart ("AMD EPYC" covers one host with AVX2
+    # only and one with AVX-512 bf16), and their numbers differ by ISA: the widest matmul ISA is
+    # part of the name.
+    flags: set[str] = set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = ("amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags
+           else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "")
+    return f"cpu-{os.cpu_count()}c-" + name[:40].strip("-") + (f"-{isa}" if isa else "")
 
 
 def versions() -> dict:
