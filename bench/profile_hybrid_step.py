@@ -9,7 +9,8 @@ Method: each phase is timed with the gated delta rule's sequences on fasttrain's
 PyTorch form (`set_gated_delta_backend("torch")`: the CPU default for the update; decode steps on
 its torch ops), and again with the delta rule and the conv replaced by stand-ins of
 the same shapes that cost next to nothing (o = v·β, the state passed through; y = x); the
-differences are what those ops cost on each path. Median of --reps runs after a warm-up. Prints one
+differences are what those ops cost on each path. The three run interleaved (one of each per round,
+the order rotated from round to round) after a warm-up round; medians of --reps rounds. Prints one
 line per phase.
 """
 from __future__ import annotations
@@ -81,14 +82,18 @@ def bench_model(dtype: torch.dtype):
     return model, params
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+def interleaved(run, forms, reps: int) -> dict:
+    """Median seconds of run(form) per form: a warm-up round, then `reps` rounds that each run every
+    form once, in an order rotated from round to round (so drift on the machine falls on all forms)."""
+    for f in forms:
+        run(f)
+    ts = {f: [] for f in forms}
+    for r in range(reps):
+        for f in forms[r % len(forms):] + forms[:r % len(forms)]:
+            t = time.perf_counter()
+            run(f)
+            ts[f].append(time.perf_counter() - t)
+    return {f: statistics.median(v) for f, v in ts.items()}
 
 
 def main(argv=None) -> int:
@@ -130,16 +135,18 @@ def main(argv=None) -> int:
     from fasttrain.ops.gated_delta import set_gated_delta_backend
     from fasttrain.ops.gated_delta import gated_delta_backend
     for name, fn, grad in (("update fwd+bwd", update, True), ("rollout prefill+decode", rollout, False)):
-        times = {}
-        for form in ("fused", "torch"):
-            prev = set_gated_delta_backend(form)
+        def run(form):
+            prev = set_gated_delta_backend("fused" if form == "stand-ins" else form)
             try:
-                times[form] = timed(fn, a.reps)
+                if form == "stand-ins":
+                    with stand_ins():
+                        fn()
+                else:
+                    fn()
             finally:
                 set_gated_delta_backend(prev)
-        with stand_ins():
-            rest = timed(fn, a.reps)
-        full, chunked = times["fused"], times["torch"]
+        times = interleaved(run, ("fused", "torch", "stand-ins"), a.reps)
+        full, chunked, rest = times["fused"], times["torch"], times["stand-ins"]
         share = max(full - rest, 0.0) / full
         share_t = max(chunked - rest, 0.0) / chunked
         default = gated_delta_backend("cpu", grad=grad)
