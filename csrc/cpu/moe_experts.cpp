@@ -173,6 +173,23 @@ void add_mm(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
   else acc.add_(at::mm(a, b));
 }
 
+// dst_n = Σ_j w_nj · src[pos(n, j)] over the k slots of row n, in slot order (w null: weights of 1),
+// accumulated in acc_t: the forward's weighted combine and the backward's dx sum share it.
+template <typename acc_t, typename src_t>
+void slot_sum(acc_t* dst, const src_t* src, const int64_t* pos, const acc_t* w, int64_t N, int64_t k, int64_t H) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      acc_t* dn = dst + n * H;
+      std::fill(dn, dn + H, acc_t(0));
+      for (int64_t j = 0; j < k; ++j) {
+        const acc_t wj = w ? w[n * k + j] : acc_t(1);
+        const src_t* sn = src + pos[n * k + j] * H;
+        for (int64_t d = 0; d < H; ++d) dn[d] += wj * static_cast<acc_t>(sn[d]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_experts_cpu(
@@ -257,20 +274,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_exper
   AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_combine", [&] {
     using acc_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gt, "moe_experts_combine_out", [&] {
-      const acc_t* pw = w.const_data_ptr<acc_t>();
-      const scalar_t* po = out.const_data_ptr<scalar_t>();
-      acc_t* py = y.data_ptr<acc_t>();
-      at::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t n0, int64_t n1) {
-        for (int64_t n = n0; n < n1; ++n) {
-          acc_t* yn = py + n * H;
-          std::fill(yn, yn + H, acc_t(0));
-          for (int64_t j = 0; j < k; ++j) {
-            const acc_t wj = pw[n * k + j];
-            const scalar_t* on = po + g.pos[n * k + j] * H;
-            for (int64_t d = 0; d < H; ++d) yn[d] += wj * static_cast<acc_t>(on[d]);
-          }
-        }
-      });
+      slot_sum(y.data_ptr<acc_t>(), out.const_data_ptr<scalar_t>(), g.pos.data(), w.const_data_ptr<acc_t>(), N, k, H);
     });
   });
   // the outputs are not saved: the backward takes the routing weights' gradient through W_d instead
@@ -442,18 +446,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     for (int64_t i = 0; i < P; ++i) pos[po[i]] = i;
     at::Tensor acc = at::empty({N, H}, opt);
     AT_DISPATCH_FLOATING_TYPES(ct, "moe_experts_dx", [&] {
-      const scalar_t* pd = dxs.const_data_ptr<scalar_t>();
-      scalar_t* pa = acc.data_ptr<scalar_t>();
-      at::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t n0, int64_t n1) {
-        for (int64_t n = n0; n < n1; ++n) {
-          scalar_t* an = pa + n * H;
-          std::fill(an, an + H, scalar_t(0));
-          for (int64_t j = 0; j < k; ++j) {
-            const scalar_t* dn_ = pd + pos[n * k + j] * H;
-            for (int64_t d = 0; d < H; ++d) an[d] += dn_[d];
-          }
-        }
-      });
+      slot_sum(acc.data_ptr<scalar_t>(), dxs.const_data_ptr<scalar_t>(), pos.data(),
+               static_cast<const scalar_t*>(nullptr), N, k, H);
     });
     dx = acc.to(x.scalar_type());
   }

@@ -176,15 +176,22 @@ def _family_kind(model) -> str:
     return "qwen3_5" if family.name == "qwen3_5" else "llama"
 
 
+def _prefix_decoder(model, P: int, T: int) -> LlamaFamilyDecoder | None:
+    """The model's Llama-family decoder view, or None where the shared-prefix forward does not apply
+    (not that family, or a sliding window shorter than prompt + answer)."""
+    dec = _family(model)
+    if dec is None or (dec.sliding_window is not None and P + T > dec.sliding_window):
+        return None
+    return dec
+
+
 def llama_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int,
                         T: int, prompt_index: Tensor | None = None, wrap=None) -> Tensor | None:
     """shared_prefix_hidden of the Llama family's layers (the attention of every layer is full)."""
-    dec = _family(model)
+    dec = _prefix_decoder(model, prompt_len, T)
     if dec is None:
         return None
     P = prompt_len
-    if dec.sliding_window is not None and P + T > dec.sliding_window:
-        return None
     B = input_ids.shape[0]
     device = input_ids.device
     inverse, first = prompt_groups(input_ids, attention_mask, P, prompt_index)
@@ -223,12 +230,10 @@ def llama_packed_hidden(model, input_ids: Tensor, attention_mask: Tensor, positi
                         T: int, inverse: Tensor, first: Tensor, pk: AnswerPacking) -> Tensor | None:
     """llama_prefix_hidden with the answers packed as `pk` says: the hidden states [n, H] of pk's
     wanted positions (pk.source), or None where llama_prefix_hidden would return None."""
-    dec = _family(model)
+    dec = _prefix_decoder(model, prompt_len, T)
     if dec is None:
         return None
     P = prompt_len
-    if dec.sliding_window is not None and P + T > dec.sliding_window:
-        return None
     U = first.shape[0]
     prompt_mask, _ = prefix_masks(attention_mask, first, P, 0)
     cos_p, sin_p = dec.rotary_table(position_ids[first, :P])           # [U, P, D]

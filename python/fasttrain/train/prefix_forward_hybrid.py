@@ -81,16 +81,23 @@ class _Context:
 
 def _layer(c: _Context, i: int, layer, x_p: Tensor, x_a: Tensor) -> tuple[Tensor, Tensor]:
     """Decoder layer i over the U prompts x_p [U, P, H] and the B answers x_a [B, A, H]."""
+    x_p, x_a_flat = _mixer_and_mlp(c, i, layer, x_p, x_a, _attention, _delta)
+    return x_p, x_a_flat.view(x_a.shape)
+
+
+def _mixer_and_mlp(c, i: int, layer, x_p: Tensor, x_a: Tensor, attention, delta) -> tuple[Tensor, Tensor]:
+    """Layer i's token mixer (`attention` for a full-attention layer, else `delta`) with its residual,
+    then the MLP with its residual over the prompts and answers as one batch of rows: returns the
+    prompts [U, P, H] and the answers flattened to [rows, H]."""
     U, P, H = x_p.shape
-    B, A, _ = x_a.shape
     h_p, h_a = layer.input_layernorm(x_p), layer.input_layernorm(x_a)
     if c.dec.kinds[i] == "full_attention":
-        y_p, y_a = _attention(c, layer.self_attn, h_p, h_a)
+        y_p, y_a = attention(c, layer.self_attn, h_p, h_a)
     else:
-        y_p, y_a = _delta(c, layer.linear_attn, h_p, h_a)
-    x = torch.cat([(x_p + y_p).reshape(U * P, H), (x_a + y_a).reshape(B * A, H)])
+        y_p, y_a = delta(c, layer.linear_attn, h_p, h_a)
+    x = torch.cat([(x_p + y_p).reshape(U * P, H), (x_a + y_a).reshape(-1, H)])
     x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return x[:U * P].view(U, P, H), x[U * P:].view(B, A, H)
+    return x[:U * P].view(U, P, H), x[U * P:]
 
 
 def _stack(t_p: Tensor, t_a: Tensor) -> Tensor:
@@ -195,15 +202,7 @@ class _Packed:
 
 def _packed_layer(c: _Packed, i: int, layer, x_p: Tensor, x_a: Tensor) -> tuple[Tensor, Tensor]:
     """Decoder layer i over the U prompts x_p [U, P, H] and the N packed answer tokens x_a [N, H]."""
-    U, P, H = x_p.shape
-    h_p, h_a = layer.input_layernorm(x_p), layer.input_layernorm(x_a)
-    if c.dec.kinds[i] == "full_attention":
-        y_p, y_a = _attention_packed(c, layer.self_attn, h_p, h_a)
-    else:
-        y_p, y_a = _delta_packed(c, layer.linear_attn, h_p, h_a)
-    x = torch.cat([(x_p + y_p).reshape(U * P, H), x_a + y_a])
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return x[:U * P].view(U, P, H), x[U * P:]
+    return _mixer_and_mlp(c, i, layer, x_p, x_a, _attention_packed, _delta_packed)
 
 
 def _stack_packed(t_p: Tensor, t_a: Tensor) -> Tensor:
