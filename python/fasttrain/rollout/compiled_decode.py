@@ -31,7 +31,7 @@ from torch import Tensor
 from .decoder import LlamaFamilyDecoder
 from .families import decoder_for
 
-__all__ = ["CompiledDecode", "compiled_decode", "BUCKET"]
+__all__ = ["CompiledDecode", "compiled_decode", "resolve_compile", "BUCKET"]
 
 BUCKET = 64
 
@@ -113,6 +113,20 @@ class CompiledDecode:
             self.compile_seconds += time.perf_counter() - t0
             self._shapes_run.add(shape)
         return out.clone() if out.is_cuda else out   # CUDA graphs reuse their output buffer
+
+
+def resolve_compile(setting: bool | str, device: torch.device) -> bool | str:
+    """`rollout.compile` (sample's `compile=`) for a decoder on `device`: False (eager) or the
+    torch.compile backend. True is inductor; another string names a backend; "auto" is inductor on
+    CUDA (mode "reduce-overhead": the step as CUDA graphs, which is where eager's per-op launch cost
+    is largest; not measured on a GPU yet) and eager on a CPU, where the compiled step measured no
+    faster than eager (docs/benchmarks.md, "The compiled decode step"), so its compile time would
+    buy nothing."""
+    if setting == "auto":
+        return "inductor" if torch.device(device).type == "cuda" else False
+    if setting is True:
+        return "inductor"
+    return setting or False
 
 
 def compiled_decode(model, weights=None, backend: str = "inductor") -> CompiledDecode:
