@@ -7,7 +7,8 @@ an eager decode step's time goes (torch.profiler): the evidence behind rollout.c
 Models: smollm2 (the bundled SmolLM2-135M-Instruct), hybrid (the pinned ~100M Qwen3.5-shaped
 benchmark model, models/configs/qwen3.5-bench-100m.json), moe (the pinned Qwen3-MoE benchmark
 model); all plain (no NF4, no adapter: the decode step a run with dense rollout weights takes).
-Prompts: the first --prompts of the signal-a environment, --group answers each, temperature 1,
+Prompts: the first --prompts of the signal-a environment, --group answers each, temperature 1, one
+seed per prompt (as the trainer: the noise of the groups is drawn side by side on the threads),
 no EOS (every row decodes --new tokens).
 
 What it measures: decode ms/step = (T-token rollout - 1-token rollout) / (T - 1), for eager and
@@ -46,6 +47,9 @@ def load(name: str, dtype: torch.dtype):
     from fasttrain.models.bench_model import qwen3_5_bench, qwen3_moe_bench
     build = {"hybrid": qwen3_5_bench, "moe": qwen3_moe_bench}[name]
     model, tok = build(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+    if name == "moe":                        # fasttrain's expert blocks (the rollout records their routing)
+        from fasttrain.models.moe import moe_surgery
+        moe_surgery(model, nf4=False)
     return model.eval(), tok
 
 
@@ -75,12 +79,13 @@ def main() -> None:
     model, tok = load(a.model, dtype)
     prompts = prompts_of(tok, a.prompts)
     G, T = a.group, a.new
+    seeds = list(range(len(prompts)))        # one generator per prompt, as the trainer seeds them
     print(f"{a.model} {a.dtype}, {len(prompts)} prompts x {G} = batch {len(prompts) * G}, prompt len "
           f"~{max(map(len, prompts))}, {T} new tokens, {torch.get_num_threads()} threads, {machine_name()} "
           f"({host_precision()[1]}), load {os.getloadavg()[0]:.1f}" + (" BUSY" if a.busy else ""), flush=True)
 
     def run(n, compiled):
-        return sample(model, prompts, group_size=G, max_new_tokens=n, temperature=1.0, eos_token_ids=[], seed=0,
+        return sample(model, prompts, group_size=G, max_new_tokens=n, temperature=1.0, eos_token_ids=[], seed=seeds,
                       pad_token_id=tok.pad_token_id, compile=compiled)
 
     rows = []
@@ -88,7 +93,7 @@ def main() -> None:
     extra = {"busy": "yes" if a.busy else "no"}
     with torch.inference_mode():
         if a.profile:
-            profile(run, T)
+            profile(run, T, model)
         if a.no_compile:
             return
         sides = [False, True]
@@ -129,32 +134,40 @@ def main() -> None:
         write_csv(rows, Path(a.csv))
 
 
-def profile(run, T: int) -> None:
-    """One eager rollout of T tokens under torch.profiler, its parts labelled by wrapping the
-    sampler's prefill and the decoder's decode/lm_head (the wrappers add one record_function each)."""
+def profile(run, T: int, model) -> None:
+    """One eager rollout of T tokens under torch.profiler, its parts labelled: the sampler's prefill,
+    each decode step's layers (the decoder class's own `decode`) and the head (hooks on
+    model.lm_head); what is left of the loop is sampling, stopping and bookkeeping."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
     import fasttrain.rollout.sampling as S
-    from fasttrain.rollout.families import DECODERS
+    from fasttrain.rollout.families import decoder_for
 
-    patched = []
+    cls = type(decoder_for(model))
+    own = "decode" in cls.__dict__
+    f_decode, f_prefill = cls.decode, S.prefill_in_chunks
 
-    def wrap(owner, name, label):
-        f = getattr(owner, name)
+    def decode(*args, **kw):
+        with record_function("ft::decode"):
+            return f_decode(*args, **kw)
 
-        def g(*args, **kw):
-            with record_function(label):
-                return f(*args, **kw)
-        setattr(owner, name, g)
-        patched.append((owner, name, f))
+    def prefill(*args, **kw):
+        with record_function("ft::prefill"):
+            return f_prefill(*args, **kw)
+    head_scope = []
+
+    def pre(mod, args):
+        head_scope.append(record_function("ft::head"))
+        head_scope[-1].__enter__()
+
+    def post(mod, args, out):
+        head_scope.pop().__exit__(None, None, None)
 
     run(2, False)                                             # warm-up
-    wrap(S, "prefill_in_chunks", "ft::prefill")
-    for cls in set(DECODERS.values()):
-        if "decode" in cls.__dict__:
-            wrap(cls, "decode", "ft::decode")
+    cls.decode, S.prefill_in_chunks = decode, prefill
+    hooks = [model.lm_head.register_forward_pre_hook(pre), model.lm_head.register_forward_hook(post)]
     try:
         with tprofile(activities=[ProfilerActivity.CPU]) as prof:
             with record_function("ft::sample"):
@@ -162,23 +175,26 @@ def profile(run, T: int) -> None:
                 run(T, False)
                 wall = time.perf_counter() - t0
     finally:
-        for owner, name, f in reversed(patched):
-            setattr(owner, name, f)
+        for h in hooks:
+            h.remove()
+        S.prefill_in_chunks = f_prefill
+        if own:
+            cls.decode = f_decode
+        else:
+            del cls.decode
     ev = prof.events()
-    by = {}
+    by: dict[str, list] = {}
     for e in ev:
         by.setdefault(e.name, []).append(e)
     sample_ev = by["ft::sample"][0]
-    prefill = by.get("ft::prefill", [])
-    decodes = by.get("ft::decode", [])
+    prefill_ev, decodes, heads = by.get("ft::prefill", []), by.get("ft::decode", []), by.get("ft::head", [])
 
     def interval(e):
         return e.time_range.start, e.time_range.end
 
-    def union(iv):
-        iv = sorted(iv)
+    def union(iv) -> float:
         tot, cur = 0.0, None
-        for s, t in iv:
+        for s, t in sorted(iv):
             if cur is None or s > cur[1]:
                 if cur:
                     tot += cur[1] - cur[0]
@@ -187,47 +203,52 @@ def profile(run, T: int) -> None:
                 cur[1] = max(cur[1], t)
         return tot + (cur[1] - cur[0] if cur else 0.0)
 
-    def aten_children(parent):
+    def aten_under(parent):
+        """The outermost ATen ops under `parent` (looking through labels and other scopes)."""
         out, stack = [], list(parent.cpu_children)
         while stack:
             e = stack.pop()
-            if e.name.startswith("aten::"):
-                out.append(e)
-            else:
-                stack.extend(e.cpu_children)        # our labels / python scopes: look inside
+            (out.append(e) if e.name.startswith("aten::") else stack.extend(e.cpu_children))
         return out
 
-    dec_wall = sum(e.time_range.elapsed_us() for e in decodes)
-    dec_ops = sum(union([interval(c) for c in aten_children(e)]) for e in decodes)
-    pre_wall = sum(e.time_range.elapsed_us() for e in prefill)
-    s0, s1 = interval(sample_ev)
-    # the loop outside the layers: the sample's top-level ops that are not inside a prefill/decode label
-    inside = [interval(e) for e in prefill + decodes]
+    def wall_of(evs) -> float:
+        return sum(e.time_range.elapsed_us() for e in evs)
 
-    def outside(e):
+    def ops_of(evs) -> float:
+        return sum(union([interval(c) for c in aten_under(e)]) for e in evs)
+    labelled = [interval(e) for e in prefill_ev + decodes + heads]
+
+    def outside(e) -> bool:
         a, b = interval(e)
-        return not any(x <= a and b <= y for x, y in inside)
-    loop_ops = [c for c in aten_children(sample_ev) if outside(c)]
+        return not any(x <= a and b <= y for x, y in labelled)
+    loop_ops = [c for c in aten_under(sample_ev) if outside(c)]
+    s0, s1 = interval(sample_ev)
     n = max(len(decodes), 1)
-    total = s1 - s0
-    loop_wall = total - pre_wall - dec_wall
-    loop_op_t = union([interval(c) for c in loop_ops])
-    print(f"  profile: eager rollout {wall * 1e3:.1f} ms ({total / 1e3:.1f} ms profiled), prefill "
-          f"{pre_wall / 1e3:.1f} ms, {len(decodes)} decode steps")
-    print(f"    decode layers + head per step: {dec_wall / n / 1e3:8.3f} ms wall, ATen ops {dec_ops / n / 1e3:8.3f} ms,"
-          f" Python/dispatch between ops {(dec_wall - dec_ops) / n / 1e3:8.3f} ms "
-          f"({(dec_wall - dec_ops) / max(dec_wall, 1):.1%}); {sum(len(aten_children(e)) for e in decodes) / n:.0f} "
-          f"top-level ops")
-    print(f"    rest of the loop per step (sampling, stopping, bookkeeping): {loop_wall / n / 1e3:8.3f} ms wall, "
-          f"ATen ops {loop_op_t / n / 1e3:8.3f} ms, between ops {(loop_wall - loop_op_t) / n / 1e3:8.3f} ms; "
-          f"{len(loop_ops) / n:.0f} top-level ops")
-    agg = {}
+    pre_w = wall_of(prefill_ev)
+    dec_w, dec_o = wall_of(decodes), ops_of(decodes)
+    head_w, head_o = wall_of(heads), ops_of(heads)
+    loop_w = (s1 - s0) - pre_w - dec_w - head_w
+    loop_o = union([interval(c) for c in loop_ops])
+    ms = 1e3
+    print(f"  profile: eager rollout {wall * 1e3:.1f} ms ({(s1 - s0) / ms:.1f} ms profiled), prefill {pre_w / ms:.1f} ms, "
+          f"{len(decodes)} decode steps, {len(heads)} head calls; per decode step:")
+    for name, w, o, k in (("layers (decode)", dec_w, dec_o, sum(len(aten_under(e)) for e in decodes)),
+                          ("head (lm_head)", head_w, head_o, sum(len(aten_under(e)) for e in heads)),
+                          ("rest of the loop", loop_w, loop_o, len(loop_ops))):
+        print(f"    {name:18s} {w / n / ms:8.3f} ms wall  ATen ops {o / n / ms:8.3f} ms  between ops "
+              f"{(w - o) / n / ms:7.3f} ms ({(w - o) / max(w, 1e-9):5.1%})  {k / n:6.1f} top-level ops")
+    agg: dict[str, list] = {}
     for c in loop_ops:
         k = agg.setdefault(c.name, [0, 0.0])
         k[0] += 1
         k[1] += c.time_range.elapsed_us()
-    for name, (cnt, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:14]:
-        print(f"      {name:34s} {cnt / n:5.1f} per step  {us / n / 1e3:7.3f} ms per step")
+    pool = [e for e in by.get("aten::exponential_", []) if e.thread != sample_ev.thread]
+    if pool:     # per-prompt generators draw on the noise pool's threads; the loop waits (between ops)
+        print(f"    noise drawn on the pool's threads: {union([interval(e) for e in pool]) / n / ms:.3f} ms per step "
+              f"(wall, {len(pool) / n:.1f} draws), inside 'between ops' of the rest of the loop")
+    print("    the rest of the loop's ops (per decode step; includes the last step's sampling and the tail):")
+    for name, (cnt, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:16]:
+        print(f"      {name:34s} {cnt / n:5.1f} calls  {us / n / ms:7.3f} ms")
 
 
 if __name__ == "__main__":

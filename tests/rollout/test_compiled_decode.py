@@ -101,3 +101,42 @@ def test_compile_setting_auto_picks_by_device():
     assert resolve_compile(True, torch.device("cpu")) == "inductor"
     assert resolve_compile(False, torch.device("cuda")) is False
     assert resolve_compile("aot_eager", torch.device("cpu")) == "aot_eager"
+
+
+def test_rollout_compile_setting_takes_auto_true_and_false():
+    from fasttrain.train.config import ConfigError, RolloutSection, load_config
+    assert RolloutSection().compile == "auto"
+    for v in ("auto", True, False):
+        got = load_config({"rollout": {"compile": v}}).rollout.compile
+        assert got == v and type(got) is type(v)
+    for bad in (1, 0, "yes", "inductor"):          # 1 == True in Python: the type must match too
+        with pytest.raises(ConfigError, match=r"rollout.compile: .* is not allowed; allowed values: 'auto', "
+                                              r"true, false"):
+            load_config({"rollout": {"compile": bad}})
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_asking_for_the_end_every_few_steps_returns_the_per_step_rollout(family, monkeypatch):
+    """On CUDA the sampler asks whether every row has ended every few steps (each ask is a host
+    sync), so some held steps may run past the last row's end; the rollout it returns is the one a
+    check at every step returns: the same tokens, log-probs, masks, T and routing. Checked on the
+    CPU with an interval of 3, with rollouts that end early (many EOS ids) at T not a multiple of 3,
+    and one that runs to max_new_tokens."""
+    import fasttrain.rollout.sampling as S
+    model = FAMILIES[family]()
+    cases = [dict(eos_token_ids=list(range(2, 40)), seed=s, max_new_tokens=24) for s in range(6)]
+    cases.append(dict(eos_token_ids=[], seed=1, max_new_tokens=7))
+    refs = []
+    for c in cases:
+        refs.append(sample(model, PROMPTS, group_size=3, temperature=1.0, pad_token_id=0, **c))
+    ends = [r.completion_ids.shape[1] for r in refs]
+    assert ends[-1] == 7 and any(T < 24 and T % 3 for T in ends[:-1])
+    monkeypatch.setitem(S._DONE_CHECK_EVERY, "cpu", 3)
+    for c, ref in zip(cases, refs):
+        got = sample(model, PROMPTS, group_size=3, temperature=1.0, pad_token_id=0, **c)
+        for name in ("input_ids", "attention_mask", "position_ids", "completion_ids", "completion_mask",
+                     "lengths", "logprobs", "finished"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), (family, c, name)
+        assert (got.routing is None) == (ref.routing is None)
+        if ref.routing is not None:
+            assert torch.equal(got.routing, ref.routing)

@@ -48,6 +48,12 @@ class CompiledDecode:
         cuda = dec.device.type == "cuda" and backend == "inductor"
         self._fn = torch.compile(self._step, backend=backend, mode="reduce-overhead" if cuda else None,
                                  dynamic=False)
+        if cuda and dec.weights is not None:
+            # CUDA graphs copy every input not marked static into the graph's own buffers at each
+            # replay: the modules' parameters and buffers are static already, the dense rollout
+            # weights (plain tensors, written in place by refresh) are marked here, as the caches are
+            for t in dec.weights.tensors():
+                torch._dynamo.mark_static_address(t)
         self._caches: dict[tuple[int, int], Tensor] = {}
         from .moe_decoder import StepSlot
         self._slot = StepSlot() if hasattr(dec, "record_step") else None    # a mixture of experts' record

@@ -138,8 +138,9 @@ class RolloutSection:
     # graphs over the static cache). Compile time is paid once per run (and per new batch shape).
     # "auto" (fasttrain.rollout.compiled_decode.resolve_compile): compiled on CUDA, unmeasured on a
     # GPU so far (eager's per-op launches are what CUDA graphs remove); eager on a CPU, where the
-    # compiled step measured no faster than eager: TODO-MEASURE.
-    # true / false force it.
+    # compiled step measured no faster than eager (0.99x, dense bf16 weights, quiet 2-core Intel
+    # Xeon: bench/results/cpu-2c-Intel-Xeon-2026-12-01-step-speed.md; not yet re-measured on the
+    # AVX-512 bf16 EPYC: bench/bench_compiled_decode.py is the command). true / false force it.
     compile: Literal["auto", True, False] = "auto"
     # Tool-calling rounds per answer (TRL's max_tool_calling_iterations); 0: no limit but the
     # budget, max_new_tokens, which the model's and the tools' tokens fill together.
