@@ -126,7 +126,7 @@ def resolve_compile(setting: bool | str, device: torch.device) -> bool | str:
     torch.compile backend. True is inductor; another string names a backend; "auto" is inductor on
     CUDA (mode "reduce-overhead": the step as CUDA graphs, which is where eager's per-op launch cost
     is largest; not measured on a GPU yet) and eager on a CPU, where the compiled step measured no
-    faster than eager (0.99x on a quiet Xeon, bench/results/cpu-2c-Intel-Xeon-2026-12-01-step-speed.md), so its compile time would
+    faster than eager (docs/benchmarks.md, "The compiled decode step"), so its compile time would
     buy nothing."""
     if setting == "auto":
         return "inductor" if torch.device(device).type == "cuda" else False
