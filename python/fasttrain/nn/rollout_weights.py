@@ -140,11 +140,6 @@ class RolloutWeights:
     def fused(self, mods: tuple[nn.Module, ...]) -> Tensor | None:
         return self._fused.get(tuple(id(m) for m in mods))
 
-    def tensors(self) -> list[Tensor]:
-        """Every tensor `linear` and `fused` hand out (refresh writes them in place: their addresses
-        hold for the object's life, which CUDA graphs of the compiled decode step rely on)."""
-        return list(self._fused.values()) + list(self._weight.values())
-
     def nbytes(self) -> int:
         seen, total = set(), 0
         for t in list(self._fused.values()) + list(self._weight.values()):

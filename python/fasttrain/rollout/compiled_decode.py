@@ -31,7 +31,7 @@ from torch import Tensor
 from .decoder import LlamaFamilyDecoder
 from .families import decoder_for
 
-__all__ = ["CompiledDecode", "compiled_decode", "resolve_compile", "BUCKET"]
+__all__ = ["CompiledDecode", "compiled_decode", "BUCKET"]
 
 BUCKET = 64
 
@@ -48,12 +48,6 @@ class CompiledDecode:
         cuda = dec.device.type == "cuda" and backend == "inductor"
         self._fn = torch.compile(self._step, backend=backend, mode="reduce-overhead" if cuda else None,
                                  dynamic=False)
-        if cuda and dec.weights is not None:
-            # CUDA graphs copy every input not marked static into the graph's own buffers at each
-            # replay: the modules' parameters and buffers are static already, the dense rollout
-            # weights (plain tensors, written in place by refresh) are marked here, as the caches are
-            for t in dec.weights.tensors():
-                torch._dynamo.mark_static_address(t)
         self._caches: dict[tuple[int, int], Tensor] = {}
         from .moe_decoder import StepSlot
         self._slot = StepSlot() if hasattr(dec, "record_step") else None    # a mixture of experts' record
@@ -119,20 +113,6 @@ class CompiledDecode:
             self.compile_seconds += time.perf_counter() - t0
             self._shapes_run.add(shape)
         return out.clone() if out.is_cuda else out   # CUDA graphs reuse their output buffer
-
-
-def resolve_compile(setting: bool | str, device: torch.device) -> bool | str:
-    """`rollout.compile` (sample's `compile=`) for a decoder on `device`: False (eager) or the
-    torch.compile backend. True is inductor; another string names a backend; "auto" is inductor on
-    CUDA (mode "reduce-overhead": the step as CUDA graphs, which is where eager's per-op launch cost
-    is largest; not measured on a GPU yet) and eager on a CPU, where the compiled step measured no
-    faster than eager (docs/benchmarks.md, "The compiled decode step"), so its compile time would
-    buy nothing."""
-    if setting == "auto":
-        return "inductor" if torch.device(device).type == "cuda" else False
-    if setting is True:
-        return "inductor"
-    return setting or False
 
 
 def compiled_decode(model, weights=None, backend: str = "inductor") -> CompiledDecode:

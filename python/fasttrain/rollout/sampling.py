@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .compiled_decode import compiled_decode, resolve_compile
+from .compiled_decode import compiled_decode
 from .families import decoder_for
 from .prefill import prefill_in_chunks
 
@@ -85,10 +85,6 @@ def _default_pad(model, eos: list[int]) -> int:
     return eos[0] if eos else 0
 
 
-# Steps between two checks of "has every row ended" by device type (1 where absent: every step).
-_DONE_CHECK_EVERY = {"cuda": 8}
-
-
 @functools.lru_cache(maxsize=None)
 def _noise_pool(workers: int):
     from concurrent.futures import ThreadPoolExecutor
@@ -146,8 +142,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     caller after each optimizer step) used in place of the NF4 projections; None runs the modules.
     compile: run the decode step through torch.compile (fasttrain.rollout.compiled_decode; the
     compiled step is kept per model, its first call per batch shape compiles); True is inductor,
-    "auto" is inductor on CUDA and eager on a CPU (compiled_decode.resolve_compile says why), another
-    string names a torch.compile backend. prefill_chunk: prompts prefilled at once
+    a string names another torch.compile backend. prefill_chunk: prompts prefilled at once
     (fasttrain.rollout.prefill; 0: all), which bounds the prefill's activations, not the answers.
 
     seed: an int seeds one generator for the whole batch; a list of one int per prompt seeds one
@@ -156,9 +151,8 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     """
     step = None
     dec = decoder_for(model, weights)
-    backend = resolve_compile(compile, dec.device)
-    if backend:
-        step = compiled_decode(model, weights, backend)
+    if compile:
+        step = compiled_decode(model, weights, compile if isinstance(compile, str) else "inductor")
         dec = step.dec
     if hasattr(dec, "start_record"):       # a mixture of experts' routing record (a kept decoder's too)
         dec.start_record()
@@ -214,34 +208,22 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     live = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stopped = torch.zeros(B, dtype=torch.bool, device=device)
-    # Whether every row has ended is asked every `check_every` steps: each ask is a host sync, which
-    # on CUDA stalls the queue of launched steps (on a CPU it costs nothing and a late stop would
-    # cost decode steps); stop strings read the tokens on the host every step anyway.
-    check_every = 1 if stops else _DONE_CHECK_EVERY.get(device.type, 1)
     keep = max((len(x) for x in stops), default=0)
     tails = [""] * B                      # each row's last `keep` characters (stop strings only)
     piece: dict[int, str] = {}
     steps = 0
-    # Per step the loop allocates nothing it can keep: the noise buffer [B, V] is drawn into in
-    # place, and the Gumbel scores are formed in it (-log E + log p is log p - log E bit for bit:
-    # IEEE subtraction is addition of the negation). Temperature 1 skips the division (x / 1 = x).
-    noise = torch.empty(B, vocab, dtype=torch.float32, device=device) if temperature > 0 else None
-    scale = temperature not in (0, 1)
-    has_eos = bool(eos)
     for t in range(max_new_tokens):
-        logp = torch.log_softmax(logits / temperature if scale else logits, dim=-1)
-        if noise is not None:
-            if noise.shape != logp.shape:         # a vocabulary padded beyond config.vocab_size
-                noise = torch.empty_like(logp)
-            _exponential_noise(noise, gens, rows)
-            tok = noise.log_().neg_().add_(logp).argmax(-1)
+        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+        if temperature > 0:
+            noise = _exponential_noise(torch.empty_like(logp), gens, rows)
+            tok = (logp - noise.log_()).argmax(-1)
         else:
             tok = logp.argmax(-1)
         active = ~done
         tokens[:, t] = torch.where(active, tok, pad)
         logps[:, t] = torch.where(active, logp.gather(1, tok[:, None])[:, 0], 0.0)
         live[:, t] = active
-        if has_eos:
+        if eos_t.numel():
             done = done | (active & torch.isin(tok, eos_t))
         if stops:
             hit = []
@@ -259,23 +241,20 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
                 stopped[idx] = True
                 done[idx] = True
         steps = t + 1
-        if t + 1 == max_new_tokens or (steps % check_every == 0 and bool(done.all())):
+        if t + 1 == max_new_tokens or bool(done.all()):
             break
         col = P + t
         # a finished row is held: its token's key is invalid for it and its state does not move
-        hold = ~done
-        key_valid[:, col] = hold
+        key_valid[:, col] = ~done
         if step is not None:
             column = torch.full((1,), col, dtype=torch.long, device=device)
             logits = step.step(tokens[:, t].contiguous(), key_valid, cos[:, col].contiguous(),
-                               sin[:, col].contiguous(), cache, column, active=hold)
+                               sin[:, col].contiguous(), cache, column, active=~done)
         else:
-            h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col, active=hold)
+            h = dec.decode(tokens[:, t], key_valid[:, :col + 1], cos[:, col], sin[:, col], cache, col, active=~done)
             logits = dec.lm_head(h).float()
 
-    # The steps a per-step check would have run: the longest row (a row ends at its EOS step, and the
-    # loop ends at the step the last one does, or at max_new_tokens, which the rows still going reach).
-    T = steps if check_every == 1 else int(live[:, :steps].sum(1).max())
+    T = steps
     completion_ids = tokens[:, :T].contiguous()
     completion_mask = live[:, :T].contiguous()
     input_ids = torch.cat([ids.repeat_interleave(G, 0), completion_ids], 1)

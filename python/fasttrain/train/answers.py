@@ -65,14 +65,14 @@ def answer_token_ids(roll) -> list[list[int]]:
 @torch.no_grad()
 def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
                    max_new_tokens: int, temperature: float, seed: int | Sequence[int], answer_prefix: str = "",
-                   stop_strings: Sequence[str] = (), weights=None, compile_decode: bool | str = False,
+                   stop_strings: Sequence[str] = (), weights=None, compile_decode: bool = False,
                    tool_settings: dict | None = None, prefill_chunk: int = 0):
     """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
     Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn;
     a row stops at EOS or once its text contains one of `stop_strings`. `weights`: dense rollout
     weights (fasttrain.nn.RolloutWeights), re-merged here if the adapters changed since the last
-    call; `compile_decode`: rollout.compile (True, False or "auto": sample's `compile`);
-    `prefill_chunk`: prompts prefilled at once (0: all). An environment with tools
+    call; `compile_decode`: the decode step through torch.compile; `prefill_chunk`: prompts
+    prefilled at once (0: all). An environment with tools
     (`env.tool_workers`) gets multi-turn answers (fasttrain.train.tool_rollout) with
     `tool_settings` (max_tool_calls); the rollout then carries the conversations."""
     from fasttrain.models import extract_answer

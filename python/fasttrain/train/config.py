@@ -136,12 +136,9 @@ class RolloutSection:
     base_weights: Literal["auto", "nf4", "dequantized"] = "auto"
     # The decode step through torch.compile (CPU: inductor; CUDA: mode "reduce-overhead", CUDA
     # graphs over the static cache). Compile time is paid once per run (and per new batch shape).
-    # "auto" (fasttrain.rollout.compiled_decode.resolve_compile): compiled on CUDA, unmeasured on a
-    # GPU so far (eager's per-op launches are what CUDA graphs remove); eager on a CPU, where the
-    # compiled step measured no faster than eager (0.99x, dense bf16 weights, quiet 2-core Intel
-    # Xeon: bench/results/cpu-2c-Intel-Xeon-2026-12-01-step-speed.md; not yet re-measured on the
-    # AVX-512 bf16 EPYC: bench/bench_compiled_decode.py is the command). true / false force it.
-    compile: Literal["auto", True, False] = "auto"
+    # Off by default: on a CPU it measured equal to eager (bench/results, step-speed), and the
+    # compile costs seconds to minutes; unmeasured on a GPU so far.
+    compile: bool = False
     # Tool-calling rounds per answer (TRL's max_tool_calling_iterations); 0: no limit but the
     # budget, max_new_tokens, which the model's and the tools' tokens fill together.
     max_tool_calls: int = 0
@@ -321,18 +318,13 @@ def _section_dict(sec: Any) -> dict[str, Any]:
     return out
 
 
-def _literal_text(a: Any) -> str:
-    return ("true" if a else "false") if isinstance(a, bool) else repr(a)
-
-
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
-        # the same type too: 1 == True, and a Literal may hold bools beside strings (rollout.compile)
-        if not any(value == a and type(value) is type(a) for a in allowed):
+        if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: "
-                              + ", ".join(_literal_text(a) for a in allowed))
+                              + ", ".join(repr(a) for a in allowed))
         return value
     if tp is bool:
         if not isinstance(value, bool):
