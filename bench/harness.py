@@ -22,11 +22,12 @@ def machine_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name().replace(" ", "-")
     cpu = platform.processor() or platform.machine()
+    flags: set[str] = set()
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+                    if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        cpu, flags = info.get("model name", cpu), set(info.get("flags", "").split())
     except OSError:
         pass
     # the vendor's marks and filler out ("Intel(R) Xeon(R) Processor" -> "Intel-Xeon", "AMD EPYC 9V74
@@ -37,14 +38,6 @@ def machine_name() -> str:
     # The CPU's model string alone does not tell hosts apart ("AMD EPYC" covers one host with AVX2
     # only and one with AVX-512 bf16), and their numbers differ by ISA: the widest matmul ISA is
     # part of the name.
-    flags: set[str] = set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
     isa = ("amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags
            else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "")
     return f"cpu-{os.cpu_count()}c-" + name[:40].strip("-") + (f"-{isa}" if isa else "")
