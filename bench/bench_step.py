@@ -11,8 +11,9 @@ What it compares (same run, each side in its own fresh subprocess, one after the
              prompts in the same order, group size (num_generations), token limit
              (max_completion_length), beta, learning rate, grad clip, micro-batch
              (per_device_train_batch_size, gradient_accumulation_steps = batch / micro-batch, so one
-             generation batch per optimizer step), gradient checkpointing on (both sides'
-             default), and a reward function that calls the same environment scorer (sum of
+             generation batch per optimizer step), gradient checkpointing as each side's default
+             (TRL's GRPOConfig: on; fasttrain's "auto": off where its plan fits the update
+             without it; --checkpointing / --trl-checkpointing set them), and a reward function that calls the same environment scorer (sum of
              channels weighted by priorities). Generation = time inside GRPOTrainer._generate
              (tokenize + transformers generate + decode); update = the rest of the optimizer step
              (on_step_begin -> on_step_end: rewards, reference log-probs, loss, backward, AdamW).
@@ -31,7 +32,7 @@ What it is not: a tuned TRL (no vLLM, no Liger); TRL runs in the precision chose
 --trl-precision (default bf16 weights + bf16=True, its fastest on this CPU; see the output).
 
 Default shape: the study's, 4 prompts x 12 answers, <= 64 new tokens, micro-batch 12, gradient
-checkpointing on both sides, 1 warm-up + 3 measured steps (median); `--quick` is a smoke run
+checkpointing at each side's default (printed), 1 warm-up + 3 measured steps (median); `--quick` is a smoke run
 (1 x 4, 8 new tokens, 1 + 1 steps). Precision: each side at the host's faster one, detected once
 and printed (bench/harness.host_precision: the native extension's report, else a bf16 vs fp32
 matmul measured here); --fasttrain-dtype / --trl-precision override it.
@@ -213,6 +214,7 @@ def fasttrain_config(a, out_dir: str, selection: str):
                 "device": a.device},
         "policy": {"dtype": "float32" if a.fasttrain_dtype == "fp32" else "bfloat16", "rank": a.rank,
                    "alpha": float(a.alpha), "quantize": a.quantize,
+                   "gradient_checkpointing": {"auto": "auto", "on": True, "off": False}[a.checkpointing],
                    **({"model": BENCH_FACTORIES[a.model]} if a.model in BENCH_FACTORIES else {})},
         "env": {"name": "signal-a", "prompts": selection},
         "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new,
@@ -237,6 +239,7 @@ def step_prompts(a):
 # ---- workers ----------------------------------------------------------------------------------
 def worker_fasttrain(a) -> dict:
     import torch
+    from fasttrain.train.policy import checkpointing_on
     from fasttrain.train.trainer import Trainer
     base = _status_kib("VmRSS")
     env, prompts = step_prompts(a)
@@ -269,7 +272,9 @@ def worker_fasttrain(a) -> dict:
             "setting": f"{a.fasttrain_dtype} base " + ("quantized to NF4" if a.quantize == "nf4" else "kept 16-bit")
                        + " + fp32 LoRA masters, rollout from "
                        f"{'dense merged weights' if tr.rollout_weights is not None else 'the adapted layers'}"
-                       f" (rollout.base_weights={R.base_weights}), compile={R.compile}"
+                       f" (rollout.base_weights={R.base_weights}), compile={R.compile}, gradient checkpointing "
+                       f"{'on' if checkpointing_on(tr.model) else 'off'} (policy.gradient_checkpointing="
+                       f"{tr.cfg.policy.gradient_checkpointing})"
                        + (f", {'NF4' if a.quantize == 'nf4' else '16-bit'} experts, routing replay"
                           if a.model in MOE_MODELS else ""),
             "adapts": adapted_summary(tr.model)}
@@ -434,7 +439,7 @@ def worker_trl(a) -> dict:
         learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, max_steps=a.warmup + a.steps, shuffle_dataset=False, seed=a.seed,
         logging_steps=10_000, save_strategy="no", report_to="none", disable_tqdm=True,
-        gradient_checkpointing=True, dataloader_num_workers=0,
+        gradient_checkpointing=a.trl_checkpointing == "on", dataloader_num_workers=0,
         **({"router_aux_loss_coef": 0.0} if a.model in MOE_MODELS else {}))   # fasttrain's default: no aux loss
     trainer = GRPOTrainer(model=model, reward_funcs=signal_reward, args=cfg, train_dataset=data,
                           processing_class=tok, peft_config=trl_lora_config(a, model))
@@ -484,7 +489,7 @@ def worker_trl(a) -> dict:
     if a.model in MOE_MODELS:
         setting += f", transformers experts_implementation={a.trl_experts}, router_aux_loss_coef=0"
     return {"steps": steps[a.warmup:], "memory": mem, "prompt_order": [p.id for p in ordered],
-            "setting": setting + ", gradient checkpointing, PEFT LoRA", "adapts": adapted_summary(trainer.model)}
+            "setting": setting + f", gradient checkpointing {a.trl_checkpointing}, PEFT LoRA", "adapts": adapted_summary(trainer.model)}
 
 
 def worker_rollout(a) -> dict:
@@ -656,6 +661,11 @@ def main() -> int:
                          "host's faster precision (fp32 on CPUs without bf16 instructions)")
     ap.add_argument("--quantize", choices=["nf4", "none"], default="nf4",
                     help="fasttrain's frozen base: NF4, or the 16-bit weights (TRL's PEFT LoRA is 16-bit)")
+    ap.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
+                    help="fasttrain's policy.gradient_checkpointing (auto, its default: off where the plan "
+                         "fits the update without it)")
+    ap.add_argument("--trl-checkpointing", choices=["on", "off"], default="on",
+                    help="TRL's gradient_checkpointing (on: GRPOConfig's default)")
     ap.add_argument("--rollout-reps", type=int, default=3)
     ap.add_argument("--only", default="fasttrain,trl,rollout", help="comma-separated: fasttrain,trl,rollout")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per worker")

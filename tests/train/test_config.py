@@ -49,6 +49,13 @@ def test_bad_values_name_key_and_allowed():
         load_config("cispo", ["optim.lr=fast"])
     with pytest.raises(ConfigError, match=r"loss.repo_r: 1 is not allowed; allowed values: true, false"):
         load_config("cispo", ["loss.repo_r=1"])
+    for bad in ("1", "yes"):          # a switch with a third value: by type as well as by value
+        with pytest.raises(ConfigError, match=r"policy.gradient_checkpointing: .* is not allowed; allowed values: "
+                                              r"'auto', true, false"):
+            load_config("cispo", [f"policy.gradient_checkpointing={bad}"])
+    for good, want in (("auto", "auto"), ("true", True), ("false", False)):
+        v = load_config("cispo", [f"policy.gradient_checkpointing={good}"]).policy.gradient_checkpointing
+        assert v == want and type(v) is type(want)
     with pytest.raises(ConfigError, match=r"run.steps: 2.5 is not an integer"):
         load_config("cispo", ["run.steps=2.5"])
     with pytest.raises(ConfigError, match=r"section.key=value"):

@@ -72,3 +72,55 @@ def test_a_run_that_fits_only_in_waves_decodes_in_the_waves_the_plan_picked(tiny
     assert t2.sizes["rollout"] == 1
     t2._train_step(1)
     assert waves == [1, 1, 1]
+
+
+def _checkpointed(model) -> bool:
+    from fasttrain.train.policy import checkpointing_on
+    return checkpointing_on(model)
+
+
+def test_auto_checkpointing_is_off_where_the_update_fits_without_it(tiny, tiny_recipe):
+    cfg = load_config(tiny_recipe(tiny, **{"policy.gradient_checkpointing": "auto"}))
+    t = Trainer(cfg, progress=False)
+    t._setup()
+    assert not _checkpointed(t.model)
+    t._train_step(1)                                   # the update runs without the recompute
+    forced = Trainer(load_config(tiny_recipe(tiny, **{"policy.gradient_checkpointing": True})), progress=False)
+    forced._setup()
+    assert _checkpointed(forced.model)                 # true keeps it on whatever the plan says
+
+
+def test_auto_checkpointing_is_on_where_only_that_fits(tiny, tiny_recipe, monkeypatch):
+    """A memory between the update's peak with checkpointing and its peak without (every other
+    phase fits): "auto" turns it on, false is refused naming the setting."""
+    from fasttrain.plan import meta_policy, run_shape
+    from fasttrain.plan.load import load_phase
+    from fasttrain.plan.memory import probe_phase, rollout_phase, scores_phase, update_phase
+    from fasttrain.plan.report import device_for
+    from fasttrain.train.answers import prompt_token_ids
+
+    over = {"rollout.prompts_per_step": 1, "rollout.max_new_tokens": 96, "optim.micro_batch": 1,
+            "policy.gradient_checkpointing": "auto"}
+    cfg = load_config(tiny_recipe(tiny, **over))
+    t = Trainer(cfg, progress=False)
+    t._setup()
+    P = max(len(i) for i in prompt_token_ids(t.tokenizer, t.env, t.train_prompts[:16], ""))
+    m = meta_policy(t.model.config, dtype="float32", rank=4, alpha=8.0)
+    s = run_shape(cfg, P)
+    assert s.gradient_checkpointing is False           # "auto" starts off; the picks turn it on
+    dev = device_for(gpus.gpu_spec("cpu"))
+    on, off = (sum(update_phase(m, s.with_(gradient_checkpointing=c), dev).values()) for c in (True, False))
+    others = max(sum(p.values()) for p in (load_phase(m), scores_phase(m, s, dev), update_phase(m, s.with_(
+        gradient_checkpointing=True), dev), rollout_phase(m, s.with_(wave=1, prefill_chunk=1), dev),
+        probe_phase(m, s.with_(probe_wave=1, probe_prefill_chunk=1), dev)))
+    memory = int(others * 1.05) + 1
+    assert off * 1.05 > memory > on, (on, off, others)   # only checkpointing fits the update
+    monkeypatch.setattr(gpus, "gpu_for_device", lambda device: dataclasses.replace(gpus.gpu_spec("cpu"),
+                                                                                    memory_bytes=memory))
+    t2 = Trainer(cfg, progress=False)
+    t2._setup()
+    assert _checkpointed(t2.model)
+    t2._train_step(1)
+    off_cfg = load_config(tiny_recipe(tiny, **{**over, "policy.gradient_checkpointing": False}))
+    with pytest.raises(ConfigError, match="policy.gradient_checkpointing = true"):
+        Trainer(off_cfg, progress=False)._setup()

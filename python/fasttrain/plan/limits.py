@@ -39,7 +39,7 @@ def largest_settings(m: ModelShape, s: RunShape, gpu: GPU, dev: Device, cap_grou
     from fasttrain.plan.memory import fits, scores_phase, update_phase
 
     def mb_fits(v: int) -> bool:
-        t = s.with_(micro_batch=v)
+        t = s.with_(micro_batch=v, gradient_checkpointing=s.gradient_checkpointing or s.checkpointing_auto)
         return pick_settings(m, t, gpu, dev).fits and all(
             fits(sum(p.values()), gpu.memory_bytes, gpu.context_bytes)[0]
             for p in (scores_phase(m, t, dev), update_phase(m, t, dev)) if p is not None)

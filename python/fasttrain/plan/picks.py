@@ -107,11 +107,18 @@ def _pick_rollout(m, s: RunShape, gpu: GPU, dev: Device, probe: bool) -> tuple[R
 
 def _pick_micro_batch(m, s: RunShape, gpu: GPU, dev: Device) -> tuple[RunShape, str | None]:
     """The largest micro-batch up to the recipe's at which the scores and the update fit, with
-    gradient checkpointing turned on when even one answer does not fit without it."""
+    gradient checkpointing turned on when even one answer does not fit without it (with
+    policy.gradient_checkpointing = "auto": on unless the recipe's own micro-batch fits without it)."""
     def ok(shape: RunShape) -> bool:
         return _fit(scores_phase(m, shape, dev), gpu) and _fit(update_phase(m, shape, dev), gpu)
     if ok(s):                                   # the recipe's own (even above the step's rows)
         return s, None
+    if s.checkpointing_auto and not s.gradient_checkpointing:
+        # "auto" turns it off only at the recipe's own micro-batch: never fewer answers per pass
+        # to save the recompute
+        s = s.with_(gradient_checkpointing=True)
+        if ok(s):
+            return s, None
     for shape in ([s] if s.gradient_checkpointing else [s, s.with_(gradient_checkpointing=True)]):
         top = max(1, min(s.micro_batch, s.rows))
         mb = _largest(list(range(top, 0, -1)), lambda v: ok(shape.with_(micro_batch=v)))

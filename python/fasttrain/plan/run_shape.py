@@ -19,6 +19,9 @@ class RunShape:
     micro_batch: int
     passes: int = 1
     gradient_checkpointing: bool = True
+    # policy.gradient_checkpointing = "auto": the shape starts off and the plan turns it on unless
+    # the update fits without it at the recipe's own micro-batch (fasttrain.plan.picks)
+    checkpointing_auto: bool = False
     need_ref: bool = True        # beta > 0: a no-grad forward with adapters off
     need_old: bool = False       # top-entropy mask: a no-grad forward before the update
     dtype: str = "bfloat16"
@@ -79,7 +82,9 @@ def run_shape(cfg, prompt_tokens: int) -> RunShape:
     return RunShape(
         prompts=r.prompts_per_step, group=r.group_size, prompt_tokens=prompt_tokens,
         new_tokens=r.max_new_tokens, micro_batch=cfg.optim.micro_batch, passes=lo.passes,
-        gradient_checkpointing=p.gradient_checkpointing, need_ref=lo.beta > 0,
+        # "auto" starts off: the plan's picks turn it on when the update does not fit without it
+        gradient_checkpointing=p.gradient_checkpointing is True,
+        checkpointing_auto=p.gradient_checkpointing == "auto", need_ref=lo.beta > 0,
         need_old=lo.token_mask == "top_entropy", dtype=p.dtype, quantize=getattr(p, "quantize", "nf4"),
         adapter=p.adapter, rank=p.rank,
         alpha=p.alpha, targets=tuple(p.targets), steps=cfg.run.steps, probe_prompts=cfg.probe.prompts,

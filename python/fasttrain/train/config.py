@@ -70,7 +70,10 @@ class PolicySection:
     alpha: float = 64.0
     rslora: bool = False
     targets: tuple[str, ...] = ()           # () = the 7 attention/MLP projections
-    gradient_checkpointing: bool = True
+    # "auto": off when the plan (fasttrain.plan) fits the update at the recipe's micro-batch without
+    # it, else on; true/false force it. Off skips the recompute forward (a quarter of the update's
+    # work) and holds the layers' activations instead; a model the plan cannot read keeps it on.
+    gradient_checkpointing: Literal["auto", True, False] = "auto"
     attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"  # auto: flash-attn 2 on CUDA if installed
     liger: bool = False                     # Liger-Kernel RMSNorm/SwiGLU/RoPE on the policy (CUDA, fasttrain[gpu])
     # Variables every prompt's chat template is rendered with, e.g. { enable_thinking = false }
@@ -322,9 +325,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if value not in allowed:
+        # by type as well as value: 1 == True and 0 == False, and neither is a switch's value
+        if not any(value == a and type(value) is type(a) for a in allowed):
             raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: "
-                              + ", ".join(repr(a) for a in allowed))
+                              + ", ".join(_literal_text(a) for a in allowed))
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -358,6 +362,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             out[str(k)] = _coerce(f"{key}.{k}", v, float)
         return out
     raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover
+
+
+def _literal_text(a: Any) -> str:
+    """An allowed value as a recipe writes it: true/false for booleans, else its repr."""
+    return ("true" if a else "false") if isinstance(a, bool) else repr(a)
 
 
 def _template_kwargs(key: str, value: Any) -> dict[str, TemplateValue]:

@@ -97,14 +97,31 @@ def build_policy(cfg: Config, device: torch.device):
         raise ConfigError(str(e)) from None
     params += train_router(model, cfg.moe.train_router)
     model.to(device)
-    if p.gradient_checkpointing:
+    if p.gradient_checkpointing is not False:            # "auto" builds it on; the trainer's plan may turn it off
+        set_checkpointing(model, True)
+    if hasattr(model, "config"):
+        model.config.use_cache = False                   # training forward; rollout asks for its cache
+    return model, tokenizer, adapter_parameters(model, params)
+
+
+def set_checkpointing(model, on: bool) -> None:
+    """Gradient checkpointing of the model's layers on (non-reentrant) or off, by transformers'
+    own switches; a model without them is left as it is."""
+    if on:
         if hasattr(model, "activation_checkpointing_enable"):          # transformers >= 5.2x
             model.activation_checkpointing_enable({"use_reentrant": False})
         elif hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if hasattr(model, "config"):
-        model.config.use_cache = False                   # training forward; rollout asks for its cache
-    return model, tokenizer, adapter_parameters(model, params)
+    elif hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    elif hasattr(model, "gradient_checkpointing_disable"):
+        model.gradient_checkpointing_disable()
+
+
+def checkpointing_on(model) -> bool:
+    """Whether any of the model's modules is set to be checkpointed (the flag the update's
+    forward reads, fasttrain.train.prefix_forward)."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
 def _check_family(spec: str, model) -> None:

@@ -40,7 +40,7 @@ from fasttrain.train.checkpoint import (check_family, load_checkpoint, newest_ch
 from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
                                     resume_changes)
 from fasttrain.train.environment import load_run_env
-from fasttrain.train.policy import build_policy, pick_device, rollout_weights
+from fasttrain.train.policy import build_policy, pick_device, rollout_weights, set_checkpointing
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.preemption import Preempted, StopSignals
 from fasttrain.train.probe import run_probe, select_shipped
@@ -204,6 +204,7 @@ class Trainer:
             p, line, ok = None, f"plan: not available ({type(e).__name__}: {e})", True
         if distributed.is_main():
             self.console.print(line, markup=False, highlight=False)
+        self._resolve_checkpointing(p)
         if p is not None and self.cfg.run.plan == "apply":
             if p.picks is not None and not p.picks.fits:
                 raise ConfigError(f"{self.cfg.policy.model} on {p.gpu.title}: " + "; ".join(p.picks.blocked)
@@ -212,9 +213,22 @@ class Trainer:
         elif not ok:
             self._warn(0, f"{line}; see `fasttrain plan` for the largest micro_batch, group_size and max_new_tokens that fit")
 
+    def _resolve_checkpointing(self, p) -> None:
+        """policy.gradient_checkpointing = "auto": the plan's pick (off when the update fits at the
+        picked micro-batch without it); on, as built, when there is no plan. Said in one line."""
+        if self.cfg.policy.gradient_checkpointing != "auto":
+            return
+        on = True if p is None or getattr(p, "shape", None) is None else bool(p.shape.gradient_checkpointing)
+        set_checkpointing(self.model, on)
+        why = "no plan for this model" if p is None else \
+            "the plan fits the update without it" if not on else "the update does not fit without it"
+        if distributed.is_main():
+            self.console.print(f"gradient checkpointing: {'on' if on else 'off'} (auto: {why})",
+                               markup=False, highlight=False)
+
     def _apply_plan(self, s) -> None:
         """The plan's picks as the phases' sizes (what the recipe fixes, the plan kept as it is)."""
-        if s.gradient_checkpointing and not self.cfg.policy.gradient_checkpointing:
+        if s.gradient_checkpointing and self.cfg.policy.gradient_checkpointing is False:
             raise ConfigError("the update does not fit without gradient checkpointing even at one answer per "
                               "micro-batch: set policy.gradient_checkpointing = true (run.plan = \"warn\" runs it anyway)")
         self.sizes["rollout"] = s.wave_prompts if s.wave_prompts < s.prompts else None
