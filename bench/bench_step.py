@@ -12,8 +12,8 @@ What it compares (same run, each side in its own fresh subprocess, one after the
              (max_completion_length), beta, learning rate, grad clip, micro-batch
              (per_device_train_batch_size, gradient_accumulation_steps = batch / micro-batch, so one
              generation batch per optimizer step), gradient checkpointing as each side's default
-             (TRL's GRPOConfig: on; fasttrain's "auto": off where its plan fits the update
-             without it; --checkpointing / --trl-checkpointing set them), and a reward function that calls the same environment scorer (sum of
+             (on for both; --checkpointing on|auto|off / --trl-checkpointing on|off set them),
+             and a reward function that calls the same environment scorer (sum of
              channels weighted by priorities). Generation = time inside GRPOTrainer._generate
              (tokenize + transformers generate + decode); update = the rest of the optimizer step
              (on_step_begin -> on_step_end: rewards, reference log-probs, loss, backward, AdamW).
@@ -661,9 +661,9 @@ def main() -> int:
                          "host's faster precision (fp32 on CPUs without bf16 instructions)")
     ap.add_argument("--quantize", choices=["nf4", "none"], default="nf4",
                     help="fasttrain's frozen base: NF4, or the 16-bit weights (TRL's PEFT LoRA is 16-bit)")
-    ap.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
-                    help="fasttrain's policy.gradient_checkpointing (auto, its default: off where the plan "
-                         "fits the update without it)")
+    ap.add_argument("--checkpointing", choices=["auto", "on", "off"], default="on",
+                    help="fasttrain's policy.gradient_checkpointing (on: its default; auto: off where the "
+                         "plan fits the update without it)")
     ap.add_argument("--trl-checkpointing", choices=["on", "off"], default="on",
                     help="TRL's gradient_checkpointing (on: GRPOConfig's default)")
     ap.add_argument("--rollout-reps", type=int, default=3)

@@ -38,7 +38,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=bs.MODELS, default="smollm2-135m")
     ap.add_argument("--rows", type=int, default=30, help="ops to print")
-    ap.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
+    ap.add_argument("--checkpointing", choices=["auto", "on", "off"], default="on",
                     help="policy.gradient_checkpointing (bench_step's --checkpointing)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--shapes", action="store_true", help="also print the GEMMs by input shape")

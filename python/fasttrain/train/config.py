@@ -70,10 +70,12 @@ class PolicySection:
     alpha: float = 64.0
     rslora: bool = False
     targets: tuple[str, ...] = ()           # () = the 7 attention/MLP projections
-    # "auto": off when the plan (fasttrain.plan) fits the update at the recipe's micro-batch without
-    # it, else on; true/false force it. Off skips the recompute forward (a quarter of the update's
-    # work) and holds the layers' activations instead; a model the plan cannot read keeps it on.
-    gradient_checkpointing: Literal["auto", True, False] = "auto"
+    # true (the default) / false; "auto": off when the plan (fasttrain.plan) fits the update at the
+    # recipe's micro-batch without it, else on (a model the plan cannot read keeps it on). Off skips
+    # the recompute forward and holds every layer's activations instead: on SmolLM2 at the study's
+    # shape that measured 14% off the update's passes, 4% off the step, for 59% more peak memory
+    # (bench/results/cpu-2c-Intel-Xeon-amx-2026-12-03-profile-update.md), so it is not the default.
+    gradient_checkpointing: Literal["auto", True, False] = True
     attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"  # auto: flash-attn 2 on CUDA if installed
     liger: bool = False                     # Liger-Kernel RMSNorm/SwiGLU/RoPE on the policy (CUDA, fasttrain[gpu])
     # Variables every prompt's chat template is rendered with, e.g. { enable_thinking = false }
