@@ -218,7 +218,7 @@ class Trainer:
         picked micro-batch without it); on, as built, when there is no plan. Said in one line."""
         if self.cfg.policy.gradient_checkpointing != "auto":
             return
-        on = True if p is None or getattr(p, "shape", None) is None else bool(p.shape.gradient_checkpointing)
+        on = p is None or bool(p.shape.gradient_checkpointing)
         set_checkpointing(self.model, on)
         why = "no plan for this model" if p is None else \
             "the plan fits the update without it" if not on else "the update does not fit without it"
