@@ -13,7 +13,7 @@ Policy variants (--variants): the same loop on the training policy, NF4 base + L
 random so the adapter matters), decoding from the NF4 layers ("nf4") or from dense merged copies
 ("dequantized", rollout.base_weights), against the plain model ("plain"); --compile adds each
 variant with the decode step through torch.compile (compile time printed apart from the steady
-state); --profile prints where the NF4 decode step's time goes (nf4_linear self time is the
+state); --profile prints where each policy variant's decode step's time goes (nf4_linear self time is the
 dequantisation, its aten::mm children the GEMM; attention, sampling ops, the rest is Python and
 small ops). Decode ms/step = (T-token run - 1-token run) / (T - 1), medians of --reps.
 
@@ -187,21 +187,26 @@ def variants(args, dtype) -> None:
                 rows.append(row("rollout_variants", f"{len(prompts)}x{G}x{T}-{args.dtype}", name, "compile_s",
                                 compile_s, "s"))
     if args.profile:
-        profile_decode(policy, prompts, G, tok.pad_token_id)
+        for v in names:
+            if v != "plain":
+                profile_decode(*cases[v], prompts, G, tok.pad_token_id, v)
     if args.csv:
         write_csv(rows, Path(args.csv))
 
 
-def profile_decode(policy, prompts, G, pad) -> None:
-    """Where one NF4 + LoRA decode step's time goes (torch.profiler over 8 decode steps)."""
+def profile_decode(policy, weights, prompts, G, pad, name) -> None:
+    """Where one NF4 + LoRA decode step's time goes (torch.profiler over 8 decode steps), decoding
+    from the NF4 layers (weights None) or from the dense merged copies."""
     from torch.profiler import ProfilerActivity, profile
     with torch.inference_mode():
-        sample(policy, prompts, group_size=G, max_new_tokens=2, eos_token_ids=[], seed=0, pad_token_id=pad)
+        sample(policy, prompts, group_size=G, max_new_tokens=2, eos_token_ids=[], seed=0, pad_token_id=pad,
+               weights=weights)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            sample(policy, prompts, group_size=G, max_new_tokens=9, eos_token_ids=[], seed=0, pad_token_id=pad)
+            sample(policy, prompts, group_size=G, max_new_tokens=9, eos_token_ids=[], seed=0, pad_token_id=pad,
+                   weights=weights)
     ev = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in ev)
-    print(f"\nNF4 + LoRA rollout profile (prefill + 8 decode steps), self CPU time by op, top 12 of "
+    print(f"\n{name} rollout profile (prefill + 8 decode steps), self CPU time by op, top 12 of "
           f"{total / 1e6:.2f} s:")
     for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:12]:
         print(f"  {e.key:40s} {e.self_cpu_time_total / 1e6:8.3f} s  {100 * e.self_cpu_time_total / total:5.1f}%"

@@ -12,8 +12,8 @@ fasttrain's cache folder (host_rates.json), so a plan costs a few seconds only t
               cache from memory, as a decode step does (a plan measures its own model's shapes
               again with model_decode_rates: these skinny rates depend on the shapes)
   elementwise elements/s of an out-of-place product of two 1024 x 1024 tensors, bf16 and fp32
-  sampling    elements/s of one Gumbel-max sampling step over fp32 logits [16, 32768] (log-softmax,
-              Exp(1) noise from a generator, log, argmax: the rollout's per-token work over V)
+  sampling    elements/s of one sampling step over fp32 logits [16, 32768] (the rollout's per-token
+              work over V: fasttrain.rollout.sampling.draw_tokens at temperature 1)
   experts     fasttrain.ops.moe_experts itself (the routed experts of a mixture-of-experts layer) at a
               reference layer (hidden 1024, expert width 512, 8 experts, top-2, LoRA r 8 on both
               stacks, bf16 tokens), NF4 experts and 16-bit ones: FLOP/s (expert_pair_flops) of a
@@ -320,14 +320,10 @@ def _elementwise_rate(dtype: torch.dtype, dev: torch.device, clock: Clock, reps:
 
 
 def _sampling_rate(dev: torch.device, clock: Clock, reps: int) -> float:
+    from fasttrain.rollout.sampling import draw_tokens
     logits = torch.randn(16, 32768, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def step():
-        logp = torch.log_softmax(logits, dim=-1)
-        noise = torch.empty_like(logp).exponential_(generator=gen)
-        return (logp - noise.log_()).argmax(-1)
-    return logits.numel() / _median_time(step, reps, clock, _sync_for(dev))
+    gens = [torch.Generator(device=dev).manual_seed(0)]
+    return logits.numel() / _median_time(lambda: draw_tokens(logits, 1.0, gens, 16), reps, clock, _sync_for(dev))
 
 
 def _micro_policy(layers: int, dev: torch.device):
@@ -454,9 +450,15 @@ def cache_path() -> Path:
     return cache_dir() / "host_rates.json"
 
 
+# Bumped when a rate's measurement changes (2: sampling by the inverse CDF, not Gumbel-max), so an
+# entry measured the old way is measured again rather than read.
+RATES_VERSION = 2
+
+
 def _key(dev: torch.device) -> str:
     import fasttrain
-    return f"{host_name(dev)}|threads={torch.get_num_threads()}|torch={torch.__version__}|fasttrain={fasttrain.__version__}"
+    return (f"{host_name(dev)}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|fasttrain={fasttrain.__version__}|rates={RATES_VERSION}")
 
 
 def _cached() -> dict:

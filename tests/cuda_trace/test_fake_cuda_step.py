@@ -51,10 +51,10 @@ class _TorchWithHostGenerators:
         return torch.Generator("cpu")
 
 
-def _unseeded_noise(noise, gens, rows):
-    """Stand-in 2 of 2: the Exp(1) draws without a generator (FakeTensorMode takes none); the same
-    shape, dtype and device as the seeded draw."""
-    return noise.exponential_()
+def _unseeded_uniforms(gens, rows, device):
+    """Stand-in 2 of 2: the sampler's U[0, 1) draws without a generator (FakeTensorMode takes none);
+    the same shape, dtype and device as the seeded draws."""
+    return torch.rand(len(gens) * rows, dtype=torch.float64, device=device)
 
 
 # fasttrain's registered ops -> the face the selftest checks them through
@@ -117,7 +117,7 @@ def _trace(family: str, monkeypatch):
     _record_implementations(monkeypatch, seen, states)
     from fasttrain.rollout import sampling
     monkeypatch.setattr(sampling, "torch", _TorchWithHostGenerators())
-    monkeypatch.setattr(sampling, "_exponential_noise", _unseeded_noise)
+    monkeypatch.setattr(sampling, "_uniforms", _unseeded_uniforms)
     torch.manual_seed(0)
     with fake_cuda(answers) as replay:
         fake = trace_step.step(family, "cuda")

@@ -223,28 +223,79 @@ def test_stop_strings_cut_each_row_where_its_text_first_contains_one():
         sample(model, PROMPTS, stop_strings=["x"], **kw)
 
 
-def test_groups_draw_their_noise_side_by_side_with_the_same_values():
-    """With several threads each prompt's generator fills its rows in a pool thread; the noise is
-    the one drawn group after group, and a rollout under inference mode (the pool's threads take
-    the caller's mode) samples the tokens of a one-thread run."""
-    from fasttrain.rollout.sampling import _exponential_noise
+def _reference_draw(z: list[float], T: float, u: float) -> tuple[int, float]:
+    """The inverse-CDF draw in exact rational steps: math.fsum of the float64 exps, then the first
+    index whose prefix sum exceeds u · total; its log-prob from the logit."""
+    m = max(x / T for x in z)
+    e = [math.exp(x / T - m) for x in z]
+    total = math.fsum(e)
+    run = 0.0
+    for i, x in enumerate(e):
+        run = math.fsum([run, x])
+        if run > u * total:
+            return i, z[i] / T - m - math.log(total)
+    raise AssertionError("no index")
 
+
+def test_draw_tokens_is_the_inverse_cdf_of_the_tempered_softmax():
+    """Each row's token is the first index whose running sum of exp(z / T - max) passes u·total,
+    u the row's uniform from its group's generator (checked against an exactly summed reference;
+    the uniforms are drawn again from equal seeds), and its log-prob is log softmax(z / T) at
+    that token to float32 roundoff. Tokens with logit -inf are never drawn, even with u next to 1."""
+    from fasttrain.rollout.sampling import _uniforms, draw_tokens
+
+    torch.manual_seed(0)
+    V, rows, seeds = 500, 4, (3, 9, 27)
+    logits = torch.randn(rows * len(seeds), V) * 4
+    logits[:, -7:] = float("-inf")          # the last tokens can't be drawn
+    logits[0, 100:] = float("-inf")         # row 0 has 100 possible tokens
+    for T in (1.0, 0.7):
+        tok, logp = draw_tokens(logits, T, [torch.Generator().manual_seed(s) for s in seeds], rows)
+        u = _uniforms([torch.Generator().manual_seed(s) for s in seeds], rows, "cpu")
+        ref_lp = torch.log_softmax(logits.double() / T, -1)
+        for b in range(logits.shape[0]):
+            want, lp = _reference_draw(logits[b].double().tolist(), T, float(u[b]))
+            # a sum's rounding can move the boundary only by ~V·2^-53 of the total: a token
+            # differs from the exact one only if u lies that close to a boundary (not here)
+            assert int(tok[b]) == want, (T, b)
+            assert abs(float(logp[b]) - lp) <= 4 * 2.0 ** -24 * max(1.0, abs(lp))
+            assert abs(float(logp[b]) - float(ref_lp[b, want])) <= 4 * 2.0 ** -24 * max(1.0, abs(lp))
+        assert logp.dtype == torch.float32 and tok.dtype == torch.long
+    # u at the top of [0, 1): the draw stops at the last token of positive probability
+    import fasttrain.rollout.sampling as sampling
+
+    old = sampling._uniforms
+    try:
+        sampling._uniforms = lambda gens, r, device: torch.full((r * len(gens),), 1 - 2.0 ** -53,
+                                                               dtype=torch.float64)
+        tok, _ = draw_tokens(logits, 1.0, [None] * len(seeds), rows)
+    finally:
+        sampling._uniforms = old
+    assert int(tok[0]) == 99 and (tok[1:] == V - 8).all()
+    # greedy: the argmax and its untempered log-softmax
+    tok, logp = draw_tokens(logits, 0.0, [torch.Generator()], logits.shape[0])
+    assert torch.equal(tok, logits.argmax(-1))
+    assert torch.allclose(logp, torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0])
+
+
+def test_groups_draw_the_same_tokens_at_any_thread_count_and_batch():
+    """A group's uniforms come from its own generator: a rollout samples the tokens of a one-thread
+    run at two threads, and a group's answers are the same alone as beside other groups (the model
+    runs in float64, so the batch changes its logits by rounding order only)."""
     old = torch.get_num_threads()
     try:
-        got = {}
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            gens = [torch.Generator().manual_seed(s) for s in (3, 9, 27)]
-            got[threads] = _exponential_noise(torch.empty(6, 1000), gens, 2)
-        assert torch.equal(got[1], got[2])
         model = tiny_llama(vocab_size=128, seed=1, dtype=torch.float64)
+        prompts, seeds = [[5, 6, 7], [8, 9], [3, 4, 5, 6]], [11, 12, 13]
         runs = {}
         for threads in (1, 2):
             torch.set_num_threads(threads)
             with torch.inference_mode():
-                runs[threads] = sample(model, [[5, 6, 7], [8, 9], [3, 4, 5, 6]], group_size=3, max_new_tokens=8,
-                                       eos_token_ids=[], seed=[11, 12, 13], pad_token_id=0)
+                runs[threads] = sample(model, prompts, group_size=3, max_new_tokens=8,
+                                       eos_token_ids=[], seed=seeds, pad_token_id=0)
         assert torch.equal(runs[1].completion_ids, runs[2].completion_ids)
+        alone = sample(model, prompts[1:2], group_size=3, max_new_tokens=8, eos_token_ids=[], seed=seeds[1:2],
+                       pad_token_id=0)
+        assert alone.completion_ids.tolist() == runs[2].completion_ids[3:6, :alone.completion_ids.shape[1]].tolist()
     finally:
         torch.set_num_threads(old)
 

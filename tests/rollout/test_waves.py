@@ -2,10 +2,10 @@
 one batch, and a cache that holds one wave's rows, the bytes the plan counts for it.
 
 Same answers: each prompt's sampler is its own generator (seed = one int per prompt), so a
-group's Gumbel noise does not depend on which other groups share its batch; the model runs in
+group's uniform draws do not depend on which other groups share its batch; the model runs in
 float64, so a row's logits in a wave differ from its logits in the full batch by rounding order
-only (about 1e-15 relative), which can change an argmax only at an exact tie of two noisy scores
-(probability ~1e-13 per draw). The tokens are compared exactly and the behaviour log-probs to the
+only (about 1e-15 relative), which can change a token only where a row's uniform falls within
+that rounding of a boundary of its CDF (probability ~1e-13 per draw). The tokens are compared exactly and the behaviour log-probs to the
 float32 log-softmax's roundoff, 8·u32·(max|z| + log V).
 
 Cache bytes: every cache the decoder allocates is recorded (its storage bytes) and its lifetime

@@ -12,7 +12,7 @@
   bytes       decode reads its dense (or NF4) weights, the lm_head and the KV cache once per step;
               each NF4 projection use dequantises its weight (packed + absmax in, the compute
               dtype out): at the measured read bandwidth
-  sampling    one Gumbel-max step over [B, V] fp32 per new token, at the measured sampling rate
+  sampling    one draw over [B, V] fp32 logits per new token, at the measured sampling rate
   experts     a mixture of experts' routed experts (fasttrain.plan.moe_speed): fasttrain.ops.moe_experts'
               FLOPs and a decode step's expert bytes at the rates measured by running that op, forward,
               forward + backward and decode; its routers' products with the projections, their

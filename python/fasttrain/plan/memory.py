@@ -7,7 +7,7 @@ Phases (what is live at each one's peak):
            P+T, head_dim] (a hybrid's recurrent state and conv windows per row, apart) + a prefill
            chunk of s.prefill_prompts prompts (their own cache, the masks, one layer's
            activations) or a decode step's
-           sampling buffers ([B, V] fp32 logits, log-probs, Gumbel noise, their difference), whichever
+           sampling buffers ([B, V] fp32 logits and the draw's float64 running sum), whichever
            is larger; with dense rollout weights (rollout.base_weights) the projections run as one
            GEMM per group (q/k/v, gate/up) whose output stays whole while a part of it is used
   probe    the same rollout with the probe's prompts x samples
@@ -393,8 +393,10 @@ def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tup
     c = _compute_bytes(m, dev)
     lay = _layers_of(m, dev)
     V, H = m.vocab, m.hidden
-    # [B, V] fp32 logits, log-probs, noise, their difference (+ the new logits in dtype)
-    sampling = B * V * (16 + (w if w != 4 else 0))
+    # the draw (fasttrain.rollout.sampling.draw_tokens): the rollout's float64 [B, V] buffer (the
+    # tempered logits, then their exps' running sum, in place) beside the logits in dtype; at the
+    # next step's head, the last logits and the new ones
+    sampling = B * V * (8 + 2 * w)
     # a layer's locals: attention's fp32 scores [B, heads, S], or a hybrid's Gated DeltaNet step
     step = B * 4 * H * w + lay.decode_mlp(m, B) + max(B * m.heads * S * 4, lay.decode_locals(m, B))
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim

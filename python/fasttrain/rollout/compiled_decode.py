@@ -39,7 +39,7 @@ _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class CompiledDecode:
-    """step(tokens, key_valid, cos, sin, column) -> fp32 logits [B, V] on a cache it owns."""
+    """step(tokens, key_valid, cos, sin, column) -> logits [B, V] (the model's dtype) on a cache it owns."""
 
     def __init__(self, dec: LlamaFamilyDecoder, backend: str = "inductor"):
         self.dec, self.backend = dec, backend
@@ -58,7 +58,7 @@ class CompiledDecode:
               column: Tensor, active: Tensor | None) -> Tensor:
         extra = {"active": active} if self._takes_active else {}
         h = self.dec.decode_static(tokens, key_valid, cos, sin, cache, column, **extra)
-        logits = self.dec.lm_head(h).float()
+        logits = self.dec.lm_head(h)
         if self._slot is None:
             return logits, None
         return logits, torch.stack(self._slot.order, dim=1)       # [B, L, k] the step's experts

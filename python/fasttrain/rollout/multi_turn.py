@@ -12,8 +12,8 @@ answer (the caller gets each row's room and ends the answer rather than append a
 does not fit); a row stops when its completion reaches the budget.
 
 What it is not: a tool runner or a chat template; those live with the caller (fasttrain.train.
-tool_rollout). Sampling is the single-turn sampler's (Gumbel-max on fp32 log-probs, one generator
-per prompt or for the batch), and its Rollout gains the action mask: True on sampled tokens,
+tool_rollout). Sampling is the single-turn sampler's (fasttrain.rollout.sampling.draw_tokens, one
+generator per prompt or for the batch), and its Rollout gains the action mask: True on sampled tokens,
 False on context tokens (whose behaviour log-probs are 0.0, as in TRL). A mixture of experts' decoder
 records the experts of every token it forwards, prompt, sampled and context tokens alike
 (Rollout.routing, fasttrain.rollout.moe_decoder), for the update's routing replay.
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .families import decoder_for
-from .sampling import Rollout, _check, _default_pad, _exponential_noise, left_padded
+from .sampling import Rollout, _check, _default_pad, draw_tokens, left_padded
 
 # end_of_turn(rows, turn_ids, room) -> one entry per row: context token ids to append, or None
 EndOfTurn = Callable[[list[int], list[list[int]], list[int]], list["list[int] | None"]]
@@ -85,6 +85,7 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
     dec.copy_prompts(small, cache, G, P)                                    # ... into its G rows
     del small
     logits = dec.lm_head(h_last).float().repeat_interleave(G, dim=0)     # [B, V]
+    work = torch.empty(logits.shape, dtype=torch.float64, device=device) if temperature > 0 else None
 
     if isinstance(seed, (list, tuple)):
         if len(seed) != n_p:
@@ -116,16 +117,14 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
         return h
 
     while bool(live.any()):
-        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
-        if temperature > 0:
-            tok = (logp - _exponential_noise(torch.empty_like(logp), gens, per_gen).log_()).argmax(-1)
-        else:
-            tok = logp.argmax(-1)
+        tok, tok_logp = draw_tokens(logits, temperature, gens, per_gen, work)
         if replay is not None:
             tok = _replayed(tok, replay, action.sum(1).tolist())
+            logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+            tok_logp = logp.gather(1, tok[:, None])[:, 0]
         b = rows_all[live]
         tokens[b, n[b]] = tok[b]
-        logps[b, n[b]] = logp[b, tok[b]]
+        logps[b, n[b]] = tok_logp[b]
         action[b, n[b]] = True
         ended = live & torch.isin(tok, eos_t)
         full = live & (n + 1 >= M)
