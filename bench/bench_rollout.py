@@ -142,7 +142,7 @@ def variants(args, dtype) -> None:
         for p in params[1::2]:
             p.normal_(0, 1e-3)                      # B != 0: the adapter changes the output
     t0 = time.perf_counter()
-    dense = RolloutWeights(policy)
+    dense = RolloutWeights(policy, pack=False if args.compile else None)   # compile traces plain weights
     merge_s = time.perf_counter() - t0
     cases = {"plain": (plain, None), "nf4": (policy, None), "dequantized": (policy, dense)}
     names = [v for v in args.variants.split(",") if v]

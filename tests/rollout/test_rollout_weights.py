@@ -116,3 +116,82 @@ def test_a_model_without_adapted_layers_keeps_no_dense_copy():
     model, _ = adapted("lora")
     assert isinstance(rollout_weights_for("dequantized", model), RolloutWeights)
     assert rollout_weights_for("nf4", model) is None
+
+
+_BF16_PACKED = pytest.mark.skipif(
+    not __import__("fasttrain.nn.rollout_weights", fromlist=["packable"]).packable(torch.bfloat16, torch.device("cpu")),
+    reason="this CPU has no native bf16 GEMM (or this torch no oneDNN): rollout weights stay plain here")
+
+
+def _bf16_policy(kind):
+    model = tiny_llama(vocab_size=128, seed=2, dtype=torch.bfloat16)
+    quantize_model(model)
+    torch.manual_seed(5)
+    params = attach_adapters(model, kind=kind, r=4, alpha=8)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn_like(p) * 0.2)
+    return model, params
+
+
+def _within_product_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y = x·wᵀ from bf16 x, w: the float64 product of the same values, to fp32 sums over k terms
+    (k·u32·Σ|x||w|) and one rounding of the result to bf16 (u16·|ref|)."""
+    x64, w64 = x.double(), w.double()
+    ref = x64 @ w64.T
+    k = x.shape[-1]
+    bound = k * 2.0 ** -24 * (x64.abs() @ w64.abs().T) + 2.0 ** -8 * ref.abs()
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@_BF16_PACKED
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_packed_rollout_weights_multiply_as_the_merged_matrices(kind):
+    """Packed (oneDNN's layout, the CPU default for bf16 where its GEMMs are native), each stacked and
+    single weight multiplies as the plain merged matrix does, to the bound of a bf16 product with fp32
+    sums; after an adapter changes, refresh packs the new merge; a rollout runs on them, and where it
+    draws the plain rollout's token (same seed) the behaviour log-probs agree to bf16 rounding."""
+    from fasttrain.nn.rollout_weights import rollout_linear
+    model, params = _bf16_policy(kind)
+    packed, plain = RolloutWeights(model), RolloutWeights(model, pack=False)
+    assert packed.packed and not plain.packed and packed.nbytes() == plain.nbytes()
+    layer = model.model.layers[1]
+    groups = [(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+              (layer.mlp.gate_proj, layer.mlp.up_proj)]
+    x = torch.randn(7, 64).bfloat16()
+    for mods in groups:
+        w = packed.fused(mods)
+        assert w.is_mkldnn and all(packed.linear(m) is None for m in mods)
+        _within_product_bound(rollout_linear(x, w), x, plain.fused(mods))
+    single = layer.self_attn.o_proj
+    assert packed.linear(single).is_mkldnn
+    _within_product_bound(rollout_linear(x, packed.linear(single)), x, plain.linear(single))
+    with torch.no_grad():
+        layer.mlp.up_proj.lora_B.mul_(3.0)
+    assert packed.refresh() == 1 and plain.refresh() == 1
+    _within_product_bound(rollout_linear(x, packed.fused(groups[1])), x, plain.fused(groups[1]))
+    with torch.inference_mode():
+        a = sample(model, PROMPTS, group_size=2, max_new_tokens=1, temperature=1.0, eos_token_ids=[], seed=3,
+                   pad_token_id=0, weights=packed)
+        b = sample(model, PROMPTS, group_size=2, max_new_tokens=1, temperature=1.0, eos_token_ids=[], seed=3,
+                   pad_token_id=0, weights=plain)
+    assert a.completion_ids.shape == b.completion_ids.shape == (6, 1)
+    same = a.completion_ids == b.completion_ids
+    assert same.any()
+    # the logits of the two agree to a few bf16 ulps (|logit| < 8 here: 2^-5 each); a log-prob is a
+    # logit minus a log-sum-exp, each moved by at most that
+    assert ((a.logprobs - b.logprobs).abs()[same] <= 0.25).all()
+
+
+def test_packing_is_refused_where_it_cannot_run_and_with_compile():
+    model, _ = adapted("lora")                    # float64 layers: never packed
+    assert not RolloutWeights(model).packed
+    with pytest.raises(ValueError, match="pack=True needs bf16"):
+        RolloutWeights(model, pack=True)
+    if __import__("fasttrain.nn.rollout_weights", fromlist=["packable"]).packable(torch.bfloat16,
+                                                                                   torch.device("cpu")):
+        bf, _ = _bf16_policy("lora")
+        with pytest.raises(ValueError, match="pack=False"):
+            sample(bf, PROMPTS, group_size=1, max_new_tokens=2, eos_token_ids=[], seed=0, pad_token_id=0,
+                   weights=RolloutWeights(bf), compile="aot_eager")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fasttrain.nn.dense_linear import fp32_base, linear_bf16_as_fp32, rollout_head
+from fasttrain.nn.rollout_weights import rollout_linear
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -187,7 +188,7 @@ class LlamaFamilyDecoder:
         w = self.weights.fused(mods) if len(mods) > 1 else self.weights.linear(mods[0])
         if w is None:
             return tuple(_plain(m, h) if len(mods) == 1 else self._project(h, (m,))[0] for m in mods)
-        y = linear_bf16_as_fp32(h, w) if fp32_base(h, w) else F.linear(h, w)
+        y = linear_bf16_as_fp32(h, w) if fp32_base(h, w) else rollout_linear(h, w)
         outs = y.split([m.out_features for m in mods], dim=-1) if len(mods) > 1 else (y,)
         return tuple(o if m.bias is None else o + m.bias for o, m in zip(outs, mods))
 

@@ -173,6 +173,9 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     data-parallel ranks split a step and still sample what one process would).
     """
     step = None
+    if compile and weights is not None and getattr(weights, "packed", False):
+        raise ValueError("sample: compile traces plain rollout weights; build them with "
+                         "RolloutWeights(model, pack=False)")
     dec = decoder_for(model, weights)
     if compile:
         step = compiled_decode(model, weights, compile if isinstance(compile, str) else "inductor")

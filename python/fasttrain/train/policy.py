@@ -166,4 +166,5 @@ def rollout_weights(cfg: Config, model):
     """The rollout's dense weights (fasttrain.nn.RolloutWeights) per `rollout.base_weights`, or None
     when the rollout decodes from the adapted layers themselves."""
     from fasttrain.nn.rollout_weights import rollout_weights_for
-    return rollout_weights_for(cfg.rollout.base_weights, model)
+    # the compiled decode step traces plain weights (a packed oneDNN tensor has no storage to trace)
+    return rollout_weights_for(cfg.rollout.base_weights, model, pack=False if cfg.rollout.compile else None)
