@@ -108,4 +108,8 @@ FT_GATED_DELTA_DECLS(cpu)
 FT_GATED_DELTA_DECLS(cuda)
 #undef FT_GATED_DELTA_DECLS
 
+// ---- decode_attention (CPU only; see the schema in torch_bindings.cpp) ------------------
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& key_valid, double scale);
+
 }  // namespace fasttrain

@@ -88,6 +88,12 @@ TORCH_LIBRARY(fasttrain, m) {
   m.def("gated_delta_decode_(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
         "Tensor? active, float scale) -> Tensor");
 
+  // ---- decode_attention: one decode step's attention (CPU; a GPU keeps torch's SDPA) ------
+  // q [B,kv,G,D] contiguous (the G query heads sharing each KV head), k, v [B,kv,S,D] (views of a
+  // cache: only the last dimension contiguous), key_valid bool [B,S]; one floating dtype.
+  // -> o [B,kv,G,D] = softmax(scale·q·kᵀ over the row's valid keys)·v (zeros for a row with none).
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor key_valid, float scale) -> Tensor");
+
   // ---- moe_experts: the routed experts of a mixture-of-experts layer -----------------
   // x [N,H] fp32|fp16|bf16|fp64, expert_index int64 [N,k] in [0,E), routing_weights [N,k] floating;
   // gate_up: NF4 uint8 [E, ceil(2I·H/2)] with gate_up_absmax fp32 [E, ceil(2I·H/bs)], or a floating

@@ -51,6 +51,7 @@
 #include "core/checks.h"
 #include "core/fused_logprob_checks.h"
 #include "core/math.h"
+#include "cpu/parallel.h"
 #include "cpu/register.h"
 #include "ops.h"
 
@@ -188,7 +189,7 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   const int64_t group = std::max<int64_t>(1, nblocks / (4 * nthreads));
   const int64_t ngroups = (nblocks + group - 1) / group;
   std::atomic<int64_t> next_group{0};
-  at::parallel_for(0, std::min(nthreads, ngroups), 1, [&](int64_t, int64_t) {
+  fasttrain::parallel_for(0, std::min(nthreads, ngroups), 1, [&](int64_t, int64_t) {
    at::Tensor& zbuf = scratch[at::get_thread_num()];
    at::Tensor* wb = widen ? &wbuf[at::get_thread_num()] : nullptr;
    for (int64_t gi = next_group.fetch_add(1); gi < ngroups; gi = next_group.fetch_add(1)) {
@@ -232,7 +233,7 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   });
 
   // finalize: stats (ref, log s), log p, entropy; grad_vec = (W[t] - acc / s) / T
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  fasttrain::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t t = tg[n];
       acc_t* g = compute_grad ? grad_vec.data_ptr<acc_t>() + n * H : nullptr;
@@ -305,7 +306,7 @@ static void backward_weight_impl(const acc_t* g, const at::Tensor& hid, const at
   const int64_t nchunks = (V + C - 1) / C;
   const bool widen = weight.scalar_type() != acc_dt;
 
-  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+  fasttrain::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t v0 = c * C, cs = std::min(C, V - v0);
       const at::Tensor wc = widen ? weight.narrow(0, v0, cs).to(acc_dt) : weight.narrow(0, v0, cs);

@@ -20,9 +20,6 @@
 // the decode step 12x faster than the torch ops it replaced; forward + backward over sequences
 // 1.4-1.55x SLOWER than the chunked torch form, whose chunk products are matmuls. A GPU uses
 // flash-linear-attention when installed.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("no-trapping-math")
-#endif
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -34,6 +31,7 @@
 #include "core/checks.h"
 #include "core/gated_delta_checks.h"
 #include "core/math.h"
+#include "cpu/parallel.h"
 #include "cpu/register.h"
 #include "ops.h"
 
@@ -99,7 +97,7 @@ template <typename T>
 void forward_impl(const T* q, const T* k, const T* v, const T* g, const T* beta, const T* s0, T scale,
                   int64_t C, bool save, const Dims& dm, T* o, T* S_out, T* ckpt) {
   const int64_t N = (dm.T + C - 1) / C, DD = dm.Dk * dm.Dv;
-  at::parallel_for(0, dm.B * dm.Hv, 1, [&](int64_t lo, int64_t hi) {
+  fasttrain::parallel_for(0, dm.B * dm.Hv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<T> rd(2 * dm.Dv);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t b = w / dm.Hv, h = w % dm.Hv;
@@ -120,7 +118,7 @@ void backward_impl(const T* dO, const T* dSf, const T* q, const T* k, const T* v
                    const T* ckpt, T scale, int64_t C, const Dims& dm, T* dq, T* dk, T* dv, T* dg, T* dbeta,
                    T* ds0) {
   const int64_t N = (dm.T + C - 1) / C, DD = dm.Dk * dm.Dv, Dk = dm.Dk, Dv = dm.Dv;
-  at::parallel_for(0, dm.B * dm.Hv, 1, [&](int64_t lo, int64_t hi) {
+  fasttrain::parallel_for(0, dm.B * dm.Hv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<T> states((C + 1) * DD), rs(C * Dv), ds(C * Dv), dd(Dv), dr(Dv);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t b = w / dm.Hv, h = w % dm.Hv;
@@ -219,7 +217,7 @@ template <typename T>
 void decode_impl(T* S, const T* q, const T* k, const T* v, const T* g, const T* beta, const bool* active, T scale,
                  const Dims& dm, T* o) {
   const int64_t DD = dm.Dk * dm.Dv;
-  at::parallel_for(0, dm.B * dm.Hv, 1, [&](int64_t lo, int64_t hi) {
+  fasttrain::parallel_for(0, dm.B * dm.Hv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<T> rd(2 * dm.Dv);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t b = w / dm.Hv, h = w % dm.Hv;

@@ -38,6 +38,7 @@
 #include "core/moe_experts_checks.h"
 #include "core/variant.h"
 #include "cpu/nf4_decode.h"
+#include "cpu/parallel.h"
 #include "cpu/register.h"
 #include "ops.h"
 
@@ -146,7 +147,7 @@ Lora make_lora(const std::optional<at::Tensor>& a, const std::optional<at::Tenso
 at::Tensor lora_in(const at::Tensor& xs, const Lora& l, const int64_t* off, int64_t E) {
   if (!l.on()) return at::empty({xs.size(0), 0}, xs.options());
   at::Tensor xa = at::empty({xs.size(0), l.a.size(1)}, xs.options());
-  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+  fasttrain::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e) {
       const int64_t c = off[e + 1] - off[e];
       if (c) {
@@ -177,7 +178,7 @@ void add_mm(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
 // accumulated in acc_t: the forward's weighted combine and the backward's dx sum share it.
 template <typename acc_t, typename src_t>
 void slot_sum(acc_t* dst, const src_t* src, const int64_t* pos, const acc_t* w, int64_t N, int64_t k, int64_t H) {
-  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t n0, int64_t n1) {
+  fasttrain::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       acc_t* dn = dst + n * H;
       std::fill(dn, dn + H, acc_t(0));
@@ -218,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_exper
 
   // gate_up: tile j0..j1 of the intermediate width = gate rows j0..j1 and up rows I+j0..I+j1
   const std::vector<Item> gitems = tiles(off, a.E, I, std::max<int64_t>(1, gu.tile(gt, I) / 2));
-  at::parallel_for(0, (int64_t)gitems.size(), 1, [&](int64_t i0, int64_t i1) {
+  fasttrain::parallel_for(0, (int64_t)gitems.size(), 1, [&](int64_t i0, int64_t i1) {
     at::Tensor bg, bu;
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = gitems[i];
@@ -257,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_exper
   const at::Tensor ad = lora_in(act, ld, off, a.E);  // [P, r_dn]
   at::Tensor out = at::empty({P, H}, gopt);
   const std::vector<Item> ditems = tiles(off, a.E, H, dn.tile(gt, H));
-  at::parallel_for(0, (int64_t)ditems.size(), 1, [&](int64_t i0, int64_t i1) {
+  fasttrain::parallel_for(0, (int64_t)ditems.size(), 1, [&](int64_t i0, int64_t i1) {
     at::Tensor bd;
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = ditems[i];
@@ -332,7 +333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const bool by_chunk = need_x && C < k;
   at::Tensor dxs = !need_x ? at::empty({0}, opt) : by_chunk ? at::zeros({C, N, H}, opt) : at::empty({P, H}, opt);
 
-  at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+  fasttrain::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
     at::Tensor buf;
     for (int64_t ch = c0; ch < c1; ++ch)
       for (int64_t e = ch * E / C; e < (ch + 1) * E / C; ++e) {

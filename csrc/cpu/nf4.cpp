@@ -14,6 +14,7 @@
 #include "core/dispatch.h"
 #include "core/nf4_checks.h"
 #include "core/math.h"
+#include "cpu/parallel.h"
 #include "cpu/register.h"
 #include "ops.h"
 
@@ -35,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor> nf4_quantize_cpu(const at::Tensor& w, int64_t
 
   FT_DISPATCH_FLOATING(x.scalar_type(), "nf4_quantize_cpu", [&] {
     const scalar_t* in = x.const_data_ptr<scalar_t>();
-    at::parallel_for(0, nblocks, 64, [&](int64_t b0, int64_t b1) {
+    fasttrain::parallel_for(0, nblocks, 64, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t start = b * blocksize, end = std::min(n, start + blocksize);
         const bool tail = (end - start) < blocksize;
@@ -74,7 +75,7 @@ at::Tensor nf4_dequantize_cpu(const at::Tensor& packed, const at::Tensor& absmax
   const int64_t nblocks = (numel + blocksize - 1) / blocksize;
   FT_DISPATCH_FLOATING(dtype, "nf4_dequantize_cpu", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, nblocks, std::max<int64_t>(1, 16384 / blocksize), [&](int64_t b0, int64_t b1) {
+    fasttrain::parallel_for(0, nblocks, std::max<int64_t>(1, 16384 / blocksize), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const float s = ap[b];
         const int64_t start = b * blocksize, end = std::min(numel, start + blocksize);
@@ -105,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> blockwise8_quantize_cpu(const at::Tensor& x_,
   const float* cp = c.const_data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* am = absmax.data_ptr<float>();
-  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+  fasttrain::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t start = b * blocksize, end = std::min(n, start + blocksize);
       const bool tail = (end - start) < blocksize;
@@ -131,7 +132,7 @@ at::Tensor blockwise8_dequantize_cpu(const at::Tensor& q_, const at::Tensor& abs
   const float* ap = a.const_data_ptr<float>();
   const float* cp = c.const_data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
+  fasttrain::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) o[i] = cp[qp[i]] * ap[i / blocksize];
   });
   return out;

@@ -27,6 +27,7 @@
 #include "core/math.h"
 #include "core/nf4_linear_checks.h"
 #include "cpu/nf4_decode.h"
+#include "cpu/parallel.h"
 #include "cpu/register.h"
 #include "ops.h"
 
@@ -61,7 +62,7 @@ at::Tensor dequant_weight(const at::Tensor& packed, const at::Tensor& absmax, in
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt, "nf4_linear_dequant", [&] {
     scalar_t* o = w.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    fasttrain::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       decode_range<scalar_t>(q, am, bs, n0 * K, n1 * K, o + n0 * K);
     });
   });
@@ -83,7 +84,7 @@ at::Tensor decode_tiled(const at::Tensor& x, const at::Tensor& packed, const at:
   at::Tensor out = at::empty({N, x.size(0)}, x.options());  // yᵀ: each tile writes contiguous rows
   const uint8_t* q = packed.const_data_ptr<uint8_t>();
   const float* am = absmax.const_data_ptr<float>();
-  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+  fasttrain::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
     at::Tensor buf = at::empty({tile, K}, x.options());
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * tile, rows = std::min(tile, N - n0);

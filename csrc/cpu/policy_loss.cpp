@@ -10,11 +10,8 @@
 // (coef); backward reads 4 B and writes 4 B. 1M tokens = 28 MB of traffic, ~3 ms at the ~10 GB/s
 // two cores of this machine stream; the exps are vectorized (core/math.h exp_f32) to stay there.
 // GCC keeps float compares as branches under its default -ftrapping-math, which stops it from
-// vectorizing the token loop (5x slower here). We never trap on FP exceptions, so drop that for this
-// file; results are bit-identical. It must precede every include so inlining sees one setting.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("no-trapping-math")
-#endif
+// vectorizing the token loop (5x slower here). We never trap on FP exceptions: every CPU kernel unit
+// is built with -fno-trapping-math (CMakeLists.txt); results are bit-identical.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,6 +23,7 @@
 #include "core/policy_loss_checks.h"
 #include "core/dispatch.h"
 #include "core/math.h"
+#include "cpu/parallel.h"
 #include "cpu/register.h"
 #include "ops.h"
 
@@ -147,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     float* cp = coef.data_ptr<float>();
     double* pp = partial.data();
     auto run = [&](auto kernel) {
-      at::parallel_for(0, B * nc, grain, [&](int64_t c0, int64_t c1) {
+      fasttrain::parallel_for(0, B * nc, grain, [&](int64_t c0, int64_t c1) {
         for (int64_t c = c0; c < c1; ++c) {
           const int64_t b = c / nc, start = (c % nc) * kChunk, n = std::min(kChunk, T - start);
           if (n <= 0) continue;
@@ -234,7 +232,7 @@ at::Tensor policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tenso
   FT_DISPATCH_FLOATING(dtype, "policy_loss_backward_cpu", [&] {
     scalar_t* op_ = out.data_ptr<scalar_t>();
     // Flat over tokens (a single long row still uses every core), walking row segments.
-    at::parallel_for(0, B * T, 16384, [&](int64_t i0, int64_t i1) {
+    fasttrain::parallel_for(0, B * T, 16384, [&](int64_t i0, int64_t i1) {
       int64_t i = i0;
       while (i < i1) {
         const int64_t b = i / T, end = std::min(i1, (b + 1) * T);

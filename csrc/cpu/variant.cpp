@@ -12,6 +12,7 @@ void register_cpu_kernels(torch::Library& m) {
   register_nf4_linear(m);
   register_gated_delta(m);
   register_moe_experts(m);
+  register_decode_attention(m);
 }
 
 FT_VARIANT_END

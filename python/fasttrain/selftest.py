@@ -86,7 +86,7 @@ def _kernel_faces() -> dict[str, Callable]:
             "nf4_weight_sq_norm": F.nf4_weight_sq_norm, "dense_linear": dense_linear,
             "gated_delta_rule": F.gated_delta_rule, "gated_delta_step": F.gated_delta_step,
             "gated_delta_step_": F.gated_delta_step_, "causal_conv1d": F.causal_conv1d, "causal_conv1d_step": F.causal_conv1d_step,
-            "moe_experts": F.moe_experts}
+            "moe_experts": F.moe_experts, "decode_attention": F.decode_attention}
 
 
 KERNELS: dict[str, Callable] = {}
@@ -640,10 +640,47 @@ def _moe_cases(dev, quick: bool):
     return moe_cases(dev, quick)
 
 
+def _decode_attention_case(dev, B, H, G, D, S, dtype, seed) -> tuple:
+    """One decode step's attention over a strided cache view with invalid keys, against the float64
+    definition: each score off by D·u·Σ|q||k|·scale, moving the weights by 2·max δs; the output by
+    (2·max δs + (S + 8)·u)·max|v|, then its rounding (tests/ops/test_decode_attention.py derives it)."""
+    from fasttrain.ops.decode_attention import decode_attention_backend
+    name = f"B={B} kv={H} G={G} D={D} S={S} {DT_NAME[dtype]}"
+    probe = torch.empty(0, device=dev, dtype=dtype)
+
+    def run(check: _Check):
+        from fasttrain.ops import reference as R
+        g = torch.Generator().manual_seed(seed)
+        q = (torch.randn(B, H, G, D, generator=g) * 2).to(dev, dtype)
+        cache = (torch.randn(2, B, H, S + 5, D, generator=g) * 2).to(dev, dtype)
+        k, v = cache[0][:, :, :S], cache[1][:, :, :S]
+        valid = (torch.rand(B, S, generator=g) > 0.3).to(dev)
+        valid[:, -1] = True
+        with torch.no_grad():
+            o, tk = _timed(lambda: KERNELS["decode_attention"](q, k, v, valid, 0.125), dev)
+        ref, tr = _timed(lambda: R.decode_attention(q.double(), k.double(), v.double(), valid, 0.125), dev)
+        ua = _u_acc(dtype)
+        q64, k64 = q.double(), k.double()
+        ds = D * ua * (q64.abs() @ k64.abs().transpose(-1, -2)).amax(-1, keepdim=True) * 0.125
+        vmax = v.double().abs().amax(dim=(2, 3))[:, :, None, None]
+        check.close("o", o, ref, (2 * ds + (S + 8) * ua) * vmax + _rounding(ref, dtype), dtype)
+        return tk, tr
+
+    return name, run, f"decode_attention:{decode_attention_backend(probe)}"
+
+
+def _decode_attention_cases(dev, quick: bool):
+    shapes = [(5, 3, 3, 64, 37), (2, 2, 5, 40, 23)] if quick else \
+        [(5, 3, 3, 64, 37), (2, 2, 1, 128, 300), (3, 1, 8, 32, 19), (2, 2, 5, 40, 23), (48, 3, 3, 64, 310)]
+    dts = (torch.float32, torch.bfloat16) if quick else (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    return [_decode_attention_case(dev, *sh, dt, seed=800 + i) for i, (sh, dt) in
+            enumerate((sh, dt) for sh in shapes for dt in dts)]
+
+
 CASES = {"fused_logprob": _logprob_cases, "policy_loss": _policy_cases, "nf4_quantize": _nf4_cases,
          "nf4_linear": _linear_cases, "nf4_dora_norm": _norm_cases, "dense_linear": _dense_cases,
          "gated_delta_rule": _gated_delta_cases, "causal_conv1d": _conv_cases, "moe_experts": _moe_cases,
-         "gpu_packages": _package_cases}
+         "decode_attention": _decode_attention_cases, "gpu_packages": _package_cases}
 
 
 # ---- the run ----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ __all__ = ["NF4_LEVELS", "fused_logprob", "policy_loss", "nf4_quantize", "nf4_de
            "nf4_dora_norm", "nf4_weight_sq_norm", "nf4_quantize_blocks", "nf4_dequantize_blocks",
            "blockwise8_quantize", "blockwise8_dequantize", "nf4_state_absmax", "nf4_decode_weight",
            "policy_loss_terms", "gated_delta_rule", "gated_delta_step", "causal_conv1d", "causal_conv1d_step",
-           "moe_experts"]
+           "moe_experts", "decode_attention"]
 
 # The 16 NF4 levels of QLoRA (Dettmers et al. 2023) as bitsandbytes stores them (float32 values).
 NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -451,3 +451,18 @@ def moe_experts(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: to
     g, u = project(gate_up, gate_up_lora, xc).chunk(2, dim=-1)
     o = project(down, down_lora, torch.nn.functional.silu(g) * u)   # [N, k, H]
     return (o * routing_weights.to(ct)[..., None]).sum(1).to(x.dtype)
+
+
+# ---- decode attention ----------------------------------------------------------------------------
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query per row: q [B, kv, G, D] (the G query heads of each KV head), k, v [B, kv, S, D],
+    key_valid [B, S] bool -> softmax(scale·q·kᵀ over the valid keys)·v [B, kv, G, D] in q's dtype,
+    computed in float32 (float64 for float64); zeros for a row with no valid key."""
+    acc = _acc(q.dtype)
+    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale                        # [B, kv, G, S]
+    mask = key_valid[:, None, None, :]
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ v.to(acc)).to(q.dtype)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from fasttrain.nn.dense_linear import fp32_base, linear_bf16_as_fp32, rollout_head
 from fasttrain.nn.rollout_weights import rollout_linear
+from fasttrain.ops.decode_attention import decode_attention
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -166,8 +167,12 @@ class LlamaFamilyDecoder:
                 # One query per row: the G query heads sharing a KV head become G query rows of
                 # that head, so grouped-query attention needs no repeat of K/V (HF's repeat_kv
                 # maps query head h to KV head h // G, the same grouping).
-                o = F.scaled_dot_product_attention(
-                    q.reshape(B, self.n_kv, G, D), keys, values, attn_mask=mask, scale=self.scaling)
+                if static:     # the compiled step: torch's SDPA, which inductor traces
+                    o = F.scaled_dot_product_attention(
+                        q.reshape(B, self.n_kv, G, D), keys, values, attn_mask=mask, scale=self.scaling)
+                else:          # fasttrain's decode attention (its CPU kernel; SDPA elsewhere)
+                    o = decode_attention(q.reshape(B, self.n_kv, G, D), keys, values, mask[:, 0, 0],
+                                         self.scaling)
                 o = o.reshape(B, 1, self.n_heads * D)
             else:
                 if G > 1:
