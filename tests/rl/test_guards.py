@@ -1,5 +1,6 @@
 """The floor guard is the Euclidean projection of the recipe (docs/design.md); the legacy clamp is the trap."""
 import itertools
+from fractions import Fraction
 
 import pytest
 import torch
@@ -10,27 +11,30 @@ from fasttrain.rl.guards import floor_guard, guarded_answers, legacy_clamp, nonz
 
 def brute_force_projection(a: list[float], guarded: list[bool]) -> list[float] | None:
     """Closest point of {sum = 0, a_i <= 0 for guarded i} by enumerating which guarded entries
-    sit at 0 (active constraints); on each face the projection is a mean shift of the rest."""
+    sit at 0 (active constraints); on each face the projection is a mean shift of the rest.
+    In exact rational arithmetic (the floats' own values as Fractions): any margin on the squared
+    distances picks a wrong face somewhere. A relative one (1e-12) kept [0, 0, 0, 0] for
+    a = [0, 1, -1.2e-7, 0] (answers 1-3 guarded), whose projection [6e-8, 0, -6e-8, 0] is closer by
+    7e-15 of a distance of 1; an absolute one (1e-15 once) kept the first face found whenever the
+    inputs were tiny (a = [0, 5.4e-9, 5.4e-9] picked a face 30% farther than the projection)."""
     n = len(a)
-    best, best_d = None, float("inf")
+    x = [Fraction(v) for v in a]
+    best, best_d = None, None
     gidx = [i for i in range(n) if guarded[i]]
     for k in range(len(gidx) + 1):
         for zero in itertools.combinations(gidx, k):
             rest = [i for i in range(n) if i not in zero]
             if not rest:
-                cand = [0.0] * n
+                cand = [Fraction(0)] * n
             else:
-                lam = sum(a[i] for i in rest) / len(rest)
-                cand = [0.0 if i in zero else a[i] - lam for i in range(n)]
-            if any(cand[i] > 1e-12 for i in gidx):
+                lam = sum(x[i] for i in rest) / len(rest)
+                cand = [Fraction(0) if i in zero else x[i] - lam for i in range(n)]
+            if any(cand[i] > 0 for i in gidx):
                 continue
-            d = sum((x - y) ** 2 for x, y in zip(a, cand))
-            # a relative margin: an absolute one (1e-15 once) kept the first face found whenever the
-            # inputs, and so the squared distances, were tiny (a = [0, 5.4e-9, 5.4e-9] picked a
-            # face 30% farther than the projection)
-            if d < best_d * (1 - 1e-12):
+            d = sum((u - w) ** 2 for u, w in zip(x, cand))
+            if best_d is None or d < best_d:
                 best, best_d = cand, d
-    return best
+    return None if best is None else [float(v) for v in best]
 
 
 def test_hand_computed():
@@ -64,11 +68,16 @@ def test_matches_brute_force_and_invariants(case):
 
 
 def test_tiny_inputs_against_brute_force():
-    """The case hypothesis found when the brute force compared squared distances with an absolute
-    margin: the projection is [-2.7e-9, 0, 2.7e-9], not [0, 0, 0]."""
+    """The cases hypothesis found when the brute force compared squared distances with a margin
+    (absolute, then relative): the projections are [-2.7e-9, 0, 2.7e-9], not [0, 0, 0], and
+    [6e-8, 0, -6e-8, 0], not [0, 0, 0, 0]."""
     _check_against_brute_force(([0.0, 5.385168749282029e-09, 5.385168749282029e-09], [True, True, False]))
     ref = brute_force_projection([0.0, 5.385168749282029e-09, 5.385168749282029e-09], [True, True, False])
     assert ref[1] == 0.0 and ref[0] < -2e-9 and ref[2] > 2e-9
+    case = ([0.0, 1.0, -1.192092896e-07, 0.0], [False, True, True, True])
+    _check_against_brute_force(case)
+    ref = brute_force_projection(*case)
+    assert ref[0] == pytest.approx(1.192092896e-07 / 2, rel=1e-12) and ref[1] == ref[3] == 0.0
 
 
 def _check_against_brute_force(case):

@@ -35,19 +35,25 @@ def _toml(d: dict) -> str:
 
 
 def test_a_tiny_hybrid_learns_the_toy_reward_through_fasttrain_run(tiny, tiny_recipe):
-    """12 steps of 2 prompts x 8 answers: the lowercase share climbs from ~0.07 (steps 1-2) to over
-    0.3 more in steps 10-12 (0.07 -> 0.56 on the machine this was written on)."""
-    path = tiny / "hybrid.toml"
-    path.write_text(_toml(recipe(tiny_recipe, tiny / "runs", **{"run.steps": 12})))
-    res = CliRunner().invoke(app, ["run", str(path), "--no-progress"])
-    assert res.exit_code == 0, res.output
-    run_dir = next((tiny / "runs").iterdir())
-    rows = _metrics(run_dir)
-    core = [r["core"] for r in rows]
-    assert len(core) == 12 and core[0] < 0.2
-    assert sum(core[-3:]) / 3 - sum(core[:2]) / 2 > 0.3, core
-    # the rollout and the update agree on the sampled tokens (float32: rounding only)
-    assert all(0 <= r["rollout_logprob_gap"] <= r["rollout_logprob_gap_max"] < 1e-4 for r in rows)
+    """12 steps of 2 prompts x 8 answers, seeds 1-5 (chosen before any run): the lowercase share of
+    steps 10-12 over that of steps 1-2, averaged over the seeds, gains more than 0.15. One seed is
+    not a learning claim: this recipe learns on some seeds and not others (measured per seed, gains
+    of 0.89, 0.32, 0.0, 0.31, 0.03 with the inverse-CDF sampler and 0.65, 0.05, 0.78, 0.07, 0.64
+    with the Gumbel-max one it replaced; a run that does not learn gains 0.0 +- 0.03)."""
+    gains = []
+    for seed in range(1, 6):
+        path = tiny / f"hybrid{seed}.toml"
+        out = tiny / f"runs{seed}"
+        path.write_text(_toml(recipe(tiny_recipe, out, **{"run.steps": 12, "run.seed": seed})))
+        res = CliRunner().invoke(app, ["run", str(path), "--no-progress"])
+        assert res.exit_code == 0, res.output
+        rows = _metrics(next(out.iterdir()))
+        core = [r["core"] for r in rows]
+        assert len(core) == 12 and core[0] < 0.2
+        gains.append(sum(core[-3:]) / 3 - sum(core[:2]) / 2)
+        # the rollout and the update agree on the sampled tokens (float32: rounding only)
+        assert all(0 <= r["rollout_logprob_gap"] <= r["rollout_logprob_gap_max"] < 1e-4 for r in rows)
+    assert sum(gains) / len(gains) > 0.15, gains
 
 
 def test_hybrid_resume_equals_uninterrupted_and_another_family_is_refused(tiny, tiny_recipe):

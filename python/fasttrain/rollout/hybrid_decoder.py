@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fasttrain.nn.dense_linear import rollout_head
+from fasttrain.ops.decode_attention import decode_attention
 from fasttrain.ops.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_rule, gated_delta_step_
 
 from .decoder import LlamaFamilyDecoder, _rotate_half
@@ -246,7 +247,11 @@ class HybridDecoder(LlamaFamilyDecoder):
             kv[0][:, :, start:end] = k
             kv[1][:, :, start:end] = v
         keys, values = kv[0][:, :, :end], kv[1][:, :, :end]
-        if S == 1:   # the G query heads of a KV head as G query rows of it (no repeat of K/V)
+        if S == 1 and not static:   # fasttrain's decode attention (the G query heads of a KV head as
+            # G query rows of it, no repeat of K/V; its CPU kernel, SDPA elsewhere)
+            o = decode_attention(q.reshape(B, self.n_kv, G, D), keys, values, mask[:, 0, 0],
+                                 self.scaling).reshape(B, 1, self.n_heads * D)
+        elif S == 1:   # the compiled step: torch's SDPA, which inductor traces
             o = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), keys, values, attn_mask=mask,
                                                scale=self.scaling).reshape(B, 1, self.n_heads * D)
         else:

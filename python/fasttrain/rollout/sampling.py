@@ -125,7 +125,9 @@ def draw_tokens(logits: Tensor, temperature: float, gens: list, rows: int,
     u = _uniforms(gens, rows, d.device)
     # u·total < total, strictly: the search then lands on a token of positive probability
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    tok = torch.searchsorted(c, target, right=True)[:, 0]
+    # (non-finite logits make c NaN and the search run off the end: a token is still returned, its
+    # log-prob NaN, as the trainer's non-finite checks expect)
+    tok = torch.searchsorted(c, target, right=True)[:, 0].clamp_(max=c.shape[1] - 1)
     # the log-prob from the token's logit, not from log(c[t] - c[t-1]), which loses the small ones
     z = logits.gather(1, tok[:, None]).double()
     if temperature != 1.0:
