@@ -58,6 +58,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from fasttrain.nn.rollout_weights import use_dense
 from fasttrain.plan import hybrid_memory, moe_memory
 from fasttrain.plan.load import load_phase
@@ -368,15 +370,19 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
         _upcast(m, dev, c, dense, head=True)
     sampling, step = _decode_step(m, dev, B, S, dense)
     decode = rope_b + sampling + step
-    # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64)
+    # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64);
+    # packed (fasttrain.nn.rollout_weights.packable), also its group's plain scratch and the new
+    # packed copy while the old one still exists
     merge = max(o * i for o, i in m.projections) * (8 if w == 8 else 4) if dense else 0
+    if dense and _packed_rollout(m, dev):
+        merge += 2 * max(_group_sizes(m)) * w
     prefill = max(prefill, merge)
     # between the prefill and the first step: the rows' rotary tables are made while the prompts' still
     # exist, with the first logits repeated per row; after the last step: the returned ids, mask and
     # positions (and the cumsum the positions come from) while the cache, tables and buffers still exist,
-    # with the last step's logits, log-probs and noise
-    handover = rope_b + 2 * n * S * rot * w + B * V * 4 + n * H * w + held
-    finish = rope_b + book + B * S * 32 + B * V * 12
+    # with the last step's logits (in dtype) and the draw's float64 buffer
+    handover = rope_b + 2 * n * S * rot * w + B * V * w + n * H * w + held
+    finish = rope_b + book + B * S * 32 + B * V * (8 + w)
     at_step = rope_b + step + book + sampling
     # a mixture of experts' routing record at each of these points, and once decoded, its assembly
     rec_prefill, rec_decode, rec_end = moe_memory.record_rollout(m, n_all, n, G, P, T)
@@ -385,6 +391,18 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     if (top, record) == points[0]:
         return {**caches, "activations": rope_b + step + book, "sampling": sampling, "moe_routing": record}
     return {**caches, "activations": top, "sampling": 0, "moe_routing": record}
+
+
+def _packed_rollout(m: ModelShape, dev: Device) -> bool:
+    """Whether the dense rollout weights are kept packed (fasttrain.nn.rollout_weights.packable):
+    bf16 on a CPU with native bf16 GEMMs."""
+    return dev.kind == "cpu" and dev.cpu_bf16 and m.dtype == torch.bfloat16
+
+
+def _group_sizes(m: ModelShape) -> list[int]:
+    """Elements of each weight the rollout stacks or keeps alone (q/k/v, gate/up, o, down)."""
+    qd, kd, H, I = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden, m.intermediate
+    return [(qd + 2 * kd) * H, 2 * I * H, H * qd, H * I]
 
 
 def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tuple[int, int]:
