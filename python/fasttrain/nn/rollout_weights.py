@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from fasttrain.nn.adapted_linear import AdaptedLinear
 
@@ -103,6 +104,14 @@ def _merged(m: AdaptedLinear, ct: torch.dtype) -> Tensor:
     return w
 
 
+def _storage_id(p: Tensor) -> int:
+    """Where a parameter's values live (a `.data =` swap keeps `_version`); a fake tensor (the
+    fake-CUDA trace) has no storage address, so its identity stands in."""
+    if is_fake(p):
+        return id(p)
+    return p.data_ptr()
+
+
 class RolloutWeights:
     """Merged dense weights of a model's adapted layers, by module, for the rollout decoder.
 
@@ -161,7 +170,7 @@ class RolloutWeights:
     @staticmethod
     def _key(m: AdaptedLinear) -> tuple:
         ps = m.adapter_parameters() if m.adapter is not None else []
-        return (m.adapter, m.adapters_enabled, m.scale) + tuple((p._version, p.data_ptr()) for p in ps)
+        return (m.adapter, m.adapters_enabled, m.scale) + tuple((p._version, _storage_id(p)) for p in ps)
 
     @staticmethod
     def _merge_into(m: AdaptedLinear, w: Tensor) -> None:

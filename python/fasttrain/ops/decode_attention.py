@@ -22,11 +22,16 @@ _ops = torch.ops.fasttrain
 __all__ = ["decode_attention", "decode_attention_backend"]
 
 
-def decode_attention_backend(q: torch.Tensor) -> str:
-    """"kernel" (fasttrain's CPU kernel), "sdpa" (torch's) or "reference" for a query `q`."""
+def decode_attention_backend(q: torch.Tensor | torch.device, grad: bool | None = None) -> str:
+    """"kernel" (fasttrain's CPU kernel), "sdpa" (torch's) or "reference" for a query `q`, or for a
+    device (no tensor is made: the selftest names the CUDA face on a host without a driver)."""
     if _use_reference():
         return "reference"
-    if q.device.type == "cpu" and not (torch.is_grad_enabled() and q.requires_grad):
+    if isinstance(q, torch.Tensor):
+        device, grad = q.device, torch.is_grad_enabled() and q.requires_grad
+    else:
+        device = torch.device(q)
+    if device.type == "cpu" and not grad:
         return "kernel"
     return "sdpa"
 
