@@ -155,7 +155,9 @@ def test_packed_rollout_weights_multiply_as_the_merged_matrices(kind):
     from fasttrain.nn.rollout_weights import rollout_linear
     model, params = _bf16_policy(kind)
     packed, plain = RolloutWeights(model), RolloutWeights(model, pack=False)
-    assert packed.packed and not plain.packed and packed.nbytes() == plain.nbytes()
+    head = model.lm_head.weight
+    assert packed.packed and not plain.packed
+    assert packed.nbytes() == plain.nbytes() + head.numel() * head.element_size()    # + the packed head
     layer = model.model.layers[1]
     groups = [(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
               (layer.mlp.gate_proj, layer.mlp.up_proj)]
@@ -182,6 +184,33 @@ def test_packed_rollout_weights_multiply_as_the_merged_matrices(kind):
     # the logits of the two agree to a few bf16 ulps (|logit| < 8 here: 2^-5 each); a log-prob is a
     # logit minus a log-sum-exp, each moved by at most that
     assert ((a.logprobs - b.logprobs).abs()[same] <= 0.25).all()
+
+
+@_BF16_PACKED
+def test_packed_head_multiplies_as_the_head_and_follows_its_weight():
+    """Packed rollout weights pack the output head too (made once, kept): its logits are the plain
+    head's product to the bound of a bf16 product with fp32 sums, for one row and a batch; a change
+    of the head's weight packs it again; plain weights give the head unchanged."""
+    from fasttrain.nn.rollout_weights import PackedHead
+    from fasttrain.rollout.families import decoder_for
+    model, _ = _bf16_policy("lora")
+    packed, plain = RolloutWeights(model), RolloutWeights(model, pack=False)
+    head = model.lm_head
+    h = packed.head(head)
+    assert isinstance(h, PackedHead) and h.packed.is_mkldnn and packed.head(head) is h
+    assert decoder_for(model, packed).lm_head is h
+    assert plain.head(head) is head and decoder_for(model, plain).lm_head is head
+    x = torch.randn(7, head.in_features).bfloat16()
+    with torch.no_grad():
+        _within_product_bound(h(x), x, head.weight)
+        _within_product_bound(h(x[2])[None], x[2:3], head.weight)
+        head.weight.mul_(-2.0)
+    h2 = packed.head(head)
+    assert h2 is not h
+    with torch.no_grad():
+        _within_product_bound(h2(x), x, head.weight)
+    packed.forget()
+    assert packed.head(head) is not h2
 
 
 def test_packing_is_refused_where_it_cannot_run_and_with_compile():

@@ -76,7 +76,7 @@ PARTS = {
     "adapter_masters": "adapters: fp32 masters",
     "dora_norms": "adapters: DoRA row norms",
     "adam_moments": "adapters: AdamW moments",
-    "rollout_weights": "dense rollout weights (merged, model dtype)",
+    "rollout_weights": "dense rollout weights (merged, model dtype; packed: with the head's copy)",
     "adapter_grads": "adapters: gradients",
     "workspace": "workspace (dequantised NF4 projection)",
     "batch": "step batch (ids, masks, log-probs)",
@@ -393,6 +393,14 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     return {**caches, "activations": top, "sampling": 0, "moe_routing": record}
 
 
+def _rollout_weight_bytes(m: ModelShape, dev: Device, dense: bool) -> int:
+    """The dense rollout weights; packed, with the packed copy of the output head they keep
+    (RolloutWeights.head: V x H in the model's dtype)."""
+    if not dense:
+        return 0
+    return m.linear_params * m.w + (m.vocab * m.hidden * m.w if _packed_rollout(m, dev) else 0)
+
+
 def _packed_rollout(m: ModelShape, dev: Device) -> bool:
     """Whether the dense rollout weights are kept packed (fasttrain.nn.rollout_weights.packable):
     bf16 on a CPU with native bf16 GEMMs."""
@@ -514,7 +522,7 @@ def resident_base(m: ModelShape, s: RunShape, dev: Device) -> dict:
     dense = use_dense(s.rollout_weights, m.linear_params * m.w, dev.free - resident)
     return {"nf4_base": res["nf4_base"], "dense_parts": res["dense_parts"],
             "adapter_masters": res["adapter_masters"], "dora_norms": res.get("dora_norms", 0),
-            "rollout_weights": m.linear_params * m.w if dense else 0, "adam_moments": 2 * res["adapter_masters"],
+            "rollout_weights": _rollout_weight_bytes(m, dev, dense), "adam_moments": 2 * res["adapter_masters"],
             "adapter_grads": 0, "workspace": workspace, "batch": 0, "kv_cache": 0, "recurrent_state": 0,
             "conv_state": 0, "activations": 0, "logprob_head": 0, "sampling": 0, **moe,
             "moe_routing": 0, "moe_activations": 0}

@@ -44,7 +44,8 @@ class LlamaFamilyDecoder:
         cfg = model.config
         self.model = model
         self.embed, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
-        self.rotary, self.lm_head = base.rotary_emb, rollout_head(model.lm_head)
+        self.rotary = base.rotary_emb
+        self.lm_head = weights.head(model.lm_head) if hasattr(weights, "head") else rollout_head(model.lm_head)
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads

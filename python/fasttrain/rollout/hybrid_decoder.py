@@ -69,7 +69,8 @@ class HybridDecoder(LlamaFamilyDecoder):
             raise ValueError(f"sample: model {type(model).__name__} is not a Qwen3.5 hybrid causal LM")
         self.model = model
         self.embed, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
-        self.rotary, self.lm_head = base.rotary_emb, rollout_head(model.lm_head)
+        self.rotary = base.rotary_emb
+        self.lm_head = weights.head(model.lm_head) if hasattr(weights, "head") else rollout_head(model.lm_head)
         self.kinds = list(cfg.layer_types)
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
