@@ -150,7 +150,7 @@ def variants(args, dtype) -> None:
         if v not in cases:
             raise SystemExit(f"--variants: unknown {v!r}; allowed: {', '.join(cases)}")
     print(f"\npolicy variants ({args.dtype}, {len(prompts)}x{G} rows, {T} new tokens, median of {args.reps}); "
-          f"dense merged copy: {dense.nbytes() / 2**20:.0f} MiB, built in {merge_s:.2f} s (once per optimizer step)")
+          f"dense merged copy: {dense.nbytes(head=False) / 2**20:.0f} MiB, built in {merge_s:.2f} s (once per optimizer step)")
     rows, base = [], None
     for compiled in ([False, True] if args.compile else [False]):
         for v in names:

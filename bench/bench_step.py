@@ -371,7 +371,7 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
     d = _dims(tr.model)
     esz = 2 if dt == torch.bfloat16 else 4
     if w is not None:
-        weight_bytes = w.nbytes()
+        weight_bytes = w.nbytes(head=False)                                 # the head once, below
     else:
         from fasttrain.nn import resident_bytes
         weight_bytes = resident_bytes(tr.model)["total"]["base"]            # NF4 codes + scales, or 16-bit

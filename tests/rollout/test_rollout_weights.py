@@ -158,6 +158,7 @@ def test_packed_rollout_weights_multiply_as_the_merged_matrices(kind):
     head = model.lm_head.weight
     assert packed.packed and not plain.packed
     assert packed.nbytes() == plain.nbytes() + head.numel() * head.element_size()    # + the packed head
+    assert packed.nbytes(head=False) == plain.nbytes() == plain.nbytes(head=False)
     layer = model.model.layers[1]
     groups = [(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
               (layer.mlp.gate_proj, layer.mlp.up_proj)]

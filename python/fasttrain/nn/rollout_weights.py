@@ -255,15 +255,15 @@ class RolloutWeights:
     def fused(self, mods: tuple[nn.Module, ...]) -> Tensor | None:
         return self._fused.get(tuple(id(m) for m in mods))
 
-    def nbytes(self) -> int:
+    def nbytes(self, head: bool = True) -> int:
         """The weights' bytes as plain matrices in their dtype (a packed copy holds the same values);
-        packed, with the output head's packed copy (made at the first rollout, kept)."""
+        packed, with the output head's packed copy (made at the first rollout, kept) unless head=False."""
         total = sum(sum(m.out_features for m in mods) * mods[0].in_features
                     * torch.empty((), dtype=mods[0].weight_dtype).element_size() for mods, _ in self._units)
-        head = getattr(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
-                       "lm_head", None)
-        if self._packs_head(head):
-            total += head.weight.numel() * head.weight.element_size()
+        lm_head = getattr(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
+                          "lm_head", None)
+        if self._packs_head(lm_head) and head:
+            total += lm_head.weight.numel() * lm_head.weight.element_size()
         return total
 
     def _packs_head(self, head) -> bool:
