@@ -9,9 +9,10 @@
 // Why by hand: a decode step's attention reads the whole KV cache to produce G·D numbers per row
 // and head; ATen's CPU flash attention at one query (q [B, kv, G, D] against [B, kv, S, D]) took
 // 1.37 ms a layer at SmolLM2's rollout shape (48 rows, 3 KV heads of 64, 300 keys, bf16, caches
-// cold) on a 2-core AMX Xeon, 3.4x the 0.40 ms the cache's bytes take to read. This kernel: 1.0 ms
-// with one horizontal sum per key and head, 0.56-0.65 ms with the dots of 4 keys reduced by one
-// shuffle tree, the value rows prefetched during the key pass and the keys 8 rows ahead.
+// cold) on a 2-core AMX Xeon, 3.4x the 0.40 ms the cache's bytes take to read. This kernel
+// (bench/bench_decode_attention.py, all 300 keys valid): 0.97 ms with one horizontal sum per key and
+// head, 0.65-0.68 ms with the dots of 4 keys reduced by one shuffle tree, the value rows prefetched
+// during the key pass and the keys 8 rows ahead.
 // Napkin math: 4·G·S·D flops and 2·S·D elements read per work item; at 48 rows x 3 heads x 300 keys
 // that is 33 MFLOP and 11 MB (bf16) a layer, memory-bound on two cores only if the dots vectorize.
 // Precision: float32 sums for bf16/fp16/fp32, float64 for float64; each dot in kDotLanes partial
