@@ -112,4 +112,11 @@ FT_GATED_DELTA_DECLS(cuda)
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& key_valid, double scale);
 
+// ---- decode_fused: a decode step's elementwise work (CPU only; schemas in torch_bindings.cpp) ----
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_cpu(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);
+at::Tensor rotary_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  at::Tensor& k_cache, at::Tensor& v_cache, int64_t column, int64_t n_heads);
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up);
+
 }  // namespace fasttrain

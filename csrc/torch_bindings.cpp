@@ -94,6 +94,20 @@ TORCH_LIBRARY(fasttrain, m) {
   // -> o [B,kv,G,D] = softmax(scale·q·kᵀ over the row's valid keys)·v (zeros for a row with none).
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor key_valid, float scale) -> Tensor");
 
+  // ---- decode_fused: a Llama-family decode step's elementwise work (CPU; a GPU keeps the modules) ----
+  // x [N,H] contiguous, weight [H] (x's dtype: fp32|bf16|fp16) -> y = rnd(w·rnd(x/sqrt(mean(x²)+eps))),
+  // HF's LlamaRMSNorm rounding. add_rms_norm_ first sets x <- rnd(x + delta) (delta [N,H]), in place.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  // qkv [B,(n_heads+2·kv)·D] contiguous (q, k, v heads in that order), cos, sin [B,D]; k_cache, v_cache
+  // [B,kv,S,D] (last dimension contiguous): writes the rotated k and v at cache column `column` and
+  // returns the rotated q [B,kv,G,D] (G = n_heads/kv, query head h = kv head h/G). Rotary in HF's
+  // rotate_half form, rounded as its ops round.
+  m.def("rotary_cache_write_(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "int column, int n_heads) -> Tensor");
+  // gate_up [N,2I] contiguous (gate then up) -> a [N,I] = rnd(rnd(silu(gate))·up)
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+
   // ---- moe_experts: the routed experts of a mixture-of-experts layer -----------------
   // x [N,H] fp32|fp16|bf16|fp64, expert_index int64 [N,k] in [0,E), routing_weights [N,k] floating;
   // gate_up: NF4 uint8 [E, ceil(2I·H/2)] with gate_up_absmax fp32 [E, ceil(2I·H/bs)], or a floating

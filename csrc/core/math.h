@@ -418,5 +418,17 @@ FT_HD void moe_swiglu_backward(T g, T u, T da, T& dg, T& du) {
   du = da * g * sg;
 }
 
+// =====================================================================================
+// decode_fused: the elementwise work of a Llama-family decode step, each formula rounded where the
+// model's own eager modules round (x is the model's dtype; rnd(.) rounds a float to it):
+//   RMSNorm (HF's LlamaRMSNorm): y = rnd(w · rnd(x · r)), r = 1 / sqrt(mean(x²) + eps) in float;
+//   rotary (HF's rotate_half form): y_d = rnd(rnd(x_d·cos_d) + rnd(±x_{d∓D/2}·sin_d));
+//   SwiGLU between gate_up and down: a = rnd(rnd(silu(g)) · u), silu(g) = g / (1 + e^−g).
+// =====================================================================================
+template <typename T>
+FT_HD T rms_inv(T sum_sq, T n, T eps) { return T(1) / sqrt(sum_sq / n + eps); }
+template <typename T>
+FT_HD T silu(T g) { return g / (T(1) + ft_exp(-g)); }
+
 FT_VARIANT_END
 }  // namespace fasttrain::math

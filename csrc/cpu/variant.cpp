@@ -13,6 +13,7 @@ void register_cpu_kernels(torch::Library& m) {
   register_gated_delta(m);
   register_moe_experts(m);
   register_decode_attention(m);
+  register_decode_fused(m);
 }
 
 FT_VARIANT_END

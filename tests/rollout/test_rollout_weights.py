@@ -225,3 +225,54 @@ def test_packing_is_refused_where_it_cannot_run_and_with_compile():
         with pytest.raises(ValueError, match="pack=False"):
             sample(bf, PROMPTS, group_size=1, max_new_tokens=2, eos_token_ids=[], seed=0, pad_token_id=0,
                    weights=RolloutWeights(bf), compile="aot_eager")
+
+
+def _lora_16bit(dtype):
+    model = tiny_llama(vocab_size=128, seed=1, dtype=dtype)
+    adaptable_model(model)
+    torch.manual_seed(4)
+    params = attach_adapters(model, kind="lora", r=4, alpha=8)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def _float64_logp(model, r):
+    import copy
+    m = copy.deepcopy(model).to(torch.float64)
+    with torch.no_grad():
+        logits = m(input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=r.position_ids).logits
+    lp = torch.log_softmax(logits[:, r.prompt_len - 1:-1], dim=-1)
+    return lp.gather(2, r.completion_ids[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_step_computes_what_the_modules_compute(dtype, monkeypatch):
+    """On the CPU, with rollout weights, a Llama decode step runs through fasttrain.ops.decode_fused
+    (norm, rotary + cache write, SwiGLU, residual + norm in 4 ops a layer). Those ops round where the
+    modules round and differ only in the order of the norm's sum and in exp's last ulp, so against the
+    float64 forward of the same weights the fused rollout's log-probs are within 2x the module path's
+    own error (floor: 8 ulps of the dtype at |log p| ~ 8), and in float32 it draws the module path's tokens."""
+    from fasttrain.rollout import decoder as D
+    model = _lora_16bit(dtype)
+    w = RolloutWeights(model)
+    calls = {"fused": 0}
+    fused = D.LlamaFamilyDecoder._decode_fused
+
+    def counted(self, *a, **k):
+        calls["fused"] += 1
+        return fused(self, *a, **k)
+    monkeypatch.setattr(D.LlamaFamilyDecoder, "_decode_fused", counted)
+    prompts = PROMPTS + [[40]]
+    kw = dict(group_size=3, max_new_tokens=12, temperature=1.0, eos_token_ids=[], seed=5, pad_token_id=0, weights=w)
+    got = sample(model, prompts, **kw)
+    assert calls["fused"] == 11                     # every decode step (the first token comes from the prefill)
+    monkeypatch.setattr(D.LlamaFamilyDecoder, "_fused_units", lambda self, tokens: None)
+    plain = sample(model, prompts, **kw)
+    assert calls["fused"] == 11
+    if dtype == torch.float32:
+        assert torch.equal(got.completion_ids, plain.completion_ids)
+    err = (got.logprobs.double() - _float64_logp(model, got)).abs().max().item()
+    own = (plain.logprobs.double() - _float64_logp(model, plain)).abs().max().item()
+    assert err <= max(2 * own, 8 * 8 * torch.finfo(dtype).eps), (err, own)

@@ -466,3 +466,42 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return (p @ v.to(acc)).to(q.dtype)
+
+
+# ---- decode_fused: a Llama-family decode step's elementwise work ---------------------------------
+# The modules' own eager formulas (HF's LlamaRMSNorm, apply_rotary_pos_emb, SiLU and the product),
+# rounded where they round; float64 inputs give the float64 values (the tests' oracle).
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [N, H], weight [H] -> weight · rnd(x / sqrt(mean(x²) + eps)), the mean in float32 (float64)."""
+    acc = _acc(x.dtype)
+    xf = x.to(acc)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x <- x + delta (in place), then rms_norm(x, weight, eps)."""
+    x.add_(delta)
+    return rms_norm(x, weight, eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_cache_write_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, column: int, n_heads: int) -> torch.Tensor:
+    """qkv [B, (n_heads + 2 kv)·D], cos, sin [B, D]: the rotated k and v go to cache column `column` of
+    k_cache, v_cache [B, kv, S, D]; returns the rotated q [B, kv, n_heads / kv, D]."""
+    B, kv, _, D = k_cache.shape
+    q, k, v = qkv.view(B, -1, D).split([n_heads, kv, kv], dim=1)
+    c, s = cos[:, None], sin[:, None]
+    k_cache[:, :, column] = k * c + _rotate_half(k) * s
+    v_cache[:, :, column] = v
+    return (q * c + _rotate_half(q) * s).reshape(B, kv, n_heads // kv, D)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2I] (gate, then up) -> silu(gate) · up [N, I]."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from fasttrain.nn.dense_linear import fp32_base, linear_bf16_as_fp32, rollout_head
 from fasttrain.nn.rollout_weights import rollout_linear
-from fasttrain.ops.decode_attention import decode_attention
+from fasttrain.ops import decode_fused as _fused
+from fasttrain.ops.decode_attention import decode_attention, decode_attention_backend
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -60,6 +61,7 @@ class LlamaFamilyDecoder:
         # Optional dense weights by module (fasttrain.nn.RolloutWeights: merged NF4 + adapter
         # copies); None runs every projection module as it is.
         self.weights = weights
+        self._fusable = weights is not None and _fusable_layers(self)
 
     def new_cache(self, batch: int, seq: int) -> Tensor:
         # kv: [layers, 2, B, kv_heads, S_max, head_dim], zeros: step_rows attends over every column under
@@ -96,10 +98,54 @@ class LlamaFamilyDecoder:
         """One new token per row, `tokens` [B], written at cache `column`; key_valid bool
         [B, column + 1]; cos/sin [B, D]. Returns the final-norm hidden state [B, H]. `active` [B]:
         nothing to do here for a held row (its key, masked invalid by the caller, is its only trace)."""
+        if self._fusable and isinstance(column, int):
+            units = self._fused_units(tokens)
+            if units is not None:
+                return self._decode_fused(tokens, key_valid, cos, sin, cache, column, units)
         x = self.embed(tokens[:, None])  # [B, 1, H]
         x = self._layers(x, cos[:, None, None], sin[:, None, None], cache, column,
                          key_valid[:, None, None, :], decode=True)
         return self.norm(x[:, 0])
+
+    def _fused_units(self, tokens: Tensor) -> list | None:
+        """Per layer (qkv, o, gate_up, down) rollout weights for the fused decode step, or None where
+        that step does not apply to this call (a GPU, the reference kernels, a layer without them)."""
+        if (tokens.device.type != "cpu" or _fused.decode_fused_backend(self.embed.weight) != "kernel"
+                or decode_attention_backend(self.device, grad=False) != "kernel"):
+            return None
+        w, units = self.weights, []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            u = (w.fused((a.q_proj, a.k_proj, a.v_proj)), w.linear(a.o_proj),
+                 w.fused((m.gate_proj, m.up_proj)), w.linear(m.down_proj))
+            if any(t is None for t in u):
+                return None
+            units.append(u)
+        return units
+
+    def _decode_fused(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
+                      column: int, units: list) -> Tensor:
+        """`decode` through fasttrain.ops.decode_fused: per layer the norm, one GEMM for q/k/v, the
+        rotary embedding and the cache write in one op, the attention, o_proj, the residual add and
+        the next norm in one op, one GEMM for gate/up, the SwiGLU, down_proj, and the residual add with
+        the next layer's norm (the last layer's with the final norm). The same values the modules
+        compute (the ops round where they round)."""
+        x = self.embed(tokens)                                          # [B, H], a fresh tensor
+        B = x.shape[0]
+        cos, sin = cos.contiguous(), sin.contiguous()
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+        h = _fused.rms_norm(x, norms[0].weight, norms[0].variance_epsilon)
+        end = column + 1
+        for i, (layer, (w_qkv, w_o, w_gu, w_down)) in enumerate(zip(self.layers, units)):
+            keys, values = cache[i][0], cache[i][1]
+            q = _fused.rotary_cache_write_(_gemm(h, w_qkv), cos, sin, keys, values, column, self.n_heads)
+            o = decode_attention(q, keys[:, :, :end], values[:, :, :end], key_valid, self.scaling)
+            post = layer.post_attention_layernorm
+            h = _fused.add_rms_norm_(x, _gemm(o.view(B, -1), w_o), post.weight, post.variance_epsilon)
+            a = _fused.silu_mul(_gemm(h, w_gu))
+            nxt = norms[i + 1]
+            h = _fused.add_rms_norm_(x, _gemm(a, w_down), nxt.weight, nxt.variance_epsilon)
+        return h
 
     def decode_static(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
                       column: Tensor) -> Tensor:
@@ -204,6 +250,46 @@ class LlamaFamilyDecoder:
             return mlp(h)
         gate, up = self._project(h, (mlp.gate_proj, mlp.up_proj))
         return self._project(act(gate) * up, (mlp.down_proj,))[0]
+
+
+# The RMSNorm classes whose forward is HF's LlamaRMSNorm (weight · rnd(x / sqrt(mean(x²) + eps))),
+# which fasttrain.ops.decode_fused.rms_norm computes; another norm keeps the module path.
+_LLAMA_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
+
+
+def _fusable_layers(dec: "LlamaFamilyDecoder") -> bool:
+    """Whether every layer's decode step fits fasttrain.ops.decode_fused: HF's Llama RMSNorm (of the
+    activations' dtype), no q/k norm, no projection bias, a SiLU MLP with gate/up/down, and the
+    rotary embedding over the whole head."""
+    if dec.qk_norm or dec.head_dim % 2:
+        return False
+    rotary_dim = getattr(dec.model.config, "partial_rotary_factor", 1.0)
+    if rotary_dim not in (None, 1, 1.0):
+        return False
+
+    def norm_ok(n) -> bool:
+        return (type(n).__name__ in _LLAMA_RMS_NORMS and hasattr(n, "variance_epsilon")
+                and getattr(n, "weight", None) is not None and n.weight.dtype == dec.dtype)
+    if not norm_ok(dec.norm):
+        return False
+    for layer in dec.layers:
+        a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if a is None or m is None:
+            return False
+        projections = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projections += [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(p is None or getattr(p, "bias", None) is not None for p in projections):
+            return False
+        if type(getattr(m, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+            return False
+        if not (norm_ok(layer.input_layernorm) and norm_ok(layer.post_attention_layernorm)):
+            return False
+    return True
+
+
+def _gemm(h: Tensor, w: Tensor) -> Tensor:
+    """h·wᵀ for a rollout weight, in fp32 sums where the host lacks fast bf16 GEMMs (DecoderBase._project)."""
+    return linear_bf16_as_fp32(h, w) if fp32_base(h, w) else rollout_linear(h, w)
 
 
 def _plain_fp32(m, h: Tensor) -> bool:

@@ -1,0 +1,95 @@
+"""Where the rollout's decode step spends its time at the study's shape: the op profile of a
+rollout of `--new` tokens minus a one-token rollout (so prefill and set-up cancel), fasttrain's
+trainer as bench_step.py builds it (its rollout weights, packed where the host packs).
+
+    PYTHONPATH=python python bench/profile_decode.py [--model smollm2-135m|qwen3.5-bench-100m] [--rows 30]
+
+Prints the decode step's wall time (median of the unprofiled runs), then the ops by self time per
+step (profiled run of T tokens minus profiled run of 1 token, divided by T - 1). Profiling adds a
+little per op; the per-step wall time printed first is the unprofiled one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+import bench_step as bs  # noqa: E402
+from harness import machine_name  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=bs.MODELS, default="smollm2-135m")
+    ap.add_argument("--rows", type=int, default=30, help="ops to print")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--compile", action="store_true", help="rollout.compile (the compiled decode step)")
+    args = ap.parse_args()
+    a = SimpleNamespace(model=args.model, device="cpu", seed=0, warmup=1, steps=1, fasttrain_dtype="bf16",
+                        rank=32, alpha=64, quantize="nf4", prompts=4, group=12, new=args.new, cap=1.2, beta=0.08,
+                        lr=1e-5, micro_batch=12, checkpointing="on")
+    import fasttrain.train.trainer as T
+    from torch.profiler import ProfilerActivity, profile
+
+    from fasttrain.rollout import sample
+    from fasttrain.train.answers import prompt_token_ids
+    env, prompts = bs.step_prompts(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        sel = Path(tmp) / "selection.json"
+        sel.write_text(json.dumps({"prompt_ids": [p.id for p in prompts]}))
+        cfg = bs.fasttrain_config(a, tmp, str(sel))
+        tr = T.Trainer(cfg, Path(tmp) / "run", progress=False)
+        tr._setup()
+        if args.compile:
+            tr.cfg.rollout.compile = True
+        R = tr.cfg.rollout
+        ids = prompt_token_ids(tr.tokenizer, tr.env, prompts[:a.prompts], R.answer_prefix)
+        w = tr.rollout_weights
+        if w is not None:
+            w.refresh()
+
+        def run(n):
+            t0 = time.perf_counter()
+            sample(tr.model, ids, group_size=a.group, max_new_tokens=n, temperature=1.0, eos_token_ids=[],
+                   seed=list(range(len(ids))), weights=w, compile=R.compile)
+            return time.perf_counter() - t0
+        with torch.inference_mode():
+            run(2)
+            full = statistics.median(run(args.new) for _ in range(3))
+            one = statistics.median(run(1) for _ in range(3))
+            step = (full - one) / (args.new - 1)
+            profs = {}
+            for n in (1, args.new):
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    run(n)
+                profs[n] = {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}
+    print(f"profile_decode: {args.model}, {machine_name()}, {torch.get_num_threads()} threads, "
+          f"{len(ids)} prompts x {a.group}, {args.new} new tokens, weights "
+          f"{type(w).__name__ if w is not None else 'nf4'}{' packed' if getattr(w, 'packed', False) else ''}"
+          f"{', compiled' if R.compile else ''}")
+    print(f"decode step (unprofiled): {1e3 * step:.1f} ms")
+    rows = {}
+    for k in set(profs[args.new]) | set(profs[1]):
+        s1, c1 = profs[1].get(k, (0.0, 0))
+        s2, c2 = profs[args.new].get(k, (0.0, 0))
+        rows[k] = ((s2 - s1) / (args.new - 1), (c2 - c1) / (args.new - 1))
+    total = sum(r[0] for r in rows.values())
+    print(f"op self time per step (profiled) {1e3 * total:.1f} ms")
+    print(f"{'op':60s} {'ms/step':>8s} {'share':>6s} {'calls/step':>10s}")
+    for k, (sec, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:args.rows]:
+        print(f"{k[:60]:60s} {1e3 * sec:8.2f} {100 * sec / total:5.1f}% {n:10.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
