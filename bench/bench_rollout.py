@@ -13,7 +13,8 @@ Policy variants (--variants): the same loop on the training policy, NF4 base + L
 random so the adapter matters), decoding from the NF4 layers ("nf4") or from dense merged copies
 ("dequantized", rollout.base_weights), against the plain model ("plain"); --compile adds each
 variant with the decode step through torch.compile (compile time printed apart from the steady
-state); --profile prints where each policy variant's decode step's time goes (nf4_linear self time is the
+state; "dequantized" then holds plain weights, which compile traces, and the variant "packed" is the
+eager default's packed copy, run eager only); --profile prints where each policy variant's decode step's time goes (nf4_linear self time is the
 dequantisation, its aten::mm children the GEMM; attention, sampling ops, the rest is Python and
 small ops). Decode ms/step = (T-token run - 1-token run) / (T - 1), medians of --reps.
 
@@ -145,6 +146,8 @@ def variants(args, dtype) -> None:
     dense = RolloutWeights(policy, pack=False if args.compile else None)   # compile traces plain weights
     merge_s = time.perf_counter() - t0
     cases = {"plain": (plain, None), "nf4": (policy, None), "dequantized": (policy, dense)}
+    if args.compile:     # the eager default beside the compiled step's plain weights: packed where the host packs
+        cases["packed"] = (policy, RolloutWeights(policy))
     names = [v for v in args.variants.split(",") if v]
     for v in names:
         if v not in cases:
@@ -155,6 +158,8 @@ def variants(args, dtype) -> None:
     for compiled in ([False, True] if args.compile else [False]):
         for v in names:
             model, w = cases[v]
+            if compiled and getattr(w, "packed", False):
+                continue                                 # compile traces plain weights only
 
             def run(n, model=model, w=w):
                 return sample(model, prompts, group_size=G, max_new_tokens=n, temperature=1.0, eos_token_ids=[],

@@ -123,3 +123,15 @@ def test_cli_command(tmp_path):
     assert json.loads(out.read_text())["cases"] == 1
     res = CliRunner().invoke(app, ["info"])
     assert res.exit_code == 0 and "kernels on cpu" in res.output
+
+
+@pytest.mark.parametrize("face,wrong", [
+    ("rms_norm", lambda x, w, eps: F.rms_norm(x, w, eps + 1e-2)),                    # eps slipped
+    ("silu_mul", lambda gu: F.silu_mul(gu * (1 + 2.0 ** -6))),                      # inputs off by 1.6%
+    ("rotary_cache_write_", lambda qkv, c, s, kc, vc, col, n: F.rotary_cache_write_(qkv, s, c, kc, vc, col, n))])
+def test_a_wrong_decode_fused_kernel_fails(face, wrong, tmp_path):
+    selftest.KERNELS[face] = wrong          # the fixture gives each test its own KERNELS
+    out = tmp_path / "st.json"
+    assert selftest.main(["--device", "cpu", "--quick", "--op", "decode_fused", "--json", str(out)]) == 1
+    rep = json.loads(out.read_text())
+    assert rep["failing"] and all(r["op"] == "decode_fused" and r["case"].startswith(face) for r in rep["failing"])
