@@ -717,8 +717,7 @@ def _decode_fused_case(dev, kind: str, N: int, H: int, dtype, seed) -> tuple:
                 check.exact("cache", mine, theirs)
         return tk, tr
 
-    probe = torch.empty(0, dtype=dtype, device=dev)
-    return name, run, f"decode_fused:{decode_fused_backend(probe)}"
+    return name, run, f"decode_fused:{decode_fused_backend(dev, dtype)}"
 
 
 def _decode_fused_cases(dev, quick: bool):

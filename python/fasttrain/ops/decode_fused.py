@@ -24,10 +24,14 @@ __all__ = ["rms_norm", "add_rms_norm_", "rotary_cache_write_", "silu_mul", "deco
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def decode_fused_backend(x: torch.Tensor) -> str:
-    """"kernel" (fasttrain's CPU kernels) or "reference" for an input `x`."""
-    if (_use_reference() or x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES
-            or (torch.is_grad_enabled() and x.requires_grad)):
+def decode_fused_backend(x: torch.Tensor | torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """"kernel" (fasttrain's CPU kernels) or "reference" for an input `x`, or for a device and dtype
+    (no tensor is made: the selftest names the CUDA face on a host without a driver)."""
+    if isinstance(x, torch.Tensor):
+        device, dtype, grad = x.device, x.dtype, torch.is_grad_enabled() and x.requires_grad
+    else:
+        device, grad = torch.device(x), False
+    if _use_reference() or device.type != "cpu" or dtype not in _KERNEL_DTYPES or grad:
         return "reference"
     return "kernel"
 
