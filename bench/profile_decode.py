@@ -3,6 +3,7 @@ rollout of `--new` tokens minus a one-token rollout (so prefill and set-up cance
 trainer as bench_step.py builds it (its rollout weights, packed where the host packs).
 
     PYTHONPATH=python python bench/profile_decode.py [--model smollm2-135m|qwen3.5-bench-100m] [--rows 30]
+        [--unfused] [--compile]
 
 Prints the decode step's wall time (median of the unprofiled runs), then the ops by self time per
 step (profiled run of T tokens minus profiled run of 1 token, divided by T - 1). Profiling adds a
@@ -34,7 +35,12 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=30, help="ops to print")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--compile", action="store_true", help="rollout.compile (the compiled decode step)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="the decode step through the modules' own elementwise ops (not fasttrain.ops.decode_fused)")
     args = ap.parse_args()
+    if args.unfused:
+        from fasttrain.rollout.decoder import LlamaFamilyDecoder
+        LlamaFamilyDecoder._fused_units = lambda self, tokens: None
     a = SimpleNamespace(model=args.model, device="cpu", seed=0, warmup=1, steps=1, fasttrain_dtype="bf16",
                         rank=32, alpha=64, quantize="nf4", prompts=4, group=12, new=args.new, cap=1.2, beta=0.08,
                         lr=1e-5, micro_batch=12, checkpointing="on")
@@ -76,7 +82,7 @@ def main() -> int:
     print(f"profile_decode: {args.model}, {machine_name()}, {torch.get_num_threads()} threads, "
           f"{len(ids)} prompts x {a.group}, {args.new} new tokens, weights "
           f"{type(w).__name__ if w is not None else 'nf4'}{' packed' if getattr(w, 'packed', False) else ''}"
-          f"{', compiled' if R.compile else ''}")
+          f"{', compiled' if R.compile else ''}{', unfused' if args.unfused else ''}")
     print(f"decode step (unprofiled): {1e3 * step:.1f} ms")
     rows = {}
     for k in set(profs[args.new]) | set(profs[1]):
