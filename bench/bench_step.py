@@ -346,24 +346,12 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
     import torch
     from harness import matmul_gflops, memory_gbps
 
-    from fasttrain.rollout import sample
-    from fasttrain.train.answers import prompt_token_ids
     dt = torch.bfloat16 if a.fasttrain_dtype == "bf16" else torch.float32
     gflops = statistics.median(matmul_gflops(dt, n=2048, reps=3) for _ in range(2))
     gbps = memory_gbps()
-    R = tr.cfg.rollout
-    ids = prompt_token_ids(tr.tokenizer, tr.env, prompts, R.answer_prefix)
     T = a.new
     w = tr.rollout_weights
-    if w is not None:
-        w.refresh()
-
-    def run(n):
-        t0 = time.perf_counter()
-        # one generator per prompt, as the trainer seeds its groups
-        sample(tr.model, ids, group_size=a.group, max_new_tokens=n, temperature=1.0, eos_token_ids=[],
-               seed=list(range(len(ids))), weights=w, compile=R.compile)
-        return time.perf_counter() - t0
+    ids, run = rollout_timer(tr, prompts, a.group)
     with torch.inference_mode():
         run(2)
         full, one = statistics.median(run(T) for _ in range(2)), statistics.median(run(1) for _ in range(2))
@@ -385,6 +373,29 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
     return {"matmul_gflops": gflops, "read_gbps": gbps, "decode_step_s": decode_s, "decode_floor_s": floor,
             "decode_weight_mib": weight_bytes / 2**20, "decode_kv_mib": kv_bytes / 2**20,
             "precision": a.fasttrain_dtype}
+
+
+def rollout_timer(tr, prompts, group: int):
+    """(prompt ids, run) for the trainer `tr`'s rollout of `prompts` x `group` answers: run(n) samples
+    n new tokens (no EOS) with the trainer's rollout weights (refreshed here) and settings, and returns
+    its wall seconds."""
+    import time
+
+    from fasttrain.rollout import sample
+    from fasttrain.train.answers import prompt_token_ids
+    R = tr.cfg.rollout
+    ids = prompt_token_ids(tr.tokenizer, tr.env, prompts, R.answer_prefix)
+    w = tr.rollout_weights
+    if w is not None:
+        w.refresh()
+
+    def run(n):
+        t0 = time.perf_counter()
+        # one generator per prompt, as the trainer seeds its groups
+        sample(tr.model, ids, group_size=group, max_new_tokens=n, temperature=1.0, eos_token_ids=[],
+               seed=list(range(len(ids))), weights=w, compile=R.compile)
+        return time.perf_counter() - t0
+    return ids, run
 
 
 def expert_read_bytes(model, rows: int) -> float:

@@ -16,7 +16,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,8 +46,6 @@ def main() -> int:
     import fasttrain.train.trainer as T
     from torch.profiler import ProfilerActivity, profile
 
-    from fasttrain.rollout import sample
-    from fasttrain.train.answers import prompt_token_ids
     env, prompts = bs.step_prompts(a)
     with tempfile.TemporaryDirectory() as tmp:
         sel = Path(tmp) / "selection.json"
@@ -59,16 +56,8 @@ def main() -> int:
         if args.compile:
             tr.cfg.rollout.compile = True
         R = tr.cfg.rollout
-        ids = prompt_token_ids(tr.tokenizer, tr.env, prompts[:a.prompts], R.answer_prefix)
         w = tr.rollout_weights
-        if w is not None:
-            w.refresh()
-
-        def run(n):
-            t0 = time.perf_counter()
-            sample(tr.model, ids, group_size=a.group, max_new_tokens=n, temperature=1.0, eos_token_ids=[],
-                   seed=list(range(len(ids))), weights=w, compile=R.compile)
-            return time.perf_counter() - t0
+        ids, run = bs.rollout_timer(tr, prompts[:a.prompts], a.group)
         with torch.inference_mode():
             run(2)
             full = statistics.median(run(args.new) for _ in range(3))
