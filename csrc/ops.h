@@ -116,7 +116,9 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_cpu(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);
 at::Tensor rotary_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                  at::Tensor& k_cache, at::Tensor& v_cache, int64_t column, int64_t n_heads);
+                                  at::Tensor& k_cache, at::Tensor& v_cache, int64_t column, int64_t n_heads,
+                                  const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                                  double norm_eps);
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up);
 
 }  // namespace fasttrain

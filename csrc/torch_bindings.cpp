@@ -102,9 +102,10 @@ TORCH_LIBRARY(fasttrain, m) {
   // qkv [B,(n_heads+2·kv)·D] contiguous (q, k, v heads in that order), cos, sin [B,D]; k_cache, v_cache
   // [B,kv,S,D] (last dimension contiguous): writes the rotated k and v at cache column `column` and
   // returns the rotated q [B,kv,G,D] (G = n_heads/kv, query head h = kv head h/G). Rotary in HF's
-  // rotate_half form, rounded as its ops round.
+  // rotate_half form, rounded as its ops round. q_norm, k_norm [D] (both or neither): each q and k head
+  // first through rms_norm with that weight and norm_eps (Qwen3's per-head norms).
   m.def("rotary_cache_write_(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "int column, int n_heads) -> Tensor");
+        "int column, int n_heads, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.) -> Tensor");
   // gate_up [N,2I] contiguous (gate then up) -> a [N,I] = rnd(rnd(silu(gate))·up)
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 

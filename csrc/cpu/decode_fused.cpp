@@ -37,6 +37,7 @@ namespace {
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t W = fVec::size();
 constexpr int64_t kGrain = 1 << 14;   // elements a thread takes at least (a row is ~576-3072)
+constexpr int64_t kMaxHead = 512;      // the widest head a q/k norm is taken of (on the stack)
 
 // float32, bfloat16 and float16 (float64 stays with the reference formulas: no float lanes for it)
 #define FT_DISPATCH_DECODE_FUSED(dt, name, ...)                 \
@@ -229,7 +230,9 @@ inline void rotary_head(const scalar_t* x, const scalar_t* c, const scalar_t* s,
 }  // namespace
 
 at::Tensor rotary_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                  at::Tensor& k_cache, at::Tensor& v_cache, int64_t column, int64_t n_heads) {
+                                  at::Tensor& k_cache, at::Tensor& v_cache, int64_t column, int64_t n_heads,
+                                  const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                                  double norm_eps) {
   const char* op = "rotary_cache_write_";
   FT_CHECK_DIM(op, qkv, 2);
   FT_CHECK_DIM(op, cos, 2);
@@ -259,6 +262,15 @@ at::Tensor rotary_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, 
   FT_CHECK_ARG(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, op, "k_cache",
                "k_cache and v_cache must be contiguous in their last dimension");
   FT_CHECK_ARG(column >= 0 && column < S, op, "column", "must be in [0, ", S, "), got ", column);
+  FT_CHECK_ARG(q_norm.has_value() == k_norm.has_value(), op, "q_norm", "q_norm and k_norm come together");
+  const bool qk_norm = q_norm.has_value();
+  if (qk_norm) {
+    for (const at::Tensor* w : {&*q_norm, &*k_norm}) {
+      FT_CHECK_ARG(w->dim() == 1 && w->size(0) == D && w->is_contiguous() && w->scalar_type() == dt, op, "q_norm",
+                   "q_norm and k_norm must be contiguous [D] = [", D, "] weights of qkv's dtype");
+    }
+    FT_CHECK_ARG(D <= kMaxHead, op, "q_norm", "a normed head is at most ", kMaxHead, " wide, got ", D);
+  }
   at::Tensor q = at::empty({B, KV, n_heads / KV, D}, qkv.options());
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
@@ -271,10 +283,17 @@ at::Tensor rotary_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, 
       scalar_t* qp = q.data_ptr<scalar_t>();
       scalar_t* kp = k_cache.data_ptr<scalar_t>();
       scalar_t* vp = v_cache.data_ptr<scalar_t>();
+      const scalar_t* qn = qk_norm ? q_norm->data_ptr<scalar_t>() : nullptr;
+      const scalar_t* kn = qk_norm ? k_norm->data_ptr<scalar_t>() : nullptr;
       at::parallel_for(0, B * heads, std::max<int64_t>(1, kGrain / D), [&](int64_t i0, int64_t i1) {
+        scalar_t normed[kMaxHead];
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t b = i / heads, hd = i % heads;
           const scalar_t* x = xp + b * row + hd * D;
+          if (qk_norm && hd < n_heads + KV) {    // Qwen3's per-head q/k RMSNorm before the rotation
+            rms_row(x, hd < n_heads ? qn : kn, static_cast<float>(norm_eps), D, normed);
+            x = normed;
+          }
           if (hd < n_heads) {
             rotary_head(x, cp + b * D, sp + b * D, D, qp + (b * n_heads + hd) * D);
           } else if (hd < n_heads + KV) {

@@ -96,6 +96,28 @@ def test_rotary_cache_write_gives_the_modules_bits_and_touches_one_column(dtype,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,heads,kv,D", [(48, 16, 8, 128), (3, 6, 2, 40), (2, 2, 1, 6)])
+def test_rotary_cache_write_with_qk_norms_is_the_norm_then_the_rotation(dtype, B, heads, kv, D):
+    """Qwen3's per-head q/k RMSNorm before the rotation: the fused op equals rms_norm (itself checked
+    against float64 above) of each q and k head followed by the exact rotation, bit for bit."""
+    g = torch.Generator().manual_seed(B + D)
+    qkv = (torch.randn(B, (heads + 2 * kv) * D, generator=g) * 2).to(dtype)
+    cos, sin = (torch.rand(2, B, D, generator=g) * 2 - 1).to(dtype)
+    qn, kn = (torch.rand(2, D, generator=g) + 0.5).to(dtype)
+    cache = torch.randn(2, B, kv, 5, D, generator=g).to(dtype)
+    mine, theirs = cache.clone(), cache.clone()
+    q = rotary_cache_write_(qkv, cos, sin, mine[0], mine[1], 2, heads, qn, kn, 1e-6)
+    x = qkv.view(B, -1, D)
+    normed = torch.cat([rms_norm(x[:, :heads].reshape(-1, D), qn, 1e-6).view(B, heads, D),
+                        rms_norm(x[:, heads:heads + kv].reshape(-1, D), kn, 1e-6).view(B, kv, D),
+                        x[:, heads + kv:]], dim=1).reshape(B, -1)
+    want = reference.rotary_cache_write_(normed, cos, sin, theirs[0], theirs[1], 2, heads)
+    assert torch.equal(q, want) and torch.equal(mine, theirs)
+    with pytest.raises(RuntimeError, match="q_norm"):
+        torch.ops.fasttrain.rotary_cache_write_(qkv, cos, sin, mine[0], mine[1], 2, heads, qn[:-1], kn, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,I", [(48, 1536), (3, 40), (1, 7)])
 def test_silu_mul_is_the_float64_swiglu_rounded_as_the_modules_round(dtype, N, I):
     g = torch.Generator().manual_seed(N + I)

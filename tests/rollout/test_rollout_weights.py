@@ -227,8 +227,20 @@ def test_packing_is_refused_where_it_cannot_run_and_with_compile():
                    weights=RolloutWeights(bf), compile="aot_eager")
 
 
-def _lora_16bit(dtype):
-    model = tiny_llama(vocab_size=128, seed=1, dtype=dtype)
+def _lora_16bit(dtype, family="llama"):
+    if family == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        torch.manual_seed(3)
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             max_position_embeddings=512, tie_word_embeddings=False))
+        with torch.no_grad():
+            for layer in model.model.layers:           # q/k norms that are not the identity
+                for n in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    n.weight.uniform_(0.5, 1.5)
+        model = model.to(dtype).eval()
+    else:
+        model = tiny_llama(vocab_size=128, seed=1, dtype=dtype)
     adaptable_model(model)
     torch.manual_seed(4)
     params = attach_adapters(model, kind="lora", r=4, alpha=8)
@@ -247,15 +259,16 @@ def _float64_logp(model, r):
     return lp.gather(2, r.completion_ids[..., None])[..., 0]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_step_computes_what_the_modules_compute(dtype, monkeypatch):
-    """On the CPU, with rollout weights, a Llama decode step runs through fasttrain.ops.decode_fused
+def test_fused_decode_step_computes_what_the_modules_compute(dtype, family, monkeypatch):
+    """On the CPU, with rollout weights, a Llama or Qwen3 (q/k norms) decode step runs through fasttrain.ops.decode_fused
     (norm, rotary + cache write, SwiGLU, residual + norm in 4 ops a layer). Those ops round where the
     modules round and differ only in the order of the norm's sum and in exp's last ulp, so against the
     float64 forward of the same weights the fused rollout's log-probs are within 2x the module path's
     own error (floor: 8 ulps of the dtype at |log p| ~ 8), and in float32 it draws the module path's tokens."""
     from fasttrain.rollout import decoder as D
-    model = _lora_16bit(dtype)
+    model = _lora_16bit(dtype, family)
     w = RolloutWeights(model)
     calls = {"fused": 0}
     fused = D.LlamaFamilyDecoder._decode_fused

@@ -51,14 +51,20 @@ def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, ep
 
 
 def rotary_cache_write_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, column: int, n_heads: int) -> torch.Tensor:
+                        v_cache: torch.Tensor, column: int, n_heads: int, q_norm: torch.Tensor | None = None,
+                        k_norm: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     """qkv [B, (n_heads + 2 kv)·D] (q, k, v heads), cos, sin [B, D]; k_cache, v_cache [B, kv, S, D]
     (views of a cache, last dimension contiguous): writes the rotated k and v at `column`, returns
-    the rotated q [B, kv, n_heads / kv, D] (query head h shares KV head h // (n_heads / kv))."""
+    the rotated q [B, kv, n_heads / kv, D] (query head h shares KV head h // (n_heads / kv)).
+    q_norm, k_norm [D] (both or neither): each q and k head goes through rms_norm with that weight
+    first (Qwen3's per-head norms)."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("rotary_cache_write_: q_norm and k_norm come together")
     if decode_fused_backend(qkv) == "reference":
-        return _reference.rotary_cache_write_(qkv, cos, sin, k_cache, v_cache, column, n_heads)
+        return _reference.rotary_cache_write_(qkv, cos, sin, k_cache, v_cache, column, n_heads, q_norm, k_norm,
+                                              norm_eps)
     return _ops.rotary_cache_write_(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
-                                    int(column), int(n_heads))
+                                    int(column), int(n_heads), q_norm, k_norm, float(norm_eps))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -79,7 +85,7 @@ def _(x, delta, weight, eps):
 
 
 @torch.library.register_fake("fasttrain::rotary_cache_write_")
-def _(qkv, cos, sin, k_cache, v_cache, column, n_heads):
+def _(qkv, cos, sin, k_cache, v_cache, column, n_heads, q_norm=None, k_norm=None, norm_eps=0.0):
     B, kv, _, D = k_cache.shape
     return qkv.new_empty(B, kv, n_heads // kv, D)
 

@@ -490,11 +490,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_cache_write_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, column: int, n_heads: int) -> torch.Tensor:
+                        v_cache: torch.Tensor, column: int, n_heads: int, q_norm: torch.Tensor | None = None,
+                        k_norm: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     """qkv [B, (n_heads + 2 kv)·D], cos, sin [B, D]: the rotated k and v go to cache column `column` of
-    k_cache, v_cache [B, kv, S, D]; returns the rotated q [B, kv, n_heads / kv, D]."""
+    k_cache, v_cache [B, kv, S, D]; returns the rotated q [B, kv, n_heads / kv, D]. q_norm, k_norm [D]:
+    each q and k head through rms_norm with that weight first (Qwen3's per-head norms)."""
     B, kv, _, D = k_cache.shape
     q, k, v = qkv.view(B, -1, D).split([n_heads, kv, kv], dim=1)
+    if q_norm is not None:
+        q = rms_norm(q.reshape(-1, D), q_norm, norm_eps).view(B, n_heads, D)
+        k = rms_norm(k.reshape(-1, D), k_norm, norm_eps).view(B, kv, D)
     c, s = cos[:, None], sin[:, None]
     k_cache[:, :, column] = k * c + _rotate_half(k) * s
     v_cache[:, :, column] = v

@@ -126,7 +126,7 @@ class LlamaFamilyDecoder:
     def _decode_fused(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
                       column: int, units: list) -> Tensor:
         """`decode` through fasttrain.ops.decode_fused: per layer the norm, one GEMM for q/k/v, the
-        rotary embedding and the cache write in one op, the attention, o_proj, the residual add and
+        rotary embedding (after Qwen3's q/k norms) and the cache write in one op, the attention, o_proj, the residual add and
         the next norm in one op, one GEMM for gate/up, the SwiGLU, down_proj, and the residual add with
         the next layer's norm (the last layer's with the final norm). The same values the modules
         compute (the ops round where they round)."""
@@ -138,7 +138,9 @@ class LlamaFamilyDecoder:
         end = column + 1
         for i, (layer, (w_qkv, w_o, w_gu, w_down)) in enumerate(zip(self.layers, units)):
             keys, values = cache[i][0], cache[i][1]
-            q = _fused.rotary_cache_write_(_gemm(h, w_qkv), cos, sin, keys, values, column, self.n_heads)
+            attn = layer.self_attn
+            qk = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon) if self.qk_norm else ()
+            q = _fused.rotary_cache_write_(_gemm(h, w_qkv), cos, sin, keys, values, column, self.n_heads, *qk)
             o = decode_attention(q, keys[:, :, :end], values[:, :, :end], key_valid, self.scaling)
             post = layer.post_attention_layernorm
             h = _fused.add_rms_norm_(x, _gemm(o.view(B, -1), w_o), post.weight, post.variance_epsilon)
@@ -254,14 +256,14 @@ class LlamaFamilyDecoder:
 
 # The RMSNorm classes whose forward is HF's LlamaRMSNorm (weight · rnd(x / sqrt(mean(x²) + eps))),
 # which fasttrain.ops.decode_fused.rms_norm computes; another norm keeps the module path.
-_LLAMA_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
+_LLAMA_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
 
 def _fusable_layers(dec: "LlamaFamilyDecoder") -> bool:
     """Whether every layer's decode step fits fasttrain.ops.decode_fused: HF's Llama RMSNorm (of the
-    activations' dtype), no q/k norm, no projection bias, a SiLU MLP with gate/up/down, and the
-    rotary embedding over the whole head."""
-    if dec.qk_norm or dec.head_dim % 2:
+    activations' dtype; Qwen3's per-head q/k norms too), no projection bias, a SiLU MLP with
+    gate/up/down, and the rotary embedding over the whole head."""
+    if dec.head_dim % 2:
         return False
     rotary_dim = getattr(dec.model.config, "partial_rotary_factor", 1.0)
     if rotary_dim not in (None, 1, 1.0):
@@ -283,6 +285,9 @@ def _fusable_layers(dec: "LlamaFamilyDecoder") -> bool:
         if type(getattr(m, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
             return False
         if not (norm_ok(layer.input_layernorm) and norm_ok(layer.post_attention_layernorm)):
+            return False
+        if dec.qk_norm and not all(norm_ok(n) and n.weight.shape == (dec.head_dim,) and
+                                   n.variance_epsilon == a.q_norm.variance_epsilon for n in (a.q_norm, a.k_norm)):
             return False
     return True
 
