@@ -12,6 +12,17 @@ _WORKER_THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS) if _WORKERS e
 if _WORKER_THREADS:
     torch.set_num_threads(_WORKER_THREADS)
 
+# torch.compile's on-disk cache (inductor's compiled C++ kernels) is kept per ATen capability and
+# thread count: a kernel compiled in a run at one of them and loaded by a run at another (the
+# numeric tests run the suite again under lower ATEN_CPU_CAPABILITY; a test run outside xdist has
+# two threads, not one) gave wrong gradients or aborted in tests/ops/test_fused_logprob.py's
+# inductor test on a 2-core AMX Xeon, and passed with a fresh cache.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"fasttrain-tests-inductor-{os.getuid()}",
+        f"{os.environ.get('ATEN_CPU_CAPABILITY', 'host')}-t{torch.get_num_threads()}")
+
 # hypothesis' default deadline (200 ms per example) is a wall-clock bound: a loaded machine fails it
 # with correct code. No example has a deadline here; speed is measured in bench/.
 settings.register_profile("fasttrain", deadline=None)

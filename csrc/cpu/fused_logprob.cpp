@@ -13,7 +13,10 @@
 // What it is not: a hand-written GEMM. The products are at::mm on fp32 (fp64 for fp64 inputs);
 // at::mm called inside at::parallel_for runs single-threaded, which is what we want here.
 // bf16/fp16 inputs are widened to fp32 per chunk: this CPU (AMD EPYC, AVX2, no avx512_bf16) runs a
-// bf16 at::mm several times slower than fp32, and fp32 logits are also more exact.
+// bf16 at::mm several times slower than fp32, and fp32 logits are also more exact. Except step 1 for
+// bf16 h and W where oneDNN's brgemm ukernel packs bf16 (AMX, AVX-512 bf16; at::native::cpublas):
+// there Z is the bf16 x bf16 -> fp32 product of W packed once per call, the same exact products
+// and fp32 sums as the widened GEMM in another order (FASTTRAIN_LOGPROB_BRGEMM=0 turns it off).
 // The accumulator rows (the grad_vec output itself) are revisited once per chunk: B*H floats
 // against B*C*H FMAs. A widened W chunk (bf16/fp16 inputs) is made per group of token blocks per
 // chunk, into a buffer each thread holds for the whole call.
@@ -23,6 +26,7 @@
 // dW_c += D^T . h_blk, dbias_c += colsum(D).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #if !defined(CPU_CAPABILITY)
@@ -45,6 +49,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "core/variant.h"
@@ -76,6 +81,46 @@ int64_t vocab_chunk(int64_t chunk_bytes, int64_t block, int64_t H, int64_t V, in
   int64_t c = budget / (elem * (nthreads * block + H));
   c = std::max<int64_t>(16, std::min<int64_t>(8192, c / 16 * 16));
   return std::min(c, std::max<int64_t>(V, 1));
+}
+
+// ---- bf16 logits through ATen's brgemm (oneDNN's ukernel: AMX or AVX-512 bf16 where the CPU has them)
+// z = h·Wᵀ of bf16 h and W: every product of two bf16 values is exact in float32 and the sums are
+// float32, as in the widened float32 GEMM (only their order differs). W is packed once per call into
+// oneDNN's VNNI layout in blocks of kPackCols vocabulary rows (the widest block the ukernel packs
+// here), the last block zero-padded. Measured on the 2-core AMX Xeon, one thread, [128, 576] x
+// [576, 2048]: 1254 GFLOP/s against 162 for the float32 at::mm of the widened values.
+constexpr int64_t kPackCols = 64;
+
+bool brgemm_logits_usable(const at::Tensor& hidden, const at::Tensor& weight) {
+  if (hidden.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 || hidden.size(1) % 2 != 0)
+    return false;
+  const char* v = std::getenv("FASTTRAIN_LOGPROB_BRGEMM");
+  if (v && std::string(v) == "0") return false;
+  return at::native::cpublas::could_pack(at::kBFloat16);
+}
+
+// W [V, H] bf16 -> [ceil(V / kPackCols), H, kPackCols] VNNI blocks of Wᵀ (undefined if packing fails).
+at::Tensor pack_weight_blocks(const at::Tensor& w) {
+  const int64_t V = w.size(0), H = w.size(1), nblk = (V + kPackCols - 1) / kPackCols;
+  at::Tensor out = at::empty({nblk * H * kPackCols}, w.options());
+  const at::BFloat16* src = w.const_data_ptr<at::BFloat16>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+  std::atomic<bool> ok{true};
+  fasttrain::parallel_for(0, nblk, 8, [&](int64_t j0, int64_t j1) {
+    std::vector<at::BFloat16> t(H * kPackCols);
+    for (int64_t j = j0; j < j1 && ok; ++j) {
+      const int64_t r0 = j * kPackCols, nr = std::min(kPackCols, V - r0);
+      for (int64_t h = 0; h < H; ++h)            // Wᵀ block [H, kPackCols], rows past V zero
+        for (int64_t c = 0; c < kPackCols; ++c) t[h * kPackCols + c] = c < nr ? src[(r0 + c) * H + h] : at::BFloat16(0.0f);
+      try {
+        at::native::cpublas::pack(H, kPackCols, kPackCols, kPackCols, at::kBFloat16, at::kBFloat16, t.data(),
+                                  dst + j * H * kPackCols);
+      } catch (const std::exception&) {
+        ok = false;
+      }
+    }
+  });
+  return ok ? out : at::Tensor();
 }
 
 // Fused statistics pass over one row of chunk logits (in place): z = (zr + b) * inv_temp, chunk
@@ -160,12 +205,16 @@ static void check_targets_cpu(const char* op, const at::Tensor& targets, int64_t
 template <typename acc_t>
 static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const int64_t* tg, const acc_t* bias,
                          acc_t inv_temp, int64_t ignore_index, bool compute_grad, int64_t chunk_bytes,
-                         acc_t* logp, acc_t* ent, acc_t* stats, at::Tensor& grad_vec) {
+                         acc_t* logp, acc_t* ent, acc_t* stats, at::Tensor& grad_vec,
+                         const at::Tensor& hid16 = at::Tensor(), const at::Tensor& wpacked = at::Tensor()) {
   const int64_t N = hid.size(0), H = hid.size(1), V = weight.size(0);
   const at::ScalarType acc_dt = hid.scalar_type();
   const int64_t nthreads = at::get_num_threads();
   const int64_t B = std::max<int64_t>(1, env_int("FASTTRAIN_LOGPROB_BLOCK", kTokenBlock));
-  const int64_t C = vocab_chunk(chunk_bytes, B, H, V, sizeof(acc_t), nthreads);
+  // with packed W (bf16 logits by brgemm) a chunk is whole packed blocks
+  const bool packed = wpacked.defined() && std::is_same_v<acc_t, float>;
+  int64_t C = vocab_chunk(chunk_bytes, B, H, V, sizeof(acc_t), nthreads);
+  if (packed) C = std::max<int64_t>(kPackCols, C / kPackCols * kPackCols);
   const int64_t nblocks = (N + B - 1) / B;
 
   std::vector<fm::LseState<acc_t>> st(N, fm::lse_init<acc_t>());
@@ -173,7 +222,8 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   std::vector<at::Tensor> scratch(nthreads);
   for (auto& s : scratch) s = at::empty({B * C}, hid.options());
   std::vector<acc_t> alpha_all(N, acc_t(1));
-  const bool widen = weight.scalar_type() != acc_dt;
+  // the W chunk in the GEMM dtype: for both GEMMs, or (packed W) only for the p·W accumulator
+  const bool widen = weight.scalar_type() != acc_dt && (!packed || compute_grad);
   // Widened W chunks go into one buffer per thread, allocated here once: a fresh [C, H] tensor per
   // (group, chunk) is a large allocation that the allocator maps and unmaps each time, and its
   // page faults cost more than the widening itself (measured on a 2-core Xeon: 2.7-5.4 ms per
@@ -192,19 +242,38 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   fasttrain::parallel_for(0, std::min(nthreads, ngroups), 1, [&](int64_t, int64_t) {
    at::Tensor& zbuf = scratch[at::get_thread_num()];
    at::Tensor* wb = widen ? &wbuf[at::get_thread_num()] : nullptr;
+   std::vector<float> ztail(packed ? B * kPackCols : 0);      // the last, partial packed block's logits
    for (int64_t gi = next_group.fetch_add(1); gi < ngroups; gi = next_group.fetch_add(1)) {
     const int64_t b0 = gi * group, b1 = std::min(nblocks, b0 + group);
     for (int64_t v0 = 0; v0 < V; v0 += C) {
       const int64_t cs = std::min(C, V - v0);
       // the W chunk as the GEMM dtype (a view when no widening is needed)
-      const at::Tensor wc = widen ? wb->narrow(0, 0, cs).copy_(weight.narrow(0, v0, cs)) : weight.narrow(0, v0, cs);
+      const at::Tensor wc = widen ? wb->narrow(0, 0, cs).copy_(weight.narrow(0, v0, cs))
+                                  : (packed ? at::Tensor() : weight.narrow(0, v0, cs));
       const acc_t* bc = bias ? bias + v0 : nullptr;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * B, nb = std::min(B, N - n0);
         // [nb, cs] with contiguous rows (leading dimension cs) inside the thread's scratch
         at::Tensor z = zbuf.narrow(0, 0, nb * cs).view({nb, cs});
-        at::mm_out(z, hid.narrow(0, n0, nb), wc.t());
         acc_t* zp = z.data_ptr<acc_t>();
+        if constexpr (std::is_same_v<acc_t, float>) {
+          if (packed) {
+            const at::BFloat16* a = hid16.const_data_ptr<at::BFloat16>() + n0 * H;
+            const at::BFloat16* wp = wpacked.const_data_ptr<at::BFloat16>();
+            for (int64_t c0 = 0; c0 < cs; c0 += kPackCols) {
+              const at::BFloat16* blk = wp + ((v0 + c0) / kPackCols) * H * kPackCols;
+              const int64_t nc = std::min(kPackCols, cs - c0);
+              if (nc == kPackCols) {
+                at::native::cpublas::brgemm(nb, kPackCols, H, H, kPackCols, cs, false, a, blk, zp + c0, true);
+              } else {                               // zero-padded block: its first nc columns
+                at::native::cpublas::brgemm(nb, kPackCols, H, H, kPackCols, kPackCols, false, a, blk, ztail.data(), true);
+                for (int64_t i = 0; i < nb; ++i)
+                  std::copy(ztail.data() + i * kPackCols, ztail.data() + i * kPackCols + nc, zp + i * cs + c0);
+              }
+            }
+          }
+        }
+        if (!packed) at::mm_out(z, hid.narrow(0, n0, nb), wc.t());
         bool any_rescale = false;
         for (int64_t i = 0; i < nb; ++i) {
           const int64_t n = n0 + i, t = tg[n];
@@ -230,6 +299,7 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
       }
     }
    }
+   if (packed) at::native::cpublas::brgemm_release(true);
   });
 
   // finalize: stats (ref, log s), log p, entropy; grad_vec = (W[t] - acc / s) / T
@@ -281,9 +351,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward
                          1.0 / temperature, ignore_index, compute_grad, chunk_bytes, logp.data_ptr<double>(),
                          ent.data_ptr<double>(), stats.data_ptr<double>(), grad_vec);
   } else {
+    // bf16 logits by brgemm where the CPU's oneDNN ukernel packs bf16 (W packed once per call)
+    const at::Tensor wpacked = brgemm_logits_usable(hidden, w) ? pack_weight_blocks(w) : at::Tensor();
     forward_impl<float>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
                         static_cast<float>(1.0 / temperature), ignore_index, compute_grad, chunk_bytes,
-                        logp.data_ptr<float>(), ent.data_ptr<float>(), stats.data_ptr<float>(), grad_vec);
+                        logp.data_ptr<float>(), ent.data_ptr<float>(), stats.data_ptr<float>(), grad_vec,
+                        wpacked.defined() ? hidden.contiguous() : at::Tensor(), wpacked);
   }
   return {logp, ent, stats, grad_vec};
 }

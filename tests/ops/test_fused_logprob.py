@@ -116,9 +116,13 @@ def test_float32_within_2x_of_eager(N, H, V, chunks):
 
 @pytest.mark.parametrize("dtype,ulp", [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)])
 @pytest.mark.parametrize("tiles", ["default", "small"])
-def test_low_precision_within_2x_of_eager(dtype, ulp, tiles, monkeypatch):
+@pytest.mark.parametrize("brgemm", ["1", "0"])
+def test_low_precision_within_2x_of_eager(dtype, ulp, tiles, brgemm, monkeypatch):
     """"small": many vocabulary chunks (the last one partial) widened into each thread's one
-    buffer, and several groups of 16-token blocks per thread, so a buffer is refilled often."""
+    buffer, and several groups of 16-token blocks per thread, so a buffer is refilled often.
+    brgemm "1": bf16 logits through ATen's brgemm where the CPU packs bf16 (W in 64-row blocks, the
+    last of V = 777 partial); "0": the widened float32 GEMM everywhere."""
+    monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM", brgemm)
     if tiles == "small":
         monkeypatch.setenv("FASTTRAIN_LOGPROB_BLOCK", "16")
         lp_mod.set_chunk_bytes(16384)
