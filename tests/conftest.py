@@ -13,10 +13,10 @@ if _WORKER_THREADS:
     torch.set_num_threads(_WORKER_THREADS)
 
 # torch.compile's on-disk cache (inductor's compiled C++ kernels) is kept per ATen capability and
-# thread count: a kernel compiled in a run at one of them and loaded by a run at another (the
-# numeric tests run the suite again under lower ATEN_CPU_CAPABILITY; a test run outside xdist has
-# two threads, not one) gave wrong gradients or aborted in tests/ops/test_fused_logprob.py's
-# inductor test on a 2-core AMX Xeon, and passed with a fresh cache.
+# thread count. On a 2-core AMX Xeon, tests/ops/test_fused_logprob.py's inductor test, run outside
+# xdist (two threads) after `make test` (one thread a worker, then the numeric tests again under
+# lower ATEN_CPU_CAPABILITY), gave wrong gradients or aborted with the shared cache and passed with
+# a fresh one. Which of the two the cache's key misses was not isolated; keying on both covers it.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(

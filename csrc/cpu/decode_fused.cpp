@@ -6,12 +6,13 @@
 // these ops computes what the modules compute, up to the order of the RMSNorm's sum of squares and
 // the exp of the SiLU (one float ulp each before the final rounding).
 // Why by hand: at rollout batch sizes a decode step's elementwise work is tiny (48 rows x 576 at
-// SmolLM2's shape) but in eager PyTorch it is about 40 ops a layer (HF's RMSNorm is 7: a cast, pow,
-// mean, add, rsqrt, mul, a cast back and the weight's mul; the rotary 12 for q and k; the cache
+// SmolLM2's shape) but in eager PyTorch it is about 40 ops a layer (HF's RMSNorm alone is 8: a cast,
+// pow, mean, add, rsqrt, mul, a cast back and the weight's mul; the rotary 12 for q and k; the cache
 // writes, the split, SiLU, the product), each a dispatch, an allocation and a pass over memory. On
-// a 2-core AMX Xeon they took about a third of SmolLM2's 62 ms decode step (bench/profile_decode.py:
+// a 2-core AMX Xeon they took about a quarter of SmolLM2's 62 ms decode step (bench/profile_decode.py:
 // aten::mul, copy_, add, silu, pow, cat, _to_copy... ~16 ms of op self time beside the GEMMs'
-// 19.6 ms and the attention's 18.3 ms). These ops do the same work in 4 calls a layer.
+// 19.6 ms and the attention's 18.3 ms). These ops do the same work in 4 calls a layer: the step
+// took 52.2-53.2 ms against the modules' 65.5-65.7 ms (alternating runs, bench/results decode-fused).
 // What it is not: a training op (no backward; the rollout runs without autograd), nor a CUDA
 // kernel: on a GPU the decoder keeps the modules (and the compiled step fuses them there).
 #include <ATen/ATen.h>

@@ -90,10 +90,15 @@ int64_t vocab_chunk(int64_t chunk_bytes, int64_t block, int64_t H, int64_t V, in
 // here), the last block zero-padded. Measured on the 2-core AMX Xeon, one thread, [128, 576] x
 // [576, 2048]: 1254 GFLOP/s against 162 for the float32 at::mm of the widened values.
 constexpr int64_t kPackCols = 64;
+// Packing W costs about as much as the brgemm saves on 140 tokens (2-core AMX Xeon, SmolLM2's head:
+// 26 against 7 ms a call at 1 token, 212 against 361 ms at 1024; both scale with V·H), so a call of
+// fewer tokens keeps the widened GEMM. FASTTRAIN_LOGPROB_BRGEMM_MIN_TOKENS overrides it (tests).
+constexpr int64_t kBrgemmMinTokens = 256;
 
 bool brgemm_logits_usable(const at::Tensor& hidden, const at::Tensor& weight) {
   if (hidden.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 || hidden.size(1) % 2 != 0)
     return false;
+  if (hidden.size(0) < env_int("FASTTRAIN_LOGPROB_BRGEMM_MIN_TOKENS", kBrgemmMinTokens)) return false;
   const char* v = std::getenv("FASTTRAIN_LOGPROB_BRGEMM");
   if (v && std::string(v) == "0") return false;
   return at::native::cpublas::could_pack(at::kBFloat16);

@@ -331,8 +331,9 @@ def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
     ch = CPU_LOGPROB_BUDGET // (acc * (dev.threads * CPU_LOGPROB_BLOCK + H))
     ch = min(max(16, min(8192, ch // 16 * 16)), V)
     widen = ch * H * acc * dev.threads if m.w != acc else 0
-    # bf16 logits by brgemm where the CPU has bf16 GEMMs: W packed once per call in 64-row blocks
-    packed = -(-V // 64) * 64 * H * 2 if (m.w == 2 and dev.cpu_bf16) else 0
+    # bf16 logits by brgemm where the CPU has bf16 GEMMs, for calls of at least 256 tokens
+    # (csrc/cpu/fused_logprob.cpp): W packed once per call in 64-row blocks (fp16 counted alike: a bound)
+    packed = -(-V // 64) * 64 * H * 2 if (m.w == 2 and dev.cpu_bf16 and n_tok >= 256) else 0
     return dev.threads * CPU_LOGPROB_BLOCK * ch * acc + widen + packed
 
 

@@ -242,7 +242,7 @@ class LlamaFamilyDecoder:
         w = self.weights.fused(mods) if len(mods) > 1 else self.weights.linear(mods[0])
         if w is None:
             return tuple(_plain(m, h) if len(mods) == 1 else self._project(h, (m,))[0] for m in mods)
-        y = linear_bf16_as_fp32(h, w) if fp32_base(h, w) else rollout_linear(h, w)
+        y = _gemm(h, w)
         outs = y.split([m.out_features for m in mods], dim=-1) if len(mods) > 1 else (y,)
         return tuple(o if m.bias is None else o + m.bias for o, m in zip(outs, mods))
 
@@ -293,7 +293,7 @@ def _fusable_layers(dec: "LlamaFamilyDecoder") -> bool:
 
 
 def _gemm(h: Tensor, w: Tensor) -> Tensor:
-    """h·wᵀ for a rollout weight, in fp32 sums where the host lacks fast bf16 GEMMs (DecoderBase._project)."""
+    """h·wᵀ for a rollout weight, in fp32 sums where the host lacks fast bf16 GEMMs."""
     return linear_bf16_as_fp32(h, w) if fp32_base(h, w) else rollout_linear(h, w)
 
 
