@@ -3,6 +3,7 @@
 // kernels beside their code in the separate module fasttrain._C_cuda (csrc/cuda/*.cu). This file
 // also defines the pybind11 module fasttrain._C, whose import loads the library and so registers
 // the schemas and the CPU kernels.
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 #include <torch/extension.h>
 
@@ -148,4 +149,7 @@ PYBIND11_MODULE(_C, m) {
         "the variant of the CPU kernels that runs here: default, avx2, avx512 (or native)");
   m.def("cpu_has_bf16", &fasttrain::cpu_has_bf16,
         "whether the CPU kernels compute bfloat16 inputs in bfloat16 (avx512_bf16 and ATen at AVX512), else fp32");
+  m.def("cpu_brgemm_bf16", [] { return at::native::cpublas::could_pack(at::kBFloat16); },
+        "whether ATen's brgemm ukernel packs bfloat16 here (oneDNN: AMX or AVX-512 bf16), which the fused "
+        "log-prob head's bf16 GEMMs use");
 }

@@ -49,6 +49,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,85 @@ at::Tensor pack_weight_blocks(const at::Tensor& w) {
     }
   });
   return ok ? out : at::Tensor();
+}
+
+// ---- the hidden gradient's p·W accumulator through the same brgemm, p split into two bf16 terms
+// acc += p~·W_c has fp32 p~ and bf16 W. p~ = p_hi + p_lo + e with p_hi = bf16(p~) and p_lo =
+// bf16(p~ - p_hi) (the difference is exact in fp32): |e| <= 2^-18 |p~| (two bf16 roundings, unit
+// roundoff 2^-9 each), so the two bf16 x bf16 -> fp32 products add at most 2^-18 Σ p~|W| to the
+// fp32 sum's own rounding (at least V·2^-24 Σ p~|W| in the worst case). Where it runs (W bf16,
+// H a multiple of kPackCols, brgemm packs bf16) W is packed a second time, K-major: blocks of
+// kPackK vocabulary rows by kPackCols hidden columns, the last vocabulary block zero-padded.
+// Measured on the 2-core AMX Xeon, SmolLM2's head: the fp32 addmm of widened W chunks ran at about
+// 100 GFLOP/s a thread.
+constexpr int64_t kPackK = 512;
+
+bool brgemm_accumulator_usable(const at::Tensor& hidden, const at::Tensor& weight) {
+  if (hidden.size(1) % kPackCols != 0) return false;
+  const char* v = std::getenv("FASTTRAIN_LOGPROB_BRGEMM_PW");
+  if (v && std::string(v) == "0") return false;
+  return brgemm_logits_usable(hidden, weight);
+}
+
+// W [V, H] bf16 -> [ceil(V / kPackK), H / kPackCols, kPackK, kPackCols] VNNI blocks of W itself
+// (K = vocabulary rows), rows past V zero; undefined if packing fails.
+at::Tensor pack_weight_kblocks(const at::Tensor& w) {
+  const int64_t V = w.size(0), H = w.size(1), nkb = (V + kPackK - 1) / kPackK, ncb = H / kPackCols;
+  at::Tensor out = at::empty({nkb * ncb * kPackK * kPackCols}, w.options());
+  const at::BFloat16* src = w.const_data_ptr<at::BFloat16>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+  std::atomic<bool> ok{true};
+  fasttrain::parallel_for(0, nkb * ncb, 4, [&](int64_t i0, int64_t i1) {
+    std::vector<at::BFloat16> t(kPackK * kPackCols);
+    for (int64_t i = i0; i < i1 && ok; ++i) {
+      const int64_t kb = i / ncb, cb = i % ncb, r0 = kb * kPackK, nr = std::min(kPackK, V - r0);
+      for (int64_t r = 0; r < kPackK; ++r)
+        for (int64_t c = 0; c < kPackCols; ++c)
+          t[r * kPackCols + c] = r < nr ? src[(r0 + r) * H + cb * kPackCols + c] : at::BFloat16(0.0f);
+      try {
+        at::native::cpublas::pack(kPackK, kPackCols, kPackCols, kPackCols, at::kBFloat16, at::kBFloat16, t.data(),
+                                  dst + i * kPackK * kPackCols);
+      } catch (const std::exception&) {
+        ok = false;
+      }
+    }
+  });
+  return ok ? out : at::Tensor();
+}
+
+// Rows of p~ (fp32, row stride ldz, cs columns) as p_hi and p_lo (bf16, row stride ldp), columns
+// cs..ldp zero; a row whose target is ignored is all zeros.
+// bf16 of a finite float, rounded to nearest even (c10::BFloat16's rounding without its NaN branch,
+// written on the bits so that the loop below vectorizes); p~ is finite and >= 0 here
+inline uint16_t bf16_bits_rne(uint32_t u) { return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16); }
+
+void split_bf16_rows(const float* z, int64_t ldz, int64_t nb, int64_t cs, int64_t ldp, const int64_t* tg,
+                     int64_t ignore_index, at::BFloat16* hi, at::BFloat16* lo) {
+  for (int64_t i = 0; i < nb; ++i) {
+    uint16_t* h = reinterpret_cast<uint16_t*>(hi + i * ldp);
+    uint16_t* l = reinterpret_cast<uint16_t*>(lo + i * ldp);
+    if (tg[i] == ignore_index) {
+      std::fill(h, h + ldp, uint16_t(0));
+      std::fill(l, l + ldp, uint16_t(0));
+      continue;
+    }
+    const float* zr = z + i * ldz;
+    for (int64_t j = 0; j < cs; ++j) {
+      uint32_t u;
+      std::memcpy(&u, zr + j, 4);
+      const uint16_t hb = bf16_bits_rne(u);
+      const uint32_t hu = uint32_t(hb) << 16;
+      float hf;
+      std::memcpy(&hf, &hu, 4);
+      const float r = zr[j] - hf;                    // exact: hf is within a factor 2 of zr[j]
+      uint32_t ru;
+      std::memcpy(&ru, &r, 4);
+      h[j] = hb;
+      l[j] = bf16_bits_rne(ru);
+    }
+    std::fill(h + cs, h + ldp, uint16_t(0));
+    std::fill(l + cs, l + ldp, uint16_t(0));
+  }
 }
 
 // Fused statistics pass over one row of chunk logits (in place): z = (zr + b) * inv_temp, chunk
@@ -211,7 +291,8 @@ template <typename acc_t>
 static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const int64_t* tg, const acc_t* bias,
                          acc_t inv_temp, int64_t ignore_index, bool compute_grad, int64_t chunk_bytes,
                          acc_t* logp, acc_t* ent, acc_t* stats, at::Tensor& grad_vec,
-                         const at::Tensor& hid16 = at::Tensor(), const at::Tensor& wpacked = at::Tensor()) {
+                         const at::Tensor& hid16 = at::Tensor(), const at::Tensor& wpacked = at::Tensor(),
+                         const at::Tensor& wpacked_k = at::Tensor()) {
   const int64_t N = hid.size(0), H = hid.size(1), V = weight.size(0);
   const at::ScalarType acc_dt = hid.scalar_type();
   const int64_t nthreads = at::get_num_threads();
@@ -219,7 +300,10 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   // with packed W (bf16 logits by brgemm) a chunk is whole packed blocks
   const bool packed = wpacked.defined() && std::is_same_v<acc_t, float>;
   int64_t C = vocab_chunk(chunk_bytes, B, H, V, sizeof(acc_t), nthreads);
+  // with W also packed K-major (the p·W accumulator by brgemm) a chunk is whole kPackK blocks
+  const bool packed_k = packed && compute_grad && wpacked_k.defined();
   if (packed) C = std::max<int64_t>(kPackCols, C / kPackCols * kPackCols);
+  if (packed_k) C = std::max<int64_t>(kPackK, C / kPackK * kPackK);
   const int64_t nblocks = (N + B - 1) / B;
 
   std::vector<fm::LseState<acc_t>> st(N, fm::lse_init<acc_t>());
@@ -228,7 +312,7 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   for (auto& s : scratch) s = at::empty({B * C}, hid.options());
   std::vector<acc_t> alpha_all(N, acc_t(1));
   // the W chunk in the GEMM dtype: for both GEMMs, or (packed W) only for the p·W accumulator
-  const bool widen = weight.scalar_type() != acc_dt && (!packed || compute_grad);
+  const bool widen = weight.scalar_type() != acc_dt && (!packed || (compute_grad && !packed_k));
   // Widened W chunks go into one buffer per thread, allocated here once: a fresh [C, H] tensor per
   // (group, chunk) is a large allocation that the allocator maps and unmaps each time, and its
   // page faults cost more than the widening itself (measured on a 2-core Xeon: 2.7-5.4 ms per
@@ -248,6 +332,7 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
    at::Tensor& zbuf = scratch[at::get_thread_num()];
    at::Tensor* wb = widen ? &wbuf[at::get_thread_num()] : nullptr;
    std::vector<float> ztail(packed ? B * kPackCols : 0);      // the last, partial packed block's logits
+   std::vector<at::BFloat16> phi(packed_k ? B * C : 0), plo(packed_k ? B * C : 0);   // p~ = p_hi + p_lo
    for (int64_t gi = next_group.fetch_add(1); gi < ngroups; gi = next_group.fetch_add(1)) {
     const int64_t b0 = gi * group, b1 = std::min(nblocks, b0 + group);
     for (int64_t v0 = 0; v0 < V; v0 += C) {
@@ -299,7 +384,25 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
             }
           }
           // ignored rows of z still hold raw logits: their accumulator rows are zeroed at the end
-          at::addmm_out(acc, acc, z, wc);
+          if constexpr (std::is_same_v<acc_t, float>) {
+            if (packed_k) {
+              const int64_t ck = (cs + kPackK - 1) / kPackK * kPackK, ncb = H / kPackCols;
+              split_bf16_rows(zp, cs, nb, cs, ck, tg + n0, ignore_index, phi.data(), plo.data());
+              const at::BFloat16* wk = wpacked_k.const_data_ptr<at::BFloat16>();
+              float* ap = acc.data_ptr<float>();
+              for (int64_t k0 = 0; k0 < ck; k0 += kPackK) {
+                const at::BFloat16* kblk = wk + ((v0 + k0) / kPackK) * ncb * kPackK * kPackCols;
+                for (int64_t cb = 0; cb < ncb; ++cb) {
+                  const at::BFloat16* blk = kblk + cb * kPackK * kPackCols;
+                  at::native::cpublas::brgemm(nb, kPackCols, kPackK, ck, kPackCols, H, true, phi.data() + k0, blk,
+                                              ap + cb * kPackCols, true);
+                  at::native::cpublas::brgemm(nb, kPackCols, kPackK, ck, kPackCols, H, true, plo.data() + k0, blk,
+                                              ap + cb * kPackCols, true);
+                }
+              }
+            }
+          }
+          if (!packed_k) at::addmm_out(acc, acc, z, wc);
         }
       }
     }
@@ -358,10 +461,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward
   } else {
     // bf16 logits by brgemm where the CPU's oneDNN ukernel packs bf16 (W packed once per call)
     const at::Tensor wpacked = brgemm_logits_usable(hidden, w) ? pack_weight_blocks(w) : at::Tensor();
+    const at::Tensor wpacked_k = compute_grad && wpacked.defined() && brgemm_accumulator_usable(hidden, w)
+                                     ? pack_weight_kblocks(w) : at::Tensor();
     forward_impl<float>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
                         static_cast<float>(1.0 / temperature), ignore_index, compute_grad, chunk_bytes,
                         logp.data_ptr<float>(), ent.data_ptr<float>(), stats.data_ptr<float>(), grad_vec,
-                        wpacked.defined() ? hidden.contiguous() : at::Tensor(), wpacked);
+                        wpacked.defined() ? hidden.contiguous() : at::Tensor(), wpacked, wpacked_k);
   }
   return {logp, ent, stats, grad_vec};
 }

@@ -137,6 +137,67 @@ def test_low_precision_within_2x_of_eager(dtype, ulp, tiles, brgemm, monkeypatch
         assert_2x(out, key, ulp=ulp)
 
 
+def _gamma(k: int, u: float) -> float:
+    return k * u / (1 - k * u)
+
+
+@pytest.mark.parametrize("pw", ["1", "0"])
+@pytest.mark.parametrize("tiles", ["default", "small"])
+def test_bf16_grad_vector_within_derived_bound(pw, tiles, monkeypatch):
+    """The op's float32 hidden-gradient vector g = (W[t] - softmax(z)·W) / T for bf16 h and W against
+    float64 on the same values, within a bound derived from the roundings (u = 2^-24, first order):
+    the logits' float32 sums of exact products, |dz_v| <= gamma_H sum_i |h_i W_vi| / T, plus u|z_v|
+    for the scale and u|z_v - ref| for the shift; exp within 4u; so each p~_v is within
+    d_v = |dz_v| + u|z_v| + u|z_v - ref| + 4u of its relative value and the normalized softmax
+    within 2 max_v d_v + gamma_V. The accumulator's float32 sums add gamma_V sum_v p_v |W_vh|, the
+    bf16 split of p~ (pw "1": the p·W accumulator by brgemm, p~ = p_hi + p_lo) 2^-18 sum_v p_v |W_vh|,
+    the per-chunk rescales and the final (W[t] - acc / s) / T a few u of each term.
+    H = 128 (whole 64-column blocks, so the brgemm accumulator runs), V = 777 (a partial last
+    512-row block); "small": two vocabulary chunks and 16-token blocks, so the rescale between
+    chunks and several token blocks per thread run."""
+    monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM_PW", pw)
+    monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM_MIN_TOKENS", "1")
+    if tiles == "small":
+        monkeypatch.setenv("FASTTRAIN_LOGPROB_BLOCK", "16")
+        lp_mod.set_chunk_bytes(16384)
+    N, H, V, T = 96, 128, 777, 0.8
+    try:
+        h, w, t, _ = make(N, H, V, torch.bfloat16, scale=4.0, ignore=(5,))
+        _, _, stats, gv = OP.fused_logprob_forward(h, w, t, None, T, -100, True, 0)
+    finally:
+        lp_mod.set_chunk_bytes(0)
+    u = 2.0**-24
+    h64, w64 = h.double(), w.double()
+    z = h64 @ w64.T / T                                                   # [N, V]
+    p = torch.softmax(z, dim=-1)
+    ref = w64[t.clamp(min=0)] / T - p @ w64 / T                          # [N, H]
+    dz = _gamma(H, u) * (h64.abs() @ w64.abs().T) / T
+    shift = stats[0].double()[:, None]                                     # the kernel's running ref
+    d = (dz + u * z.abs() + u * (z - shift).abs() + 4 * u).amax(dim=-1, keepdim=True)
+    spread = p @ w64.abs() / T                                            # sum_v p_v |W_vh| / T
+    bound = (2 * d + 2 * _gamma(V, u) + 2.0**-18 + 8 * u) * spread + 4 * u * w64[t.clamp(min=0)].abs() / T
+    keep = t != -100
+    e = (gv.double() - ref).abs()
+    assert torch.all(e[keep] <= bound[keep]), f"worst excess {(e - bound)[keep].max().item():.3g}"
+    assert torch.all(gv[~keep] == 0)
+    assert e[keep].max() > 0                                              # a float32 result, not float64
+
+
+def test_bf16_brgemm_accumulator_is_taken(monkeypatch):
+    """Where H is a multiple of 64 the p·W accumulator runs on brgemm (other bits than the widened
+    float32 addmm); FASTTRAIN_LOGPROB_BRGEMM_PW=0 turns it off. Skipped where oneDNN does not pack bf16."""
+    if not fo.brgemm_bf16_available():
+        pytest.skip("this CPU's oneDNN ukernel does not pack bf16 (no AVX-512 bf16 / AMX)")
+    monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM_MIN_TOKENS", "1")
+    h, w, t, _ = make(64, 128, 448, torch.bfloat16, scale=4.0)      # one 448-row chunk either way
+    out = {}
+    for pw in ("1", "0"):
+        monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM_PW", pw)
+        out[pw] = OP.fused_logprob_forward(h, w, t, None, 1.0, -100, True, 0)
+    assert torch.equal(out["1"][0], out["0"][0])                         # the same logits and chunks
+    assert not torch.equal(out["1"][3], out["0"][3])
+
+
 def test_hand_computed_case():
     # h = [1, 0], W rows e1, e2, 0: logits [1, 0, 0] -> p = [e, 1, 1] / (e + 2)
     h = torch.tensor([[1.0, 0.0]], dtype=torch.float64, requires_grad=True)

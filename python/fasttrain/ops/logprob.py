@@ -24,9 +24,16 @@ from fasttrain.ops.kernels import use_reference as _use_reference
 _load()
 _ops = torch.ops.fasttrain
 
-__all__ = ["fused_logprob", "set_chunk_bytes", "chunk_bytes"]
+__all__ = ["fused_logprob", "set_chunk_bytes", "chunk_bytes", "brgemm_bf16_available"]
 
 _CHUNK_BYTES = 0  # 0: the backend's default (CPU: 8 MiB in all threads; CUDA: 256 MiB)
+
+
+def brgemm_bf16_available() -> bool:
+    """Whether the CPU kernel's bf16 head GEMMs (the logits and the p·W accumulator) run on ATen's
+    brgemm here: oneDNN's ukernel packs bf16 on AMX and AVX-512 bf16 CPUs; elsewhere they widen to
+    float32."""
+    return bool(_load().cpu_brgemm_bf16())
 
 
 def set_chunk_bytes(nbytes: int) -> None:

@@ -314,7 +314,7 @@ def _layers_of(m: ModelShape, dev: Device):
     return moe_memory.MoELayers(base, moe_memory.form_for(dev.kind, m)) if moe_memory.is_moe(m) else base
 
 
-def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
+def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int, grad: bool = False) -> int:
     H, V = m.hidden, m.vocab
     if n_tok == 0:
         return 0
@@ -334,6 +334,12 @@ def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int) -> int:
     # bf16 logits by brgemm where the CPU has bf16 GEMMs, for calls of at least 256 tokens
     # (csrc/cpu/fused_logprob.cpp): W packed once per call in 64-row blocks (fp16 counted alike: a bound)
     packed = -(-V // 64) * 64 * H * 2 if (m.w == 2 and dev.cpu_bf16 and n_tok >= 256) else 0
+    if packed and grad and H % 64 == 0:
+        # and the p·W accumulator by brgemm: W packed again in 512-row blocks, p~ as two bf16 rows
+        # per thread ([block, chunk] each) instead of the widened W chunks
+        ch = max(512, ch // 512 * 512)
+        packed += -(-V // 512) * 512 * H * 2 + dev.threads * CPU_LOGPROB_BLOCK * ch * 2 * 2
+        widen = 0
     return dev.threads * CPU_LOGPROB_BLOCK * ch * acc + widen + packed
 
 
@@ -348,7 +354,7 @@ def _logprob_head(m: ModelShape, dev: Device, n_tok: int, grad: bool) -> int:
         b += n_tok * H * acc
     if grad:
         b += n_tok * H * acc
-    return b + _logprob_scratch(m, dev, n_tok)
+    return b + _logprob_scratch(m, dev, n_tok, grad)
 
 
 def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: int, T: int, dense: bool) -> dict:
