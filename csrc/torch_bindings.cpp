@@ -9,6 +9,7 @@
 
 #include "core/cpu_features.h"
 #include "core/cpu_variant.h"
+#include "cpu/pack_cache.h"
 #include "ops.h"
 
 TORCH_LIBRARY(fasttrain, m) {
@@ -149,6 +150,10 @@ PYBIND11_MODULE(_C, m) {
         "the variant of the CPU kernels that runs here: default, avx2, avx512 (or native)");
   m.def("cpu_has_bf16", &fasttrain::cpu_has_bf16,
         "whether the CPU kernels compute bfloat16 inputs in bfloat16 (avx512_bf16 and ATen at AVX512), else fp32");
+  m.def("logprob_pack_scope", &fasttrain::logprob_pack_scope,
+        "open (True) or close (False) a scope in which the CPU fused_logprob keeps W's packed copies "
+        "across calls (fasttrain.ops.logprob_pack_cache)");
+  m.def("logprob_pack_entries", &fasttrain::logprob_pack_entries, "entries the pack scope holds now (tests)");
   m.def("cpu_brgemm_bf16", [] { return at::native::cpublas::could_pack(at::kBFloat16); },
         "whether ATen's brgemm ukernel packs bfloat16 here (oneDNN: AMX or AVX-512 bf16), which the fused "
         "log-prob head's bf16 GEMMs use");

@@ -57,6 +57,7 @@
 #include "core/checks.h"
 #include "core/fused_logprob_checks.h"
 #include "core/math.h"
+#include "cpu/pack_cache.h"
 #include "cpu/parallel.h"
 #include "cpu/register.h"
 #include "ops.h"
@@ -171,6 +172,20 @@ at::Tensor pack_weight_kblocks(const at::Tensor& w) {
     }
   });
   return ok ? out : at::Tensor();
+}
+
+// The packed copies of W for this call: from the open pack scope's cache (cpu/pack_cache.h) where
+// one is open, else packed now (each undefined where unusable or not wanted).
+std::pair<at::Tensor, at::Tensor> packed_weight(const at::Tensor& w, bool want, bool want_k) {
+  if (!want) return {at::Tensor(), at::Tensor()};
+  auto [packed, packed_k] = logprob_pack_lookup(w);
+  const bool hit = packed.defined();
+  if (!hit) packed = pack_weight_blocks(w);
+  const bool pack_k = want_k && packed.defined() && !packed_k.defined();
+  if (pack_k) packed_k = pack_weight_kblocks(w);
+  if (!want_k) packed_k = at::Tensor();
+  if (!hit || pack_k) logprob_pack_store(w, packed, packed_k);
+  return {packed, packed_k};
 }
 
 // Rows of p~ (fp32, row stride ldz, cs columns) as p_hi and p_lo (bf16, row stride ldp), columns
@@ -460,9 +475,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward
                          ent.data_ptr<double>(), stats.data_ptr<double>(), grad_vec);
   } else {
     // bf16 logits by brgemm where the CPU's oneDNN ukernel packs bf16 (W packed once per call)
-    const at::Tensor wpacked = brgemm_logits_usable(hidden, w) ? pack_weight_blocks(w) : at::Tensor();
-    const at::Tensor wpacked_k = compute_grad && wpacked.defined() && brgemm_accumulator_usable(hidden, w)
-                                     ? pack_weight_kblocks(w) : at::Tensor();
+    // (from the open pack scope's cache: w is the caller's W where it is contiguous, else a copy
+    // of it made here, which no later call matches)
+    const bool want = brgemm_logits_usable(hidden, w);
+    const bool want_k = want && compute_grad && brgemm_accumulator_usable(hidden, w);
+    const auto [wpacked, wpacked_k] = packed_weight(w, want, want_k);
     forward_impl<float>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
                         static_cast<float>(1.0 / temperature), ignore_index, compute_grad, chunk_bytes,
                         logp.data_ptr<float>(), ent.data_ptr<float>(), stats.data_ptr<float>(), grad_vec,

@@ -198,6 +198,42 @@ def test_bf16_brgemm_accumulator_is_taken(monkeypatch):
     assert not torch.equal(out["1"][3], out["0"][3])
 
 
+def test_pack_cache_scope_keeps_results_and_follows_writes(monkeypatch):
+    """Inside logprob_pack_cache W's packed copies are kept across calls (one entry per W, dropped when
+    the scope closes) and the results are the bits of an unscoped call; an in-place write to W, a
+    second W, and a freed W replaced by another of its shape all give their own fresh results."""
+    if not fo.brgemm_bf16_available():
+        pytest.skip("this CPU's oneDNN ukernel does not pack bf16 (no AVX-512 bf16 / AMX)")
+    from fasttrain._native import load
+    lib = load()
+    monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM_MIN_TOKENS", "1")
+    h, w, t, _ = make(40, 128, 300, torch.bfloat16, scale=3.0, seed=1)
+    _, w2, _, _ = make(40, 128, 300, torch.bfloat16, scale=3.0, seed=2)
+
+    def call(weight, grad=True):
+        return OP.fused_logprob_forward(h, weight, t, None, 1.0, -100, grad, 0)
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    plain, plain2, plain_nograd = call(w), call(w2), call(w, grad=False)
+    assert lib.logprob_pack_entries() == 0
+    with fo.logprob_pack_cache():
+        assert same(call(w, grad=False), plain_nograd) and lib.logprob_pack_entries() == 1
+        assert same(call(w), plain) and same(call(w), plain)            # the accumulator's copy added
+        assert same(call(w2), plain2) and lib.logprob_pack_entries() == 2
+        w.mul_(0.5)                                                      # bumps w's version
+        fresh = call(w)
+        w.mul_(2.0)                                                      # back to the same values (exact)
+        assert same(call(w), plain) and not same(fresh, plain)
+        tmp = w2.clone()
+        assert same(call(tmp), plain2)
+        del tmp                                                          # freed: its entry goes
+        other = w.clone()
+        assert same(call(other), plain)
+    assert lib.logprob_pack_entries() == 0
+
+
 def test_hand_computed_case():
     # h = [1, 0], W rows e1, e2, 0: logits [1, 0, 0] -> p = [e, 1, 1] / (e + 2)
     h = torch.tensor([[1.0, 0.0]], dtype=torch.float64, requires_grad=True)

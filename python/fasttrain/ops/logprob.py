@@ -15,6 +15,9 @@ for weight (and bias) is computed only when they require grad, by recomputing p 
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from fasttrain._native import load as _load
@@ -24,7 +27,7 @@ from fasttrain.ops.kernels import use_reference as _use_reference
 _load()
 _ops = torch.ops.fasttrain
 
-__all__ = ["fused_logprob", "set_chunk_bytes", "chunk_bytes", "brgemm_bf16_available"]
+__all__ = ["fused_logprob", "set_chunk_bytes", "chunk_bytes", "brgemm_bf16_available", "logprob_pack_cache"]
 
 _CHUNK_BYTES = 0  # 0: the backend's default (CPU: 8 MiB in all threads; CUDA: 256 MiB)
 
@@ -34,6 +37,26 @@ def brgemm_bf16_available() -> bool:
     brgemm here: oneDNN's ukernel packs bf16 on AMX and AVX-512 bf16 CPUs; elsewhere they widen to
     float32."""
     return bool(_load().cpu_brgemm_bf16())
+
+
+@contextlib.contextmanager
+def logprob_pack_cache():
+    """Inside this scope the CPU kernel keeps W's packed bf16 copies (brgemm_bf16_available) across
+    calls instead of packing W on every call; leaving it frees them. An entry is W's storage,
+    offset, shape and version counter, so an in-place write through W (the optimizer's included)
+    makes it stale; a write that bypasses the version counter (`w.data[...] = ...`) would not: open
+    the scope where W is not written that way, as fasttrain's trainer does around each phase.
+    Scopes nest. Costs up to two packed copies of W (V x H bf16 each) while open;
+    FASTTRAIN_LOGPROB_PACK_CACHE=0 makes the scope keep nothing (W packed on every call)."""
+    if os.environ.get("FASTTRAIN_LOGPROB_PACK_CACHE", "1") == "0":
+        yield
+        return
+    lib = _load()
+    lib.logprob_pack_scope(True)
+    try:
+        yield
+    finally:
+        lib.logprob_pack_scope(False)
 
 
 def set_chunk_bytes(nbytes: int) -> None:

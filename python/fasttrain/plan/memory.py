@@ -331,16 +331,23 @@ def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int, grad: bool = False)
     ch = CPU_LOGPROB_BUDGET // (acc * (dev.threads * CPU_LOGPROB_BLOCK + H))
     ch = min(max(16, min(8192, ch // 16 * 16)), V)
     widen = ch * H * acc * dev.threads if m.w != acc else 0
-    # bf16 logits by brgemm where the CPU has bf16 GEMMs, for calls of at least 256 tokens
-    # (csrc/cpu/fused_logprob.cpp): W packed once per call in 64-row blocks (fp16 counted alike: a bound)
-    packed = -(-V // 64) * 64 * H * 2 if (m.w == 2 and dev.cpu_bf16 and n_tok >= 256) else 0
-    if packed and grad and H % 64 == 0:
-        # and the p·W accumulator by brgemm: W packed again in 512-row blocks, p~ as two bf16 rows
-        # per thread ([block, chunk] each) instead of the widened W chunks
+    if _logprob_packed(m, dev, n_tok, grad) > -(-V // 64) * 64 * H * 2:
+        # the p·W accumulator by brgemm: p~ as two bf16 rows per thread ([block, chunk] each), in
+        # place of the widened W chunks
         ch = max(512, ch // 512 * 512)
-        packed += -(-V // 512) * 512 * H * 2 + dev.threads * CPU_LOGPROB_BLOCK * ch * 2 * 2
-        widen = 0
-    return dev.threads * CPU_LOGPROB_BLOCK * ch * acc + widen + packed
+        return dev.threads * CPU_LOGPROB_BLOCK * ch * (acc + 4)
+    return dev.threads * CPU_LOGPROB_BLOCK * ch * acc + widen
+
+
+def _logprob_packed(m: ModelShape, dev: Device, n_tok: int, grad: bool) -> int:
+    """W's packed bf16 copies (csrc/cpu/fused_logprob.cpp), kept for the whole phase (the trainer's
+    pack scope): for the logits by brgemm where the CPU has bf16 GEMMs and a call has at least 256
+    tokens, W in 64-row blocks; with grad and H a multiple of 64, also W in 512-row blocks for the
+    p·W accumulator (fp16 counted alike: a bound)."""
+    H, V = m.hidden, m.vocab
+    if dev.kind == "cuda" or m.w != 2 or not dev.cpu_bf16 or n_tok < 256:
+        return 0
+    return -(-V // 64) * 64 * H * 2 + (-(-V // 512) * 512 * H * 2 if grad and H % 64 == 0 else 0)
 
 
 def _logprob_head(m: ModelShape, dev: Device, n_tok: int, grad: bool) -> int:
@@ -472,9 +479,10 @@ def _scores(m: ModelShape, dev: Device, s: RunShape) -> dict:
     routing = moe_memory.record_micro_batch(m, mb, S, N)
     act += routing
     head = mb * T * H * w + _logprob_head(m, dev, mb * T, grad=False)    # after the forward's buffers are gone
+    packed = _logprob_packed(m, dev, mb * T, grad=False)                 # kept across the phase's calls
     if head > act:
-        return {"kv_cache": 0, "activations": outputs, "logprob_head": head}
-    return {"kv_cache": 0, "activations": act + outputs, "logprob_head": 0}
+        return {"kv_cache": 0, "activations": outputs, "logprob_head": head + packed}
+    return {"kv_cache": 0, "activations": act + outputs, "logprob_head": packed}
 
 
 def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dict:
@@ -498,10 +506,11 @@ def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dic
         fwd = kept + head_in
         bwd = kept + lay.backward_temps(m, U, P, mb, A, c_xa)
     head = _logprob_head(m, dev, n_tok, grad=True)
+    packed = _logprob_packed(m, dev, n_tok, grad=True)                  # kept across the phase's calls
     if fwd + head >= bwd:
-        act, head_part = fwd, head
+        act, head_part = fwd, head + packed
     else:
-        act, head_part = bwd, 0
+        act, head_part = bwd, packed
     return {"activations": act + shared + s.rows * T * 4 * 3 + moe_memory.record_micro_batch(m, mb, S, N),
             "logprob_head": head_part}
 

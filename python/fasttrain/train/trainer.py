@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
+from fasttrain.ops.logprob import logprob_pack_cache
 from fasttrain.rl.masks import token_stats
 from fasttrain.train import distributed
 from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, join_rollouts, sample_answers,
@@ -294,9 +295,10 @@ class Trainer:
         top_entropy = L.token_mask == "top_entropy"
         # the entropy mask needs the entropies before the update; otherwise pass 1 of the update
         # gives the old log-probs and entropy from its own forward (one forward less per step)
-        batch = self._with_oom_retry(step, "scores", lambda mb: score_batch(
-            self.model, roll, mb, R.temperature, need_ref=L.beta > 0, need_old=top_entropy,
-            routing_replay=cfg.moe.routing_replay == "rollout"))
+        with logprob_pack_cache():           # the head is frozen here: its packed copies kept for the phase
+            batch = self._with_oom_retry(step, "scores", lambda mb: score_batch(
+                self.model, roll, mb, R.temperature, need_ref=L.beta > 0, need_old=top_entropy,
+                routing_replay=cfg.moe.routing_replay == "rollout"))
         mask = roll.action_mask.bool()          # the model's own tokens: every consumer below reads it
         loss_mask = mask
         if top_entropy:                                        # over every rank's answer tokens
@@ -307,11 +309,14 @@ class Trainer:
         zeta = float(self.thermostat.zeta) if L.repo_r else 0.0
         skipped = False
         try:
-            result = self._with_oom_retry(step, "update", lambda mb: update_policy(
-                self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
-                cfg.optim.grad_clip, R.temperature, routing_replay=cfg.moe.routing_replay == "rollout",
-                router_aux_loss_coef=cfg.moe.router_aux_loss_coef),
-                undo=self._undo_update() if L.passes > 1 else None)
+            # a head that trains is written by the optimizer in place, which bumps its version: its
+            # packed copies are then made again, never reused stale
+            with logprob_pack_cache():
+                result = self._with_oom_retry(step, "update", lambda mb: update_policy(
+                    self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
+                    cfg.optim.grad_clip, R.temperature, routing_replay=cfg.moe.routing_replay == "rollout",
+                    router_aux_loss_coef=cfg.moe.router_aux_loss_coef),
+                    undo=self._undo_update() if L.passes > 1 else None)
             self.nonfinite_in_row = 0
         except NonFiniteLoss as e:
             skipped, result = True, e.result
