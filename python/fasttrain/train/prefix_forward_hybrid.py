@@ -38,7 +38,7 @@ from torch import Tensor
 from fasttrain.ops.gated_delta import causal_conv1d, gated_delta_rule
 from fasttrain.rollout.hybrid_decoder import HybridDecoder, rotate_partial
 from fasttrain.train.answer_packing import AnswerPacking, bucket_masks
-from fasttrain.train.prefix_forward import prefix_masks, prompt_groups, run_layers
+from fasttrain.train.prefix_forward import per_row, prefix_masks, prompt_groups, run_layers
 
 __all__ = ["shared_prefix_hidden_hybrid", "hybrid_packed_hidden"]
 
@@ -119,8 +119,8 @@ def _attention(c: _Context, attn, h_p: Tensor, h_a: Tensor) -> tuple[Tensor, Ten
     o_p = _attend(dec, q_p, k_p, v_p, c.prompt_mask) * torch.sigmoid(gate_p)
     if A > 0:
         q_a, k_a, v_a, gate_a = _heads(dec, attn, qg_a, k_a, v_a, c.cos_a, c.sin_a)
-        keys = torch.cat([k_p[c.inverse], k_a], dim=2)                  # [B, kv, P+A, D]
-        values = torch.cat([v_p[c.inverse], v_a], dim=2)
+        keys = torch.cat([per_row(k_p, c.inverse), k_a], dim=2)                  # [B, kv, P+A, D]
+        values = torch.cat([per_row(v_p, c.inverse), v_a], dim=2)
         o_a = _attend(dec, q_a, keys, values, c.answer_mask) * torch.sigmoid(gate_a)
     else:
         o_a = o_p.new_empty(B, 0, o_p.shape[-1])
@@ -227,8 +227,8 @@ def _attention_packed(c: _Packed, attn, h_p: Tensor, h_a: Tensor) -> tuple[Tenso
     per_bucket = []
     for bucket, mask in zip(pk.buckets, c.masks):
         group = c.inverse[bucket.rows]
-        keys = torch.cat([k_p[group], pk.pad(k_a, bucket).transpose(1, 2)], dim=2)    # [n, kv, P+M, D]
-        values = torch.cat([v_p[group], pk.pad(v_a, bucket).transpose(1, 2)], dim=2)
+        keys = torch.cat([per_row(k_p, group), pk.pad(k_a, bucket).transpose(1, 2)], dim=2)    # [n, kv, P+M, D]
+        values = torch.cat([per_row(v_p, group), pk.pad(v_a, bucket).transpose(1, 2)], dim=2)
         per_bucket.append(_attend(dec, pk.pad(q_a, bucket).transpose(1, 2), keys, values, mask))
     o_a = pk.unpad(per_bucket) if per_bucket else gate_a.new_empty(0, gate_a.shape[-1])
     o_a = o_a * torch.sigmoid(gate_a[0])
