@@ -151,13 +151,43 @@ def _plain_logprobs(model, roll) -> torch.Tensor:
     return out * roll.completion_mask
 
 
+def _float64_norms_and_rotary(model) -> None:
+    """Every RMSNorm and the rotary embedding of `model` computed in the model's own dtype (here
+    float64) instead of HF's float32: the same formulas (w · x / sqrt(mean(x²) + eps); cos and sin
+    of position · inv_freq, times the attention scaling), with no float32 rounding in between.
+    Patched per instance, so every caller of the modules (fasttrain's forwards, HF's, PEFT's) runs it."""
+    import types
+
+    def norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * self.inv_freq.to(device=x.device, dtype=torch.float64)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+    norms = rotaries = 0
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RMSNorm"):
+            mod.forward = types.MethodType(norm, mod)
+            norms += 1
+        elif type(mod).__name__.endswith("RotaryEmbedding"):
+            mod.forward = types.MethodType(rotary, mod)
+            rotaries += 1
+    assert norms == 2 * model.config.num_hidden_layers + 1 and rotaries == 1, (norms, rotaries)
+
+
 def test_exported_adapter_loads_into_peft_and_reproduces_logprobs(trained, held_out_batch):
     """PEFT reads the exported folder onto a plain model whose projections hold the NF4-dequantised
     weights, and gives the log-probs fasttrain gives with that adapter. (The bf16 trained policy
     itself is matched bit for bit by the reload test above.)
 
     Both sides run in float64, so the tolerance does not depend on the host's matmul kernels: the
-    two compute the same function and differ only by float64 rounding. Each dot product of length
+    two compute the same function and differ only by float64 rounding. (HF's Llama RMSNorm and
+    rotary embedding compute in float32 whatever the model's dtype, and a float32 mean of squares
+    is summed in an order that depends on the tensor's layout and the ISA (the row sums of a
+    column-major copy differ by an ulp here): with them, one CI host saw the two sides differ by
+    3.4e-7. `_float64_norms_and_rotary` makes both models compute them in float64 too.) Each dot product of length
     K has a relative error of at most K·u (u = 2^-53 = 1.1e-16), K <= 1536 here (the MLP's inner
     size; attention sums run over fewer terms), so each op is off by <= 1.7e-13 relative, whatever
     the summation order, blocking or FMA use. The 30 layers carry these into a log-prob; measured
@@ -175,12 +205,14 @@ def test_exported_adapter_loads_into_peft_and_reproduces_logprobs(trained, held_
     roll, _ = held_out_batch
     adapter = _probe_adapter(trainer, STEPS)
     ours_model, _ = load_policy(None, dtype=torch.float64)
+    _float64_norms_and_rotary(ours_model)
     quantize_model(ours_model)
     load_adapter(ours_model, adapter)
     with torch.no_grad():
         ours, _ = answer_logprobs(ours_model, roll.input_ids, roll.attention_mask, roll.prompt_len,
                                   roll.completion_ids, roll.completion_mask, 1.0)
     base, _ = load_policy(None, dtype=torch.float64)
+    _float64_norms_and_rotary(base)
     with torch.no_grad():
         for name, layer in nf4_layers(ours_model):
             base.get_submodule(name).weight.copy_(layer.dequantized_weight(torch.float64))
