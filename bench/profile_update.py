@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 import bench_step as bs  # noqa: E402
-from harness import machine_name, matmul_gflops  # noqa: E402
+from harness import host_precision, machine_name, matmul_gflops  # noqa: E402
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "fasttrain::")
 
@@ -41,6 +41,9 @@ def main() -> int:
     ap.add_argument("--checkpointing", choices=["auto", "on", "off"], default="on",
                     help="policy.gradient_checkpointing (bench_step's --checkpointing)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="the policy's dtype before NF4 (what bench_step's --fasttrain-dtype sets); auto: bf16 "
+                    "where the host computes bf16 natively, else fp32 (bench_step's choice)")
     ap.add_argument("--shapes", action="store_true", help="also print the GEMMs by input shape")
     ap.add_argument("--shape-ops", default="", help="comma-separated ops (e.g. aten::copy_) also printed by "
                     "input shape; implies recording shapes")
@@ -48,7 +51,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    a = SimpleNamespace(model=args.model, device="cpu", seed=0, warmup=1, steps=1, fasttrain_dtype="bf16",
+    dtype = host_precision()[0] if args.dtype == "auto" else args.dtype
+    a = SimpleNamespace(model=args.model, device="cpu", seed=0, warmup=1, steps=1, fasttrain_dtype=dtype,
                         rank=32, alpha=64, quantize="nf4", prompts=4, group=12, new=64, cap=1.2, beta=0.08,
                         lr=1e-5, micro_batch=12, checkpointing=args.checkpointing)
     import fasttrain.train.trainer as T
@@ -95,7 +99,8 @@ def main() -> int:
     total_self = sum(r[0] for r in rows.values())
     gemm = sum(r[0] for k, r in rows.items() if k.startswith(GEMMS))
     wall = walls["score_batch"] + walls["update_policy"]
-    rate = statistics.median(matmul_gflops(torch.bfloat16, n=2048, reps=3) for _ in range(2))
+    mm_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    rate = statistics.median(matmul_gflops(mm_dtype, n=2048, reps=3) for _ in range(2))
     print(f"profile_update: {args.model}, {machine_name()}, {torch.get_num_threads()} threads, "
           f"rollout B={shape['B']} P={shape['P']} T={shape['T']} answer tokens {shape['answer_tokens']}")
     from fasttrain.train.policy import checkpointing_on
@@ -105,7 +110,7 @@ def main() -> int:
     print(f"self time in ops {total_self:.2f} s (CPU time of the main thread; ops run on {torch.get_num_threads()} "
           f"threads inside); GEMMs {gemm:.2f} s = {100 * gemm / total_self:.0f}% of op self time")
     print(f"model FLOPs (bench_step.update_flops) {flops / 1e12:.2f} TFLOP in {wall:.1f} s = "
-          f"{flops / wall / 1e9:.0f} GFLOP/s; bf16 2048^3 matmul {rate:.0f} GFLOP/s: {100 * flops / wall / 1e9 / rate:.0f}%")
+          f"{flops / wall / 1e9:.0f} GFLOP/s; {dtype} 2048^3 matmul {rate:.0f} GFLOP/s: {100 * flops / wall / 1e9 / rate:.0f}%")
     print(f"{'op':60s} {'self s':>8s} {'share':>6s} {'calls':>7s}")
     for k, (sec, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:args.rows]:
         print(f"{k[:60]:60s} {sec:8.2f} {100 * sec / total_self:5.1f}% {n:7d}")
