@@ -45,7 +45,11 @@ Distance to the machine's limit (fasttrain side, printed after the table):
              same process right after the steps.
   decode     one decode step of the trainer's rollout (weights as the trainer decodes them) against
              the floor of reading those weights and the mean KV cache once at the read bandwidth
-             measured in the same process (a sum over 512 MiB).
+             measured in the same process (a sum over 512 MiB), and against the compute floor: the
+             step's matmul FLOPs (every row's token through the projections and the head, attention
+             over the mean context) at the 2048^3 rate above. With many rows on a host with slow
+             GEMMs (fp32 on AVX2) the compute floor is the larger one: the step cannot reach a
+             multiple of the read floor below it.
 
 Models (--model): the bundled SmolLM2-135M-Instruct (default), or one of the pinned random benchmark
 models of fasttrain.models.bench_model (SmolLM2's tokenizer), which TRL runs through transformers'
@@ -370,7 +374,14 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
     from fasttrain.plan.meta_model import hybrid_state
     kv_bytes += 2 * B * hybrid_state(tr.model.config, dt).get("state_bytes", 0)   # a hybrid's state: read + written
     floor = (weight_bytes + kv_bytes) / (gbps * 1e9)
+    # the compute floor: one decode step's matmul FLOPs (B tokens through the projections and the head,
+    # attention over the mean context) at the 2048^3 rate above; where it exceeds the read floor
+    # (many rows, a host with slow GEMMs) the step is bound by compute, not by reading the weights
+    ctx = P + T / 2
+    decode_flops = B * (2 * d["proj"] + 2 * d["H"] * d["V"] + 4 * d["L"] * d["nh"] * d["D"] * ctx)
+    compute_floor = decode_flops / (gflops * 1e9)
     return {"matmul_gflops": gflops, "read_gbps": gbps, "decode_step_s": decode_s, "decode_floor_s": floor,
+            "decode_gflop": decode_flops / 1e9, "decode_compute_floor_s": compute_floor,
             "decode_weight_mib": weight_bytes / 2**20, "decode_kv_mib": kv_bytes / 2**20,
             "precision": a.fasttrain_dtype}
 
@@ -824,7 +835,16 @@ def print_limits(f: dict, case: str, extra: dict) -> list[dict]:
     say(f"  decode   {lim['decode_step_s'] * 1e3:.0f} ms/step; floor {lim['decode_floor_s'] * 1e3:.1f} ms = "
         f"{lim['decode_weight_mib']:.0f} MiB weights + {lim['decode_kv_mib']:.0f} MiB KV cache at "
         f"{lim['read_gbps']:.1f} GB/s read: {ratio:.1f}x the floor")
-    return [row("step", case, "fasttrain", "update_gflops", achieved, "GFLOP/s", **extra),
+    rows = []
+    if "decode_compute_floor_s" in lim:
+        cf = lim["decode_compute_floor_s"]
+        roof = max(cf, lim["decode_floor_s"])
+        say(f"           compute floor {cf * 1e3:.1f} ms = {lim['decode_gflop']:.1f} GFLOP at the matmul rate above; "
+            f"{lim['decode_step_s'] / roof:.1f}x the larger of the two floors "
+            f"({'compute' if cf > lim['decode_floor_s'] else 'read'}-bound)")
+        rows = [row("step", case, "fasttrain", "decode_compute_floor_ms", cf * 1e3, "ms", **extra),
+                row("step", case, "fasttrain", "decode_over_roofline", lim["decode_step_s"] / roof, "x", **extra)]
+    return rows + [row("step", case, "fasttrain", "update_gflops", achieved, "GFLOP/s", **extra),
             row("step", case, "fasttrain", "update_share_of_matmul", share, "x", **extra),
             row("step", case, "fasttrain", "decode_ms_per_step", lim["decode_step_s"] * 1e3, "ms", **extra),
             row("step", case, "fasttrain", "decode_over_floor", ratio, "x", **extra)]
