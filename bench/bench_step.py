@@ -323,6 +323,12 @@ def _dims(model) -> dict:
             "V": c.vocab_size, "proj": proj}
 
 
+def _forward_flops(d: dict, tokens: float, ctx: float, logits: float) -> float:
+    """Matmul FLOPs of one forward: `tokens` tokens through the projections, `ctx` (query, key)
+    pairs of attention (QKᵀ and PV), `logits` tokens through the output head; d from _dims."""
+    return 2 * d["proj"] * tokens + 4 * d["L"] * d["nh"] * d["D"] * ctx + 2 * d["H"] * d["V"] * logits
+
+
 def update_flops(model, shape: dict, a) -> float:
     """Model FLOPs of one step's update (see the header): per micro-batch, each distinct prompt's
     P tokens once plus every row's answer tokens through the projections, causal attention over
@@ -338,7 +344,7 @@ def update_flops(model, shape: dict, a) -> float:
         tokens = U * P + rows * (T - 1)
         ctx = U * P * (P + 1) / 2 + rows * sum(P + t for t in range(1, T))
         answer = shape["answer_tokens"] * rows / B
-        total += 2 * d["proj"] * tokens + 4 * d["L"] * d["nh"] * d["D"] * ctx + 2 * d["H"] * d["V"] * answer
+        total += _forward_flops(d, tokens, ctx, answer)
     return total * (3 if a.beta > 0 else 2)
 
 
@@ -377,8 +383,7 @@ def machine_limits(a, tr, prompts, shape: dict) -> dict:
     # the compute floor: one decode step's matmul FLOPs (B tokens through the projections and the head,
     # attention over the mean context) at the 2048^3 rate above; where it exceeds the read floor
     # (many rows, a host with slow GEMMs) the step is bound by compute, not by reading the weights
-    ctx = P + T / 2
-    decode_flops = B * (2 * d["proj"] + 2 * d["H"] * d["V"] + 4 * d["L"] * d["nh"] * d["D"] * ctx)
+    decode_flops = _forward_flops(d, B, B * (P + T / 2), B)
     compute_floor = decode_flops / (gflops * 1e9)
     return {"matmul_gflops": gflops, "read_gbps": gbps, "decode_step_s": decode_s, "decode_floor_s": floor,
             "decode_gflop": decode_flops / 1e9, "decode_compute_floor_s": compute_floor,
@@ -835,16 +840,14 @@ def print_limits(f: dict, case: str, extra: dict) -> list[dict]:
     say(f"  decode   {lim['decode_step_s'] * 1e3:.0f} ms/step; floor {lim['decode_floor_s'] * 1e3:.1f} ms = "
         f"{lim['decode_weight_mib']:.0f} MiB weights + {lim['decode_kv_mib']:.0f} MiB KV cache at "
         f"{lim['read_gbps']:.1f} GB/s read: {ratio:.1f}x the floor")
-    rows = []
-    if "decode_compute_floor_s" in lim:
-        cf = lim["decode_compute_floor_s"]
-        roof = max(cf, lim["decode_floor_s"])
-        say(f"           compute floor {cf * 1e3:.1f} ms = {lim['decode_gflop']:.1f} GFLOP at the matmul rate above; "
-            f"{lim['decode_step_s'] / roof:.1f}x the larger of the two floors "
-            f"({'compute' if cf > lim['decode_floor_s'] else 'read'}-bound)")
-        rows = [row("step", case, "fasttrain", "decode_compute_floor_ms", cf * 1e3, "ms", **extra),
-                row("step", case, "fasttrain", "decode_over_roofline", lim["decode_step_s"] / roof, "x", **extra)]
-    return rows + [row("step", case, "fasttrain", "update_gflops", achieved, "GFLOP/s", **extra),
+    cf = lim["decode_compute_floor_s"]
+    roof = max(cf, lim["decode_floor_s"])
+    say(f"           compute floor {cf * 1e3:.1f} ms = {lim['decode_gflop']:.1f} GFLOP at the matmul rate above; "
+        f"{lim['decode_step_s'] / roof:.1f}x the larger of the two floors "
+        f"({'compute' if cf > lim['decode_floor_s'] else 'read'}-bound)")
+    return [row("step", case, "fasttrain", "decode_compute_floor_ms", cf * 1e3, "ms", **extra),
+            row("step", case, "fasttrain", "decode_over_roofline", lim["decode_step_s"] / roof, "x", **extra),
+            row("step", case, "fasttrain", "update_gflops", achieved, "GFLOP/s", **extra),
             row("step", case, "fasttrain", "update_share_of_matmul", share, "x", **extra),
             row("step", case, "fasttrain", "decode_ms_per_step", lim["decode_step_s"] * 1e3, "ms", **extra),
             row("step", case, "fasttrain", "decode_over_floor", ratio, "x", **extra)]
