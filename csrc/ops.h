@@ -112,6 +112,11 @@ FT_GATED_DELTA_DECLS(cuda)
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& key_valid, double scale);
 
+// ---- attention_softmax_grad (CPU only; see the schema in torch_bindings.cpp) -------------
+std::tuple<at::Tensor, at::Tensor> attention_softmax_grad_cpu(const at::Tensor& s, const at::Tensor& dp,
+                                                              const std::optional<at::Tensor>& mask, double scale,
+                                                              at::ScalarType out_dtype);
+
 // ---- decode_fused: a decode step's elementwise work (CPU only; schemas in torch_bindings.cpp) ----
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_cpu(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);

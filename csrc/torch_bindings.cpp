@@ -96,6 +96,13 @@ TORCH_LIBRARY(fasttrain, m) {
   // -> o [B,kv,G,D] = softmax(scale·q·kᵀ over the row's valid keys)·v (zeros for a row with none).
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor key_valid, float scale) -> Tensor");
 
+  // ---- attention_softmax_grad: the softmax step of a masked attention's backward (CPU) --------------
+  // s = q·kᵀ and dp = dO·vᵀ float32 [A,B,C,L] contiguous (unscaled scores), mask bool broadcastable to
+  // them (keys' dimension contiguous; True = may attend) -> (p, ds) in out_dtype: p = softmax(scale·s)
+  // over the allowed keys, ds = scale·p·(dp − Σ p·dp); a row with no allowed key gets zeros.
+  m.def("attention_softmax_grad(Tensor s, Tensor dp, Tensor? mask, float scale, ScalarType out_dtype) "
+        "-> (Tensor, Tensor)");
+
   // ---- decode_fused: a Llama-family decode step's elementwise work (CPU; a GPU keeps the modules) ----
   // x [N,H] contiguous, weight [H] (x's dtype: fp32|bf16|fp16) -> y = rnd(w·rnd(x/sqrt(mean(x²)+eps))),
   // HF's LlamaRMSNorm rounding. add_rms_norm_ first sets x <- rnd(x + delta) (delta [N,H]), in place.

@@ -18,6 +18,7 @@ void register_gated_delta(torch::Library& m);
 void register_moe_experts(torch::Library& m);
 void register_decode_attention(torch::Library& m);
 void register_decode_fused(torch::Library& m);
+void register_attention_backward(torch::Library& m);
 
 // All of the above: the variant's CPU kernels under the CPU dispatch key.
 void register_cpu_kernels(torch::Library& m);

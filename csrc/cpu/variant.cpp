@@ -14,6 +14,7 @@ void register_cpu_kernels(torch::Library& m) {
   register_moe_experts(m);
   register_decode_attention(m);
   register_decode_fused(m);
+  register_attention_backward(m);
 }
 
 FT_VARIANT_END

@@ -265,3 +265,37 @@ def test_the_update_uses_the_rollouts_positions_and_groups(tiny):
         hook.remove()
     assert grouped[0] == 2            # two prompts of four answers each: each prompt runs once
     assert rows_seen[0] == 8          # every row its own group: eight prompt rows, nothing shared
+
+
+def test_the_updates_attention_backward_is_fasttrains_and_gives_torchs_gradient(tiny, monkeypatch):
+    """The update's attention (prefix_forward's prompt and answer calls) through fasttrain.ops'
+    attention backward (forced, float32: "auto" takes it for bf16 on CPUs with native bf16) gives
+    the adapter gradient of torch's SDPA backward, up to float32 sums in another order (the
+    micro-batch test's tolerance); the calls are counted, so the path is shown to be taken."""
+    import fasttrain.ops.attention as A
+    from fasttrain.train.policy_update import score_batch, update_policy
+    model, params, roll = _setup(tiny)
+    adv = torch.linspace(-1.5, 1.5, roll.completion_ids.shape[0])
+    mask = roll.completion_mask.bool()
+    cfg = LossSection(kind="cispo", beta=0.08, passes=1)
+    calls = []
+    real = A._backward
+    monkeypatch.setattr(A, "_backward", lambda *a: calls.append(1) or real(*a))
+    grads = {}
+    for kind in ("fasttrain", "flash"):
+        old = A.set_attention_backward(kind)
+        try:
+            scores = score_batch(model, roll, 4, 1.0, need_ref=True)
+            opt = RecordingSGD(params)
+            update_policy(model, params, opt, roll, scores, adv, mask, cfg, zeta=0.01, micro_batch=4,
+                          grad_clip=0.0, temperature=1.0)
+            grads[kind] = opt.seen[0]
+        finally:
+            A.set_attention_backward(old)
+        if kind == "fasttrain":
+            assert len(calls) >= 2 * model.config.num_hidden_layers      # prompt + answers, every layer
+            n = len(calls)
+    assert len(calls) == n                                                 # "flash": none
+    for a, b in zip(grads["flash"], grads["fasttrain"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()) + 1e-9)
+    assert any(float(g.abs().max()) > 0 for g in grads["flash"])

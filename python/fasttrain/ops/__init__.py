@@ -18,11 +18,13 @@ from fasttrain.ops.gated_delta import *  # noqa: E402,F401,F403
 from fasttrain.ops.moe_experts import *  # noqa: E402,F401,F403
 from fasttrain.ops.decode_attention import *  # noqa: E402,F401,F403
 from fasttrain.ops.decode_fused import *  # noqa: E402,F401,F403
+from fasttrain.ops.attention import *  # noqa: E402,F401,F403
 
 from fasttrain.ops import reference  # noqa: E402  (plain-PyTorch versions of every op: the oracle)
 from fasttrain.ops.kernels import set_kernels, use_kernels  # noqa: E402  (fused kernels or the reference)
 
 __all__ = ["build_info", "NF4State", "nf4_quantize", "nf4_dequantize", "dynamic_map", "reference", "set_kernels",
            "use_kernels"]
-for _m in ("logprob", "policy_loss", "nf4_linear", "gated_delta", "moe_experts", "decode_attention", "decode_fused"):
+for _m in ("logprob", "policy_loss", "nf4_linear", "gated_delta", "moe_experts", "decode_attention", "decode_fused",
+           "attention"):
     __all__ += getattr(__import__(f"fasttrain.ops.{_m}", fromlist=["__all__"]), "__all__", [])

@@ -41,9 +41,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from fasttrain.ops.attention import masked_attention
 from fasttrain.rollout.decoder import LlamaFamilyDecoder, _rotate_half
 from fasttrain.train.answer_packing import AnswerPacking, bucket_masks, pack_answers
 
@@ -275,8 +275,7 @@ def _layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor, sin_p
         """q_ [n, nh, s, D] over keys/values [n, nkv, L, D] -> [n·s, nh·D]; the G query heads of a KV
         head run as G·s query rows of it (the masks come repeated G times)."""
         n, _, s_, _ = q_.shape
-        o = F.scaled_dot_product_attention(q_.reshape(n, nkv, G * s_, D), keys, values, attn_mask=mask,
-                                           scale=dec.scaling)
+        o = masked_attention(q_.reshape(n, nkv, G * s_, D), keys, values, mask, dec.scaling)
         return o.view(n, nh, s_, D).transpose(1, 2).reshape(n * s_, nh * D)
 
     q_p, k_p, v_p = heads(q, nh, U, P, 0, n_p), heads(k, nkv, U, P, 0, n_p), heads(v, nkv, U, P, 0, n_p)
@@ -317,8 +316,7 @@ def _packed_layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor
         """q_ [n, nh, s, D] over keys/values [n, nkv, L, D] -> [n, s, nh·D] (the G query heads of a
         KV head as G·s query rows of it; the masks come repeated G times)."""
         n, _, s_, _ = q_.shape
-        o = F.scaled_dot_product_attention(q_.reshape(n, nkv, G * s_, D), keys, values, attn_mask=mask,
-                                           scale=dec.scaling)
+        o = masked_attention(q_.reshape(n, nkv, G * s_, D), keys, values, mask, dec.scaling)
         return o.view(n, nh, s_, D).transpose(1, 2).reshape(n, s_, nh * D)
 
     q_p = q[:n_p].view(U, P, nh, D).transpose(1, 2)

@@ -32,9 +32,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from fasttrain.ops.attention import masked_attention
 from fasttrain.ops.gated_delta import causal_conv1d, gated_delta_rule
 from fasttrain.rollout.hybrid_decoder import HybridDecoder, rotate_partial
 from fasttrain.train.answer_packing import AnswerPacking, bucket_masks
@@ -143,7 +143,7 @@ def _attend(dec: HybridDecoder, q: Tensor, keys: Tensor, values: Tensor, mask: T
     G = dec.group
     if G > 1:
         keys, values = keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=dec.scaling)
+    o = masked_attention(q, keys, values, mask, dec.scaling)
     n, nh, s_, D = o.shape
     return o.transpose(1, 2).reshape(n, s_, nh * D)
 

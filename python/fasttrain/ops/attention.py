@@ -1,0 +1,137 @@
+"""masked_attention: the update's masked attention (queries over their prompt's keys and their own
+answers), with a CPU backward of batched GEMMs around one fused softmax step.
+
+    o = masked_attention(q, k, v, mask, scale)   # q [n, h, M, D], k/v [n, h, L, D], mask bool -> [n, h, M, D]
+
+The forward is torch's scaled_dot_product_attention (ATen's flash attention on the CPU). On a CPU
+that computes bf16 natively, in bf16 with a gradient wanted, the backward is fasttrain's, not
+ATen's (float32 can take it too, `set_attention_backward("fasttrain")`; ATen's float32 backward
+was the faster on an AMX Xeon, so "auto" keeps it there): per chunk
+of rows, S = q·kᵀ and dP = dO·vᵀ as float32 GEMMs (their inputs exact in float32), then
+csrc/cpu/attention_backward.cpp's softmax step (P and dS = scale·P ⊙ (dP − Σ P·dP) in one pass, in
+q's dtype), then dV = Pᵀ·dO, dQ = dS·k and dK = dSᵀ·q as GEMMs in q's dtype (P and dS rounded to
+it, as ATen's flash backward rounds them). Why: at the update's answer shape on a 2-core AMX Xeon
+ATen's flash backward took 25-27 ms a call (small GEMMs on 32-query blocks, about 60 GFLOP/s),
+this one about a third of that (bench/bench_attention_backward.py). Memory: the backward holds two
+float32 [rows, h, M, L] score tensors and two in q's dtype for a chunk of rows at a time, the chunk
+sized so one float32 tensor stays within `SCORE_BYTES`; where a single row's scores exceed it (long
+answers), or on another device or dtype (float64, the GPU), the call is torch's SDPA with its own
+backward.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from fasttrain._native import load as _load
+from fasttrain.ops.kernels import use_reference as _use_reference
+
+_load()
+_ops = torch.ops.fasttrain
+
+__all__ = ["masked_attention", "attention_backward_kind", "set_attention_backward", "SCORE_BYTES"]
+
+SCORE_BYTES = 4 << 20           # the largest float32 score tensor one backward chunk makes
+_KIND = {"value": "auto"}          # FASTTRAIN_ATTENTION_BACKWARD sets it at import (set_attention_backward)
+
+
+def set_attention_backward(kind: str) -> str:
+    """"auto" (the default: fasttrain's backward where it was measured faster, bf16 on a CPU that
+    computes bf16 natively), "fasttrain" (fasttrain's wherever it can run: the CPU, float32 or
+    bf16, for tests and comparisons) or "flash" (torch's SDPA backward everywhere). Returns the
+    previous setting."""
+    if kind not in ("auto", "fasttrain", "flash"):
+        raise ValueError(f"set_attention_backward: kind must be 'auto', 'fasttrain' or 'flash', got {kind!r}")
+    old, _KIND["value"] = _KIND["value"], kind
+    return old
+
+
+if os.environ.get("FASTTRAIN_ATTENTION_BACKWARD"):
+    set_attention_backward(os.environ["FASTTRAIN_ATTENTION_BACKWARD"])
+
+
+def attention_backward_kind(q: torch.Tensor, k: torch.Tensor) -> str:
+    """"fasttrain" or "sdpa": whose backward masked_attention's call with these q, k would use."""
+    kind = _KIND["value"]
+    if (kind == "flash" or _use_reference() or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
+            or k.dtype != q.dtype or q.shape[1] != k.shape[1]):
+        return "sdpa"
+    n, h, M, _ = q.shape
+    if h * M * k.shape[2] * 4 > SCORE_BYTES:
+        return "sdpa"
+    if kind == "auto" and not (q.dtype == torch.bfloat16 and _native_bf16()):
+        return "sdpa"
+    return "fasttrain"
+
+
+def _native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (avx512_bf16 with ATen's kernels at AVX512): where the
+    backward was measured faster. Elsewhere bf16 GEMMs are emulated and torch's backward stays."""
+    return bool(_load().cpu_has_bf16())
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """softmax(scale·q·kᵀ over the allowed keys)·v: q [n, h, M, D], k and v [n, h, L, D] (as many
+    heads: fold grouped-query heads into M first), mask bool broadcastable to [n, h, M, L] (True =
+    may attend) or None. Every query row must have an allowed key (SDPA gives NaN for one without)."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"masked_attention: q must be [n, h, M, D] and k, v [n, h, L, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError(f"masked_attention: mask must be bool, got {mask.dtype}")
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not wants_grad or attention_backward_kind(q, k) != "fasttrain":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return _MaskedAttention.apply(q, k, v, mask, float(scale))
+
+
+class _MaskedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, mask = ctx.saved_tensors
+        return (*_backward(do, q, k, v, mask, ctx.scale), None, None)
+
+
+def _backward(do, q, k, v, mask, scale: float):
+    n, h, M, D = q.shape
+    L = k.shape[2]
+    dt = q.dtype
+    if mask is not None:
+        while mask.dim() < 4:
+            mask = mask[None]
+        if mask.shape[3] != L:
+            mask = mask.expand(*mask.shape[:3], L)
+        if mask.stride(3) != 1 and L > 1:
+            mask = mask.contiguous()
+    dq, dk, dv = (torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
+    step = max(1, SCORE_BYTES // max(1, h * M * L * 4))
+    do = do.to(dt)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        qc, kc, vc, doc = q[a:b], k[a:b], v[a:b], do[a:b]
+        s = torch.matmul(qc.float(), kc.float().mT)                       # [c, h, M, L] float32
+        dp = torch.matmul(doc.float(), vc.float().mT)
+        mc = None if mask is None else (mask if mask.shape[0] == 1 else mask[a:b])
+        p, ds = _ops.attention_softmax_grad(s.contiguous(), dp.contiguous(), mc, scale, dt)
+        del s, dp
+        torch.matmul(p.mT, doc, out=dv[a:b])
+        del p
+        torch.matmul(ds, kc, out=dq[a:b])
+        torch.matmul(ds.mT, qc, out=dk[a:b])
+    return dq, dk, dv
+
+
+@torch.library.register_fake("fasttrain::attention_softmax_grad")
+def _(s, dp, mask, scale, out_dtype):
+    return s.new_empty(s.shape, dtype=out_dtype), s.new_empty(s.shape, dtype=out_dtype)

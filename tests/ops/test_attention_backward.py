@@ -1,0 +1,205 @@
+"""fasttrain.ops.masked_attention's CPU backward (csrc/cpu/attention_backward.cpp's softmax step
+between batched GEMMs) against float64 definitions, with bounds derived from unit roundoff and the
+sizes of the sums; the path is shown to be taken, and torch's SDPA backward where it does not apply.
+
+Bounds (u = 2^-24 for float32, u_b = 2^-8 for bfloat16; γ_n = n·u/(1 − n·u)):
+  the softmax step on float32 inputs s, dp: z = fl(scale·s) errs by |z|·u; e = exp(z − max) by
+  (|z| + |max|)·u + 2u relative (the shift, Sleef's exp at 1 ulp); the sum of L terms by γ_L, the
+  reciprocal and the product by 2u: so P_j errs by at most ρ·P_j, ρ = (2·max|z| + L + 8)·u.
+  Σ P·dP errs by (ρ + γ_L)·Σ P|dP|; dS_j = scale·P_j·(dp_j − Σ P·dP) by
+  scale·P_j·((ρ + 3u)·|dp_j − Σ P·dP| + (ρ + γ_L)·Σ P|dP|); each written value then by one rounding
+  to the output dtype (u_out·|value|).
+  The autograd test adds what feeds the step: S = q·kᵀ and dP = dO·vᵀ as float32 sums of D exact
+  products (γ_D·Σ|q||k| and γ_D·Σ|dO||v|, the former times scale added to every z's error), and
+  the GEMMs after it: dV = P̃ᵀ·dO, dQ = dS̃·k, dK = dS̃ᵀ·q with P̃, dS̃ the step's bf16 outputs (their
+  errors above plus u_b of their magnitude), float32 sums (γ_n of Σ|terms|) and the bf16 result
+  (u_b of its magnitude).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fasttrain.ops as ops
+import fasttrain.ops.attention as A
+
+U32 = 2.0 ** -24
+UB = 2.0 ** -8
+
+
+def gamma(n: int, u: float = U32) -> float:
+    return n * u / (1 - n * u)
+
+
+def _mask(n, M, L, seed, shape="full"):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(n, 1, M, L, generator=g) < 0.6
+    m[..., 0] = True                                  # every query row may attend somewhere
+    if shape == "shared":
+        m = m[:1]
+    return m
+
+
+def _ref_softmax(s, dp, mask, scale):
+    """float64 P, Σ P·dP, dS of the step's definition."""
+    z = (s.double() * scale)
+    if mask is not None:
+        z = z.masked_fill(~mask.expand_as(z), float("-inf"))
+    p = torch.softmax(z, -1)
+    p = torch.nan_to_num(p, nan=0.0)                  # a row with no allowed key: zeros
+    dot = (p * dp.double()).sum(-1, keepdim=True)
+    return p, dot, scale * p * (dp.double() - dot), z
+
+
+def _step_bounds(s, dp, p, dot, ds, z, scale, L, extra_z=0.0):
+    zf = torch.where(torch.isfinite(z), z, torch.zeros_like(z)).abs()
+    zmax = zf.amax(-1, keepdim=True)
+    rho = (2 * zmax + L + 8) * U32 + 2 * extra_z
+    spd = (p * dp.double().abs()).sum(-1, keepdim=True)
+    bp = rho * p
+    bds = scale * p * ((rho + 3 * U32) * (dp.double() - dot).abs() + (rho + gamma(L)) * spd)
+    return bp, bds
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["full", "shared", "none"])
+def test_softmax_step_matches_the_float64_definition(out_dtype, mask_kind):
+    torch.manual_seed(0)
+    n, h, M, L = 3, 2, 17, 41
+    s = torch.randn(n, h, M, L) * 4
+    dp = torch.randn(n, h, M, L)
+    mask = None if mask_kind == "none" else _mask(n, M, L, 1, mask_kind)
+    scale = 0.3
+    p, ds = torch.ops.fasttrain.attention_softmax_grad(s, dp, mask, scale, out_dtype)
+    assert p.dtype == out_dtype and ds.dtype == out_dtype
+    rp, dot, rds, z = _ref_softmax(s, dp, mask, scale)
+    bp, bds = _step_bounds(s, dp, rp, dot, rds, z, scale, L)
+    u_out = UB if out_dtype == torch.bfloat16 else U32
+    for got, ref, b in ((p, rp, bp), (ds, rds, bds)):
+        bound = b * (1 + u_out) + u_out * ref.abs() + 1e-300
+        err = (got.double() - ref).abs()
+        assert (err <= bound).all(), (err - bound).max()
+    if mask is not None:
+        assert (p.double()[~mask.expand_as(p)] == 0).all()
+
+
+def test_rows_without_keys_give_zeros_threads_give_the_same_bits_and_bad_inputs_are_named():
+    torch.manual_seed(1)
+    s, dp = torch.randn(2, 3, 40, 70), torch.randn(2, 3, 40, 70)
+    mask = torch.rand(2, 1, 40, 70) < 0.5
+    mask[0, 0, 5] = False                             # row 5 of batch 0: no allowed key
+    op = torch.ops.fasttrain.attention_softmax_grad
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(s, dp, mask, 0.2, torch.bfloat16)
+        torch.set_num_threads(2)
+        two = op(s, dp, mask, 0.2, torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    assert (one[0][0, :, 5] == 0).all() and (one[1][0, :, 5] == 0).all()
+    with pytest.raises(RuntimeError, match="argument 'dp'"):
+        op(s, dp[..., :10].contiguous(), mask, 0.2, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="argument 's'"):
+        op(s.double(), dp, mask, 0.2, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="argument 'mask'"):
+        op(s, dp, mask.float(), 0.2, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="argument 'mask'"):
+        op(s, dp, mask[..., :7], 0.2, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        op(s, dp, mask, 0.2, torch.float64)
+
+
+def _grad_bounds(q, k, v, do, mask, scale):
+    UB = 2.0 ** -8 if q.dtype == torch.bfloat16 else U32              # the roundings to q's dtype
+    """float64 gradients of softmax(scale·q·kᵀ)·v under `mask` and their derived bounds (module doc)."""
+    q64, k64, v64, do64 = (t.double() for t in (q, k, v, do))
+    n, h, M, D = q.shape
+    L = k.shape[2]
+    s = q64 @ k64.mT
+    dp = do64 @ v64.mT
+    p, dot, ds, z = _ref_softmax(s, dp, mask, scale)
+    z_err = scale * gamma(D) * (q64.abs() @ k64.abs().mT)           # S's float32 sums, scaled
+    ez = z_err.amax(-1, keepdim=True)
+    dp_err = gamma(D) * (do64.abs() @ v64.abs().mT)
+    bp, bds = _step_bounds(s, dp, p, dot, ds, z, scale, L, extra_z=ez)
+    bds = bds + scale * p * (dp_err + (p * dp_err).sum(-1, keepdim=True))
+    pt = (p.abs() + bp) * (1 + UB)                                   # |P̃| bounded
+    dst = (ds.abs() + bds) * (1 + UB)
+    ep = bp * (1 + UB) + UB * p.abs()                               # |P̃ − P|
+    eds = bds * (1 + UB) + UB * ds.abs()
+    dv = p.mT @ do64
+    dq = ds @ k64
+    dk = ds.mT @ q64
+    b_dv = ep.mT @ do64.abs() + gamma(M) * (pt.mT @ do64.abs())
+    b_dq = eds @ k64.abs() + gamma(L) * (dst @ k64.abs())
+    b_dk = eds.mT @ q64.abs() + gamma(M) * (dst.mT @ q64.abs())
+    out = []
+    for ref, b in ((dq, b_dq), (dk, b_dk), (dv, b_dv)):
+        out.append((ref, b + UB * (ref.abs() + b)))
+    return out
+
+
+@pytest.fixture
+def forced():
+    """fasttrain's backward wherever it can run (on hosts without native bf16 "auto" keeps torch's)."""
+    old = ops.set_attention_backward("fasttrain")
+    yield
+    ops.set_attention_backward(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask_kind,chunked", [("full", False), ("shared", True), ("none", False), ("full", True)])
+def test_gradients_match_float64_within_derived_bounds(dtype, mask_kind, chunked, monkeypatch, forced):
+    torch.manual_seed(2)
+    n, h, M, L, D = 4, 3, 19, 45, 16
+    q, k, v = (torch.randn(n, h, r, D).to(dtype).requires_grad_() for r in (M, L, L))
+    do = torch.randn(n, h, M, D).to(dtype)
+    mask = None if mask_kind == "none" else _mask(n, M, L, 3, mask_kind)
+    if chunked:                                          # one row a chunk: the loop over chunks
+        monkeypatch.setattr(A, "SCORE_BYTES", h * M * L * 4)
+    scale = D ** -0.5
+    assert ops.attention_backward_kind(q, k) == "fasttrain"
+    o = ops.masked_attention(q, k, v, mask, scale)
+    assert type(o.grad_fn).__name__ == "_MaskedAttentionBackward"
+    o.backward(do)
+    for got, (ref, bound) in zip((q.grad, k.grad, v.grad), _grad_bounds(q, k, v, do, mask, scale)):
+        err = (got.double() - ref).abs()
+        assert (err <= bound).all(), (err - bound).max()
+
+
+def test_where_it_applies_and_where_the_call_is_sdpa():
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    k = torch.randn(1, 2, 7, 8, requires_grad=True)
+    qb, kb = q.detach().bfloat16(), k.detach().bfloat16()
+    native = A._native_bf16()
+    assert ops.attention_backward_kind(q, k) == "sdpa"                      # "auto", float32: ATen's was faster
+    assert ops.attention_backward_kind(qb, kb) == ("fasttrain" if native else "sdpa")
+    old = ops.set_attention_backward("fasttrain")
+    try:
+        assert ops.attention_backward_kind(q, k) == "fasttrain"
+        assert ops.attention_backward_kind(qb, kb) == "fasttrain"
+        assert ops.attention_backward_kind(q.double(), k.double()) == "sdpa"
+        assert ops.attention_backward_kind(qb, kb[:, :1]) == "sdpa"          # grouped heads not folded
+        assert ops.attention_backward_kind(torch.empty(1, 2, 2048, 8), torch.empty(1, 2, 2048, 8)) == "sdpa"
+        o = ops.masked_attention(qb.requires_grad_(), kb, kb, None, 0.3)
+        assert type(o.grad_fn).__name__ == "_MaskedAttentionBackward"
+        ops.set_attention_backward("flash")
+        assert ops.attention_backward_kind(qb, kb) == "sdpa"
+        assert type(ops.masked_attention(qb, kb, kb, None, 0.3).grad_fn).__name__ != "_MaskedAttentionBackward"
+    finally:
+        ops.set_attention_backward(old)
+    o = ops.masked_attention(qb.requires_grad_(), kb, kb, None, 0.3)
+    assert (type(o.grad_fn).__name__ == "_MaskedAttentionBackward") == native
+    with torch.no_grad():                                                    # no gradient: plain SDPA
+        assert torch.equal(ops.masked_attention(qb, kb, kb, None, 0.3),
+                           F.scaled_dot_product_attention(qb, kb, kb, scale=0.3))
+    with pytest.raises(ValueError, match="mask must be bool"):
+        ops.masked_attention(qb, kb, kb, torch.zeros(1, 1, 5, 7), 0.3)
+    with pytest.raises(ValueError, match="q must be"):
+        ops.masked_attention(qb, kb[..., :4], kb, None, 0.3)
+    with pytest.raises(ValueError, match="kind must be"):
+        ops.set_attention_backward("fast")
