@@ -178,6 +178,8 @@ def test_where_it_applies_and_where_the_call_is_sdpa():
     native = A._native_bf16()
     assert ops.attention_backward_kind(q, k) == "sdpa"                      # "auto", float32: ATen's was faster
     assert ops.attention_backward_kind(qb, kb) == ("fasttrain" if native else "sdpa")
+    wide = torch.empty(1, 2, 5, A.AUTO_MAX_HEAD_DIM * 2, dtype=torch.bfloat16)
+    assert ops.attention_backward_kind(wide, wide) == "sdpa"                # "auto": wider heads keep torch's
     old = ops.set_attention_backward("fasttrain")
     try:
         assert ops.attention_backward_kind(q, k) == "fasttrain"

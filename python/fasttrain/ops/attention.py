@@ -3,20 +3,25 @@ answers), with a CPU backward of batched GEMMs around one fused softmax step.
 
     o = masked_attention(q, k, v, mask, scale)   # q [n, h, M, D], k/v [n, h, L, D], mask bool -> [n, h, M, D]
 
-The forward is torch's scaled_dot_product_attention (ATen's flash attention on the CPU). On a CPU
-that computes bf16 natively, in bf16 with a gradient wanted, the backward is fasttrain's, not
-ATen's (float32 can take it too, `set_attention_backward("fasttrain")`; ATen's float32 backward
-was the faster on an AMX Xeon, so "auto" keeps it there): per chunk
-of rows, S = q·kᵀ and dP = dO·vᵀ as float32 GEMMs (their inputs exact in float32), then
-csrc/cpu/attention_backward.cpp's softmax step (P and dS = scale·P ⊙ (dP − Σ P·dP) in one pass, in
-q's dtype), then dV = Pᵀ·dO, dQ = dS·k and dK = dSᵀ·q as GEMMs in q's dtype (P and dS rounded to
-it, as ATen's flash backward rounds them). Why: at the update's answer shape on a 2-core AMX Xeon
-ATen's flash backward took 25-27 ms a call (small GEMMs on 32-query blocks, about 60 GFLOP/s),
-this one about a third of that (bench/bench_attention_backward.py). Memory: the backward holds two
-float32 [rows, h, M, L] score tensors and two in q's dtype for a chunk of rows at a time, the chunk
-sized so one float32 tensor stays within `SCORE_BYTES`; where a single row's scores exceed it (long
-answers), or on another device or dtype (float64, the GPU), the call is torch's SDPA with its own
-backward.
+The forward is torch's scaled_dot_product_attention (ATen's flash attention on the CPU). The
+backward, on a CPU that computes bf16 natively, for bf16 heads of at most AUTO_MAX_HEAD_DIM with a
+gradient wanted ("auto"), is fasttrain's, not ATen's: per chunk of rows, S = q·kᵀ and dP = dO·vᵀ
+as float32 GEMMs (their inputs exact in float32), then csrc/cpu/attention_backward.cpp's softmax
+step (P and dS = scale·P ⊙ (dP − Σ P·dP) in one pass, in q's dtype), then dV = Pᵀ·dO, dQ = dS·k
+and dK = dSᵀ·q as GEMMs in q's dtype (P and dS rounded to it, as ATen's flash backward rounds
+them). `set_attention_backward("fasttrain")` takes it wherever it can run (float32 too), "flash"
+nowhere; FASTTRAIN_ATTENTION_BACKWARD sets the same at import.
+Why: at the update's answer shape (SmolLM2's study micro-batch: 12 rows, 3 KV heads of 64, 189
+query rows of a KV head over 360 keys) on a 2-core AMX Xeon, ATen's flash backward took 25-27 ms
+a call (many small GEMMs on 32-query blocks, about 60 GFLOP/s), this one 14-15 ms; forward +
+backward 0.69-0.71x of torch's (bench/bench_attention_backward.py). Where "auto" keeps torch's,
+as measured there: float32 (ATen's float32 backward was the faster, 20 against 31 ms at that
+shape), heads of 128 (the hybrid's: 0.8-1.2x, a wash), emulated bf16 (not measured).
+Memory: the backward holds two float32 [rows, h, M, L] score tensors and two in q's dtype for a
+chunk of rows at a time, the chunk sized so one float32 tensor stays within `SCORE_BYTES` (4 MiB:
+16 MiB chunks ran slower, 24-25 against 14-15 ms, on that Xeon); where a single row's scores
+exceed it (long answers), or on another device or dtype (float64, the GPU), the call is torch's
+SDPA with its own backward.
 """
 from __future__ import annotations
 
@@ -31,17 +36,18 @@ from fasttrain.ops.kernels import use_reference as _use_reference
 _load()
 _ops = torch.ops.fasttrain
 
-__all__ = ["masked_attention", "attention_backward_kind", "set_attention_backward", "SCORE_BYTES"]
+__all__ = ["masked_attention", "attention_backward_kind", "set_attention_backward"]
 
+AUTO_MAX_HEAD_DIM = 64          # "auto": heads up to this size (measured faster there; a wash at 128)
 SCORE_BYTES = 4 << 20           # the largest float32 score tensor one backward chunk makes
-_KIND = {"value": "auto"}          # FASTTRAIN_ATTENTION_BACKWARD sets it at import (set_attention_backward)
+_KIND = {"value": "auto"}       # FASTTRAIN_ATTENTION_BACKWARD sets it at import (set_attention_backward)
 
 
 def set_attention_backward(kind: str) -> str:
-    """"auto" (the default: fasttrain's backward where it was measured faster, bf16 on a CPU that
-    computes bf16 natively), "fasttrain" (fasttrain's wherever it can run: the CPU, float32 or
-    bf16, for tests and comparisons) or "flash" (torch's SDPA backward everywhere). Returns the
-    previous setting."""
+    """"auto" (the default: fasttrain's backward where it was measured faster, bf16 heads of at
+    most AUTO_MAX_HEAD_DIM on a CPU that computes bf16 natively), "fasttrain" (fasttrain's wherever
+    it can run: the CPU, float32 or bf16; for tests and comparisons) or "flash" (torch's SDPA
+    backward everywhere). Returns the previous setting."""
     if kind not in ("auto", "fasttrain", "flash"):
         raise ValueError(f"set_attention_backward: kind must be 'auto', 'fasttrain' or 'flash', got {kind!r}")
     old, _KIND["value"] = _KIND["value"], kind
@@ -61,7 +67,7 @@ def attention_backward_kind(q: torch.Tensor, k: torch.Tensor) -> str:
     n, h, M, _ = q.shape
     if h * M * k.shape[2] * 4 > SCORE_BYTES:
         return "sdpa"
-    if kind == "auto" and not (q.dtype == torch.bfloat16 and _native_bf16()):
+    if kind == "auto" and not (q.dtype == torch.bfloat16 and q.shape[3] <= AUTO_MAX_HEAD_DIM and _native_bf16()):
         return "sdpa"
     return "fasttrain"
 
