@@ -87,7 +87,8 @@ def _kernel_faces() -> dict[str, Callable]:
             "gated_delta_rule": F.gated_delta_rule, "gated_delta_step": F.gated_delta_step,
             "gated_delta_step_": F.gated_delta_step_, "causal_conv1d": F.causal_conv1d, "causal_conv1d_step": F.causal_conv1d_step,
             "moe_experts": F.moe_experts, "decode_attention": F.decode_attention, "rms_norm": F.rms_norm,
-            "rotary_cache_write_": F.rotary_cache_write_, "silu_mul": F.silu_mul}
+            "rotary_cache_write_": F.rotary_cache_write_, "silu_mul": F.silu_mul,
+            "masked_attention": F.masked_attention}
 
 
 KERNELS: dict[str, Callable] = {}
@@ -727,11 +728,98 @@ def _decode_fused_cases(dev, quick: bool):
             enumerate((k, N, H, dt) for k, shs in shapes.items() for N, H in shs for dt in dts)]
 
 
+def attention_grad_bounds(q, k, v, do, mask, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(float64 gradient, its bound)] for q, k, v of softmax(scale·q·kᵀ over `mask`)·v with output
+    gradient do, as fasttrain.ops.masked_attention's CPU backward computes it (u: float32's unit
+    roundoff, u_d: q's dtype's, γ_n = n·u/(1 − n·u)): S = q·kᵀ and dP = dO·vᵀ are float32 sums of D
+    exact products (γ_D·Σ|q||k|, times scale into every z, and γ_D·Σ|dO||v|); the softmax step's P
+    errs by ρ·P, ρ = (2·max|z| + L + 8)·u + 2·max(scale·γ_D·Σ|q||k|) (the shift, exp at 1 ulp, the sum of
+    L terms, the reciprocal), Σ P·dP by (ρ + γ_L)·Σ P|dP|, dS = scale·P·(dP − Σ P·dP) by
+    scale·P·((ρ + 3u)·|dP − Σ P·dP| + (ρ + γ_L)·Σ P|dP|) plus dP's own error through both terms; P and
+    dS are then rounded to u_d; dV = P̃ᵀ·dO, dQ = dS̃·k and dK = dS̃ᵀ·q sum M, L and M terms in float32
+    (γ of Σ|terms|) and round to u_d (tests/ops/test_attention_backward.py checks the step's own bound)."""
+    u = U[torch.float32]
+    ud = U[q.dtype] if q.dtype in (torch.bfloat16, torch.float16) else u
+
+    def gamma(n: int) -> float:
+        return n * u / (1 - n * u)
+    q64, k64, v64, do64 = (t.detach().to("cpu", torch.float64) for t in (q, k, v, do))
+    M, D = q.shape[2], q.shape[3]
+    L = k.shape[2]
+    z = (q64 @ k64.mT) * scale
+    if mask is not None:
+        z = z.masked_fill(~mask.to("cpu").expand_as(z), float("-inf"))
+    p = torch.nan_to_num(torch.softmax(z, -1), nan=0.0)
+    dp = do64 @ v64.mT
+    dot = (p * dp).sum(-1, keepdim=True)
+    ds = scale * p * (dp - dot)
+    zf = torch.where(torch.isfinite(z), z, torch.zeros_like(z)).abs()
+    z_err = (scale * gamma(D) * (q64.abs() @ k64.abs().mT)).amax(-1, keepdim=True)
+    rho = (2 * zf.amax(-1, keepdim=True) + L + 8) * u + 2 * z_err
+    dp_err = gamma(D) * (do64.abs() @ v64.abs().mT)
+    spd = (p * dp.abs()).sum(-1, keepdim=True)
+    bp = rho * p
+    bds = scale * p * ((rho + 3 * u) * (dp - dot).abs() + (rho + gamma(L)) * spd + dp_err
+                       + (p * dp_err).sum(-1, keepdim=True))
+    ep, eds = bp * (1 + ud) + ud * p, bds * (1 + ud) + ud * ds.abs()         # |P̃ − P|, |dS̃ − dS|
+    pt, dst = p + ep, ds.abs() + eds                                         # |P̃|, |dS̃| bounded
+    out = []
+    for ref, b in ((ds @ k64, eds @ k64.abs() + gamma(L) * (dst @ k64.abs())),
+                   (ds.mT @ q64, eds.mT @ q64.abs() + gamma(M) * (dst.mT @ q64.abs())),
+                   (p.mT @ do64, ep.mT @ do64.abs() + gamma(M) * (pt.mT @ do64.abs()))):
+        out.append((ref, b + ud * (ref.abs() + b)))
+    return out
+
+
+def _attention_case(dev, n, h, M, L, D, dtype, seed) -> tuple:
+    """The update's masked attention's gradients (fasttrain.ops.masked_attention with its own backward
+    wherever it can run) against float64, within attention_grad_bounds."""
+    from fasttrain.ops.attention import attention_backward_kind, set_attention_backward
+    name = f"n={n} h={h} M={M} L={L} D={D} {DT_NAME[dtype]}"
+    probe = torch.empty(n, h, M, D, dtype=dtype, device=dev)
+    old = set_attention_backward("fasttrain")
+    try:
+        impl = f"masked_attention:{attention_backward_kind(probe, probe.new_empty(n, h, L, D))}"
+    finally:
+        set_attention_backward(old)
+
+    def run(check: _Check):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = ((torch.randn(n, h, r, D, generator=g)).to(dev, dtype).requires_grad_() for r in (M, L, L))
+        do = torch.randn(n, h, M, D, generator=g).to(dev, dtype)
+        mask = torch.rand(n, 1, M, L, generator=g) < 0.6
+        mask[..., 0] = True
+        mask = mask.to(dev)
+        scale = D ** -0.5
+        prev = set_attention_backward("fasttrain")
+        try:
+            grads, tk = _timed(lambda: torch.autograd.grad(kernel("masked_attention")(q, k, v, mask, scale),
+                                                           (q, k, v), do), dev)
+        finally:
+            set_attention_backward(prev)
+        refs, tr = _timed(lambda: attention_grad_bounds(q, k, v, do, mask, scale), dev)
+        for nm, got, (ref, bound) in zip(("dq", "dk", "dv"), grads, refs):
+            check.close(nm, got, ref, bound, dtype)
+        return tk, tr
+
+    return name, run, impl
+
+
+def _attention_cases(dev, quick: bool):
+    if dev.type != "cpu":                  # a CPU op: on a GPU masked_attention is torch's SDPA throughout
+        return []
+    shapes = [(3, 2, 19, 45, 16), (2, 3, 63, 100, 64)] if quick else \
+        [(3, 2, 19, 45, 16), (2, 3, 63, 100, 64), (12, 3, 189, 360, 64), (1, 3, 891, 297, 64), (2, 4, 63, 360, 128)]
+    dts = (torch.bfloat16, torch.float32)
+    return [_attention_case(dev, *sh, dt, seed=950 + i) for i, (sh, dt) in
+            enumerate((sh, dt) for sh in shapes for dt in dts)]
+
+
 CASES = {"fused_logprob": _logprob_cases, "policy_loss": _policy_cases, "nf4_quantize": _nf4_cases,
          "nf4_linear": _linear_cases, "nf4_dora_norm": _norm_cases, "dense_linear": _dense_cases,
          "gated_delta_rule": _gated_delta_cases, "causal_conv1d": _conv_cases, "moe_experts": _moe_cases,
          "decode_attention": _decode_attention_cases, "decode_fused": _decode_fused_cases,
-         "gpu_packages": _package_cases}
+         "masked_attention": _attention_cases, "gpu_packages": _package_cases}
 
 
 # ---- the run ----------------------------------------------------------------------------------

@@ -9,11 +9,10 @@ Bounds (u = 2^-24 for float32, u_b = 2^-8 for bfloat16; γ_n = n·u/(1 − n·u)
   Σ P·dP errs by (ρ + γ_L)·Σ P|dP|; dS_j = scale·P_j·(dp_j − Σ P·dP) by
   scale·P_j·((ρ + 3u)·|dp_j − Σ P·dP| + (ρ + γ_L)·Σ P|dP|); each written value then by one rounding
   to the output dtype (u_out·|value|).
-  The autograd test adds what feeds the step: S = q·kᵀ and dP = dO·vᵀ as float32 sums of D exact
-  products (γ_D·Σ|q||k| and γ_D·Σ|dO||v|, the former times scale added to every z's error), and
-  the GEMMs after it: dV = P̃ᵀ·dO, dQ = dS̃·k, dK = dS̃ᵀ·q with P̃, dS̃ the step's bf16 outputs (their
-  errors above plus u_b of their magnitude), float32 sums (γ_n of Σ|terms|) and the bf16 result
-  (u_b of its magnitude).
+  The autograd test takes the gradients' bounds from fasttrain.selftest.attention_grad_bounds (the
+  selftest checks the same op on the device at hand): what feeds the step, S = q·kᵀ and dP = dO·vᵀ
+  as float32 sums of D exact products, the step's bound above, and the GEMMs after it, dV = P̃ᵀ·dO,
+  dQ = dS̃·k, dK = dS̃ᵀ·q with P̃, dS̃ rounded to q's dtype, float32 sums and the rounded result.
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 import fasttrain.ops as ops
 import fasttrain.ops.attention as A
+from fasttrain.selftest import attention_grad_bounds
 
 U32 = 2.0 ** -24
 UB = 2.0 ** -8
@@ -113,36 +113,6 @@ def test_rows_without_keys_give_zeros_threads_give_the_same_bits_and_bad_inputs_
         op(s, dp, mask, 0.2, torch.float64)
 
 
-def _grad_bounds(q, k, v, do, mask, scale):
-    UB = 2.0 ** -8 if q.dtype == torch.bfloat16 else U32              # the roundings to q's dtype
-    """float64 gradients of softmax(scale·q·kᵀ)·v under `mask` and their derived bounds (module doc)."""
-    q64, k64, v64, do64 = (t.double() for t in (q, k, v, do))
-    n, h, M, D = q.shape
-    L = k.shape[2]
-    s = q64 @ k64.mT
-    dp = do64 @ v64.mT
-    p, dot, ds, z = _ref_softmax(s, dp, mask, scale)
-    z_err = scale * gamma(D) * (q64.abs() @ k64.abs().mT)           # S's float32 sums, scaled
-    ez = z_err.amax(-1, keepdim=True)
-    dp_err = gamma(D) * (do64.abs() @ v64.abs().mT)
-    bp, bds = _step_bounds(s, dp, p, dot, ds, z, scale, L, extra_z=ez)
-    bds = bds + scale * p * (dp_err + (p * dp_err).sum(-1, keepdim=True))
-    pt = (p.abs() + bp) * (1 + UB)                                   # |P̃| bounded
-    dst = (ds.abs() + bds) * (1 + UB)
-    ep = bp * (1 + UB) + UB * p.abs()                               # |P̃ − P|
-    eds = bds * (1 + UB) + UB * ds.abs()
-    dv = p.mT @ do64
-    dq = ds @ k64
-    dk = ds.mT @ q64
-    b_dv = ep.mT @ do64.abs() + gamma(M) * (pt.mT @ do64.abs())
-    b_dq = eds @ k64.abs() + gamma(L) * (dst @ k64.abs())
-    b_dk = eds.mT @ q64.abs() + gamma(M) * (dst.mT @ q64.abs())
-    out = []
-    for ref, b in ((dq, b_dq), (dk, b_dk), (dv, b_dv)):
-        out.append((ref, b + UB * (ref.abs() + b)))
-    return out
-
-
 @pytest.fixture
 def forced():
     """fasttrain's backward wherever it can run (on hosts without native bf16 "auto" keeps torch's)."""
@@ -166,7 +136,7 @@ def test_gradients_match_float64_within_derived_bounds(dtype, mask_kind, chunked
     o = ops.masked_attention(q, k, v, mask, scale)
     assert type(o.grad_fn).__name__ == "_MaskedAttentionBackward"
     o.backward(do)
-    for got, (ref, bound) in zip((q.grad, k.grad, v.grad), _grad_bounds(q, k, v, do, mask, scale)):
+    for got, (ref, bound) in zip((q.grad, k.grad, v.grad), attention_grad_bounds(q, k, v, do, mask, scale)):
         err = (got.double() - ref).abs()
         assert (err <= bound).all(), (err - bound).max()
 

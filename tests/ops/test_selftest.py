@@ -72,11 +72,16 @@ def _wrong_decode_attention(q, k, v, valid, scale):
     return F.decode_attention(q, k, v, valid, scale * 1.01)                   # softmax scale off by 1%
 
 
+def _wrong_masked_attention(q, k, v, mask, scale):
+    return F.masked_attention(q, k, v, mask, scale * 1.01)                     # softmax scale off by 1%
+
+
 @pytest.mark.parametrize("op,wrong", [("fused_logprob", _wrong_logprob), ("policy_loss", _wrong_policy_loss),
                                       ("nf4_linear", _wrong_linear), ("nf4_quantize", _wrong_quantize),
                                       ("nf4_dora_norm", _wrong_dora_norm), ("dense_linear", _wrong_dense_linear),
                                       ("gated_delta_rule", _wrong_delta_rule), ("causal_conv1d", _wrong_conv),
-                                      ("decode_attention", _wrong_decode_attention)])
+                                      ("decode_attention", _wrong_decode_attention),
+                                      ("masked_attention", _wrong_masked_attention)])
 def test_a_wrong_kernel_fails(op, wrong, tmp_path, monkeypatch):
     monkeypatch.setitem(selftest.KERNELS, op, wrong)
     out = tmp_path / "st.json"
