@@ -4,13 +4,15 @@ answers), with a CPU backward of batched GEMMs around one fused softmax step.
     o = masked_attention(q, k, v, mask, scale)   # q [n, h, M, D], k/v [n, h, L, D], mask bool -> [n, h, M, D]
 
 The forward is torch's scaled_dot_product_attention (ATen's flash attention on the CPU). The
-backward, on a CPU that computes bf16 natively, for bf16 heads of at most AUTO_MAX_HEAD_DIM with a
-gradient wanted ("auto"), is fasttrain's, not ATen's: per chunk of rows, S = q·kᵀ and dP = dO·vᵀ
+backward is torch's by default. With `set_attention_backward("auto")` (or
+FASTTRAIN_ATTENTION_BACKWARD=auto), on a CPU that computes bf16 natively, for bf16 heads of at most
+AUTO_MAX_HEAD_DIM with a gradient wanted, it is fasttrain's, not ATen's; it stays opt-in until
+`fasttrain plan` counts its memory (below). Per chunk of rows, S = q·kᵀ and dP = dO·vᵀ
 as float32 GEMMs (their inputs exact in float32), then csrc/cpu/attention_backward.cpp's softmax
 step (P and dS = scale·P ⊙ (dP − Σ P·dP) in one pass, in q's dtype), then dV = Pᵀ·dO, dQ = dS·k
 and dK = dSᵀ·q as GEMMs in q's dtype (P and dS rounded to it, as ATen's flash backward rounds
 them). `set_attention_backward("fasttrain")` takes it wherever it can run (float32 too), "flash"
-nowhere; FASTTRAIN_ATTENTION_BACKWARD sets the same at import.
+(the default) nowhere; FASTTRAIN_ATTENTION_BACKWARD sets the same at import.
 Why: at the update's answer shape (SmolLM2's study micro-batch: 12 rows, 3 KV heads of 64, 189
 query rows of a KV head over 360 keys) on a 2-core AMX Xeon, ATen's flash backward took 25-27 ms
 a call (many small GEMMs on 32-query blocks, about 60 GFLOP/s), this one 14-15 ms; forward +
@@ -21,7 +23,10 @@ Memory: the backward holds two float32 [rows, h, M, L] score tensors and two in 
 chunk of rows at a time, the chunk sized so one float32 tensor stays within `SCORE_BYTES` (4 MiB:
 16 MiB chunks ran slower, 24-25 against 14-15 ms, on that Xeon); where a single row's scores
 exceed it (long answers), or on another device or dtype (float64, the GPU), the call is torch's
-SDPA with its own backward.
+SDPA with its own backward. What the plan does not count yet: that workspace, and that this
+backward saves the bool mask where torch's saves the float mask SDPA makes of it (on tests/plan's
+tiny bf16 models the update's measured peak moved from 2.08 to 3.57 MB and from 5.75 to 6.69 MB,
+and down by 0.1-0.3 MB on others).
 """
 from __future__ import annotations
 
@@ -40,14 +45,19 @@ __all__ = ["masked_attention", "attention_backward_kind", "set_attention_backwar
 
 AUTO_MAX_HEAD_DIM = 64          # "auto": heads up to this size (measured faster there; a wash at 128)
 SCORE_BYTES = 4 << 20           # the largest float32 score tensor one backward chunk makes
-_KIND = {"value": "auto"}       # FASTTRAIN_ATTENTION_BACKWARD sets it at import (set_attention_backward)
+# The default is torch's backward ("flash") until `fasttrain plan` counts this backward's memory: its
+# chunk workspace (float32 S and dP with bf16 P and dS) and the float masks it does not save change the
+# update's peak (on tests/plan's tiny models: +1.5 MB on 3.6). "auto" or FASTTRAIN_ATTENTION_BACKWARD=auto
+# turns on the measured rule below.
+_KIND = {"value": "flash"}      # FASTTRAIN_ATTENTION_BACKWARD sets it at import (set_attention_backward)
 
 
 def set_attention_backward(kind: str) -> str:
-    """"auto" (the default: fasttrain's backward where it was measured faster, bf16 heads of at
-    most AUTO_MAX_HEAD_DIM on a CPU that computes bf16 natively), "fasttrain" (fasttrain's wherever
-    it can run: the CPU, float32 or bf16; for tests and comparisons) or "flash" (torch's SDPA
-    backward everywhere). Returns the previous setting."""
+    """"auto" (fasttrain's backward where it was measured faster: bf16 heads of at most
+    AUTO_MAX_HEAD_DIM on a CPU that computes bf16 natively), "fasttrain" (fasttrain's wherever it
+    can run: the CPU, float32 or bf16; for tests and comparisons) or "flash" (torch's SDPA backward
+    everywhere: the default, until the memory plan counts this backward). Returns the previous
+    setting."""
     if kind not in ("auto", "fasttrain", "flash"):
         raise ValueError(f"set_attention_backward: kind must be 'auto', 'fasttrain' or 'flash', got {kind!r}")
     old, _KIND["value"] = _KIND["value"], kind
