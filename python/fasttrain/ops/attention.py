@@ -83,25 +83,25 @@ def attention_backward_kind(q: torch.Tensor, k: torch.Tensor) -> str:
 
 
 def _native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (avx512_bf16 with ATen's kernels at AVX512): where the
-    backward was measured faster. Elsewhere bf16 GEMMs are emulated and torch's backward stays."""
-    return bool(_load().cpu_has_bf16())
+    """Whether this CPU computes bf16 natively (the NF4 kernels' own test): where the backward was
+    measured faster. Elsewhere bf16 GEMMs are emulated and torch's backward stays."""
+    from fasttrain.ops.nf4_linear import _cpu_bf16_compute
+    return _cpu_bf16_compute()
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
-    """softmax(scale·q·kᵀ over the allowed keys)·v: q [n, h, M, D], k and v [n, h, L, D] (as many
-    heads: fold grouped-query heads into M first), mask bool broadcastable to [n, h, M, L] (True =
-    may attend) or None. Every query row must have an allowed key (SDPA gives NaN for one without)."""
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"masked_attention: q must be [n, h, M, D] and k, v [n, h, L, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if mask is not None and mask.dtype != torch.bool:
-        raise ValueError(f"masked_attention: mask must be bool, got {mask.dtype}")
+    """softmax(scale·q·kᵀ over the allowed keys)·v, torch's scaled_dot_product_attention with
+    fasttrain's backward where attention_backward_kind says so and the call has its form: q
+    [n, h, M, D], k and v [n, h, L, D] (as many heads: fold grouped-query heads into M first), mask
+    bool broadcastable to [n, h, M, L] (True = may attend) or None. Any other call is SDPA's as given.
+    Every query row must have an allowed key (SDPA gives NaN for one without)."""
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not wants_grad or attention_backward_kind(q, k) != "fasttrain":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return _MaskedAttention.apply(q, k, v, mask, float(scale))
+    if (wants_grad and q.dim() == 4 and k.dim() == 4 and k.shape == v.shape and q.shape[:2] == k.shape[:2]
+            and q.shape[3] == k.shape[3] and (mask is None or mask.dtype == torch.bool)
+            and attention_backward_kind(q, k) == "fasttrain"):
+        return _MaskedAttention.apply(q, k, v, mask, float(scale))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class _MaskedAttention(torch.autograd.Function):
@@ -139,7 +139,7 @@ def _backward(do, q, k, v, mask, scale: float):
         s = torch.matmul(qc.float(), kc.float().mT)                       # [c, h, M, L] float32
         dp = torch.matmul(doc.float(), vc.float().mT)
         mc = None if mask is None else (mask if mask.shape[0] == 1 else mask[a:b])
-        p, ds = _ops.attention_softmax_grad(s.contiguous(), dp.contiguous(), mc, scale, dt)
+        p, ds = _ops.attention_softmax_grad(s, dp, mc, scale, dt)
         del s, dp
         torch.matmul(p.mT, doc, out=dv[a:b])
         del p
