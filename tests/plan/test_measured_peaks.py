@@ -105,6 +105,32 @@ def test_hybrid_update_on_the_forced_token_kernel_matches_measured_peaks(worlds,
         assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
 
 
+@pytest.mark.parametrize("model,n,G,T,mb,dtype,checkpointing", [
+    ("tiny_policy", 3, 2, 4, 3, "bfloat16", True), ("tiny_policy", 3, 4, 16, 12, "float32", False),
+    ("tiny_policy", 3, 4, 16, 12, "bfloat16", False), ("tiny_hybrid", 3, 4, 16, 12, "bfloat16", False),
+    ("wide_hybrid", 2, 4, 8, 6, "float32", True)])
+def test_fasttrains_attention_backward_matches_measured_peaks(worlds, tmp_path, monkeypatch, model, n, G, T, mb,
+                                                              dtype, checkpointing):
+    """set_attention_backward("fasttrain") puts every attention backward of the update on
+    fasttrain's (on any host: the default "auto" does so only where bf16 is native): the plan counts
+    its saved bytes and the workspace at the layer's attention backward (on the first case, 3 prompts
+    of about 160 tokens, the workspace sets the update's peak), within the same bound."""
+    from conftest_recipe import tiny_recipe
+    from measured_step import planned_and_measured
+    from fasttrain.ops.attention import set_attention_backward
+    from fasttrain.train import Trainer, load_config
+
+    r = tiny_recipe(tmp_path, n, G, T, mb)
+    r["policy"].update(dtype=dtype, gradient_checkpointing=checkpointing, model=f"padded_world:{model}_as_loaded")
+    prev = set_attention_backward("fasttrain")
+    try:
+        got = planned_and_measured(Trainer(load_config(r), progress=False), monkeypatch)
+    finally:
+        set_attention_backward(prev)
+    for phase, (planned, measured) in got.items():
+        assert abs(planned - measured) <= TOL * measured, (phase, planned, measured)
+
+
 @pytest.mark.parametrize("model,n,G,T,mb,checkpointing,quantize", [
     ("tiny_qwen3_moe_policy", 3, 4, 16, 12, True, "nf4"), ("tiny_qwen3_moe_policy", 2, 4, 8, 6, False, "none"),
     ("tiny_qwen3_5_moe_policy", 3, 4, 16, 12, True, "nf4"), ("tiny_qwen3_5_moe_policy", 2, 4, 8, 6, False, "nf4")])

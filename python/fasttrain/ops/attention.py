@@ -3,16 +3,14 @@ answers), with a CPU backward of batched GEMMs around one fused softmax step.
 
     o = masked_attention(q, k, v, mask, scale)   # q [n, h, M, D], k/v [n, h, L, D], mask bool -> [n, h, M, D]
 
-The forward is torch's scaled_dot_product_attention (ATen's flash attention on the CPU). The
-backward is torch's by default. With `set_attention_backward("auto")` (or
-FASTTRAIN_ATTENTION_BACKWARD=auto), on a CPU that computes bf16 natively, for bf16 heads of at most
-AUTO_MAX_HEAD_DIM with a gradient wanted, it is fasttrain's, not ATen's; it stays opt-in until
-`fasttrain plan` counts its memory (below). Per chunk of rows, S = q·kᵀ and dP = dO·vᵀ
+The forward is torch's scaled_dot_product_attention (ATen's flash attention on the CPU). Under the
+default setting, "auto", on a CPU that computes bf16 natively, for bf16 heads of at most
+AUTO_MAX_HEAD_DIM with a gradient wanted, the backward is fasttrain's, not ATen's. Per chunk of rows, S = q·kᵀ and dP = dO·vᵀ
 as float32 GEMMs (their inputs exact in float32), then csrc/cpu/attention_backward.cpp's softmax
 step (P and dS = scale·P ⊙ (dP − Σ P·dP) in one pass, in q's dtype), then dV = Pᵀ·dO, dQ = dS·k
 and dK = dSᵀ·q as GEMMs in q's dtype (P and dS rounded to it, as ATen's flash backward rounds
 them). `set_attention_backward("fasttrain")` takes it wherever it can run (float32 too), "flash"
-(the default) nowhere; FASTTRAIN_ATTENTION_BACKWARD sets the same at import.
+nowhere (torch's backward throughout); FASTTRAIN_ATTENTION_BACKWARD sets the same at import.
 Why: at the update's answer shape (SmolLM2's study micro-batch: 12 rows, 3 KV heads of 64, 189
 query rows of a KV head over 360 keys) on a 2-core AMX Xeon, ATen's flash backward took 25-27 ms
 a call (many small GEMMs on 32-query blocks, about 60 GFLOP/s), this one 14-15 ms; forward +
@@ -23,10 +21,11 @@ Memory: the backward holds two float32 [rows, h, M, L] score tensors and two in 
 chunk of rows at a time, the chunk sized so one float32 tensor stays within `SCORE_BYTES` (4 MiB:
 16 MiB chunks ran slower, 24-25 against 14-15 ms, on that Xeon); where a single row's scores
 exceed it (long answers), or on another device or dtype (float64, the GPU), the call is torch's
-SDPA with its own backward. What the plan does not count yet: that workspace, and that this
-backward saves the bool mask where torch's saves the float mask SDPA makes of it (on tests/plan's
-tiny bf16 models the update's measured peak moved from 2.08 to 3.57 MB and from 5.75 to 6.69 MB,
-and down by 0.1-0.3 MB on others).
+SDPA with its own backward. `fasttrain plan` counts both sides (fasttrain.plan.memory): this
+backward saves q, k, v and the shared bool mask where torch's also saves its output, log-sum-exp
+and the float mask SDPA makes, and at a layer's attention backward it adds its workspace
+(backward_workspace), which sets the update's peak on small models with long prompts (tests/plan's
+tiny bf16 model: 2.08 MB measured with torch's backward, 3.57 MB with this one, planned 3.62).
 """
 from __future__ import annotations
 
@@ -45,18 +44,14 @@ __all__ = ["masked_attention", "attention_backward_kind", "set_attention_backwar
 
 AUTO_MAX_HEAD_DIM = 64          # "auto": heads up to this size (measured faster there; a wash at 128)
 SCORE_BYTES = 4 << 20           # the largest float32 score tensor one backward chunk makes
-# The default is torch's backward ("flash") until `fasttrain plan` counts this backward's memory: its
-# chunk workspace (float32 S and dP with bf16 P and dS) and the float masks it does not save change the
-# update's peak (on tests/plan's tiny models: +1.5 MB on 3.6). "auto" or FASTTRAIN_ATTENTION_BACKWARD=auto
-# turns on the measured rule below.
-_KIND = {"value": "flash"}      # FASTTRAIN_ATTENTION_BACKWARD sets it at import (set_attention_backward)
+_KIND = {"value": "auto"}       # FASTTRAIN_ATTENTION_BACKWARD sets it at import (set_attention_backward)
 
 
 def set_attention_backward(kind: str) -> str:
-    """"auto" (fasttrain's backward where it was measured faster: bf16 heads of at most
-    AUTO_MAX_HEAD_DIM on a CPU that computes bf16 natively), "fasttrain" (fasttrain's wherever it
-    can run: the CPU, float32 or bf16; for tests and comparisons) or "flash" (torch's SDPA backward
-    everywhere: the default, until the memory plan counts this backward). Returns the previous
+    """"auto" (the default: fasttrain's backward where it was measured faster, bf16 heads of
+    at most AUTO_MAX_HEAD_DIM on a CPU that computes bf16 natively), "fasttrain" (fasttrain's
+    wherever it can run: the CPU, float32 or bf16; for tests and comparisons) or "flash" (torch's
+    SDPA backward everywhere). Returns the previous
     setting."""
     if kind not in ("auto", "fasttrain", "flash"):
         raise ValueError(f"set_attention_backward: kind must be 'auto', 'fasttrain' or 'flash', got {kind!r}")
@@ -70,16 +65,37 @@ if os.environ.get("FASTTRAIN_ATTENTION_BACKWARD"):
 
 def attention_backward_kind(q: torch.Tensor, k: torch.Tensor) -> str:
     """"fasttrain" or "sdpa": whose backward masked_attention's call with these q, k would use."""
+    if (_use_reference() or q.device.type != "cpu" or k.dtype != q.dtype or q.shape[1] != k.shape[1]):
+        return "sdpa"
+    n, h, M, D = q.shape
     kind = _KIND["value"]
-    if (kind == "flash" or _use_reference() or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
-            or k.dtype != q.dtype or q.shape[1] != k.shape[1]):
-        return "sdpa"
-    n, h, M, _ = q.shape
-    if h * M * k.shape[2] * 4 > SCORE_BYTES:
-        return "sdpa"
-    if kind == "auto" and not (q.dtype == torch.bfloat16 and q.shape[3] <= AUTO_MAX_HEAD_DIM and _native_bf16()):
-        return "sdpa"
-    return "fasttrain"
+    native = kind == "auto" and q.dtype == torch.bfloat16 and _native_bf16()
+    return "fasttrain" if takes_fasttrain_backward(q.dtype.itemsize if q.dtype in (torch.float32, torch.bfloat16) else 0,
+                                                    D, h * M * k.shape[2], native) else "sdpa"
+
+
+def takes_fasttrain_backward(dtype_bytes: int, head_dim: int, scores_per_row: int, native_bf16: bool) -> bool:
+    """The rule, on the CPU (fasttrain.plan reads it too): a call whose q is float32 (4) or bf16 (2)
+    with `scores_per_row` = heads x queries x keys of one row of q takes fasttrain's backward under
+    the current setting: none under "flash"; any whose one row fits SCORE_BYTES under "fasttrain";
+    under "auto" only bf16 heads of at most AUTO_MAX_HEAD_DIM on a CPU with native bf16."""
+    kind = _KIND["value"]
+    if kind == "flash" or dtype_bytes not in (2, 4) or scores_per_row * 4 > SCORE_BYTES:
+        return False
+    return kind == "fasttrain" or (dtype_bytes == 2 and head_dim <= AUTO_MAX_HEAD_DIM and native_bf16)
+
+
+def backward_workspace(n: int, h: int, M: int, L: int, D: int, dtype_bytes: int) -> int:
+    """Bytes _backward allocates beyond its dq, dk, dv (their shapes, in q's dtype) for q [n, h, M, D]
+    over L keys, at its largest moment (fasttrain.plan counts it): one chunk's float32 S and dP with P
+    and dS in q's dtype, or S with dP being formed from float32 copies of the chunk's dO and v."""
+    c = min(n, _chunk_rows(h, M, L))
+    scores = c * h * M * L
+    return max((8 + 2 * dtype_bytes) * scores, 8 * scores + 4 * c * h * (M + L) * D)
+
+
+def _chunk_rows(h: int, M: int, L: int) -> int:
+    return max(1, SCORE_BYTES // max(1, h * M * L * 4))
 
 
 def _native_bf16() -> bool:
@@ -131,7 +147,7 @@ def _backward(do, q, k, v, mask, scale: float):
         if mask.stride(3) != 1 and L > 1:
             mask = mask.contiguous()
     dq, dk, dv = (torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
-    step = max(1, SCORE_BYTES // max(1, h * M * L * 4))
+    step = _chunk_rows(h, M, L)
     do = do.to(dt)
     for a in range(0, n, step):
         b = min(n, a + step)
@@ -145,6 +161,7 @@ def _backward(do, q, k, v, mask, scale: float):
         del p
         torch.matmul(ds, kc, out=dq[a:b])
         torch.matmul(ds.mT, qc, out=dk[a:b])
+        del ds                                  # not held into the next chunk
     return dq, dk, dv
 
 

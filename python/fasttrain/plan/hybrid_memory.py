@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from math import ceil
 
-from fasttrain.plan.meta_model import ModelShape
+from fasttrain.plan.meta_model import ModelShape, fasttrain_attention_call
 
 __all__ = ["CHUNK", "is_hybrid", "update_rule_form", "prefix_inputs", "prefix_layer_live", "prefix_saved",
            "backward_peak", "backward_temps", "prefill_layer_peak", "decode_locals", "decode_mlp"]
@@ -266,7 +266,43 @@ def _attention_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -
     per_row = 4 * r * c_xa + qd * w + dense + norms + 4 * qd * w + m.heads * 4
     prompts = U * P * (2 * qd * w + P * w)
     answers = B * ((P + A) * 2 * qd * w + A * (P + A) * w) if A else 0
+    # fasttrain's backward (fasttrain.ops.attention) saves q, k, v and the shared bool mask only: no
+    # output, log-sum-exp or float mask
+    (_, h, M, L), *rest = attention_calls(m, U, P, B, A)
+    if fasttrain_attention_call(m, h, M, L):
+        prompts -= U * P * (qd * w + m.heads * 4 + P * w)
+    if rest and fasttrain_attention_call(m, *rest[0][1:]):
+        answers -= B * A * (qd * w + m.heads * 4 + (P + A) * w)
     return N * per_row + prompts + answers
+
+
+def attention_calls(m: ModelShape, U: int, P: int, B: int, A: int) -> list[tuple[int, int, int, int]]:
+    """A gated attention layer's two calls as (rows, heads, query rows, keys): the prompts' and the
+    answers', K/V repeated per query head."""
+    return [(U, m.heads, P, P)] + ([(B, m.heads, A, P + A)] if A else [])
+
+
+def attention_backward_extra(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> tuple[int, int]:
+    """(a gated attention layer's saved bytes, what fasttrain's attention backward holds beyond them)
+    at the costlier of its calls; (0, 0) where neither takes it (or the model has no such layer). Left
+    of the saved bytes then: the input's fp32 copy and norm output and the mixer's saved bytes less
+    o_proj's (its x·Aᵀ and input, with a 16-bit base its input's fp32 copy) and the gate product's
+    (sigmoid(gate) and the attention output), consumed by then. Held with them: the residual's
+    gradient [N, H], the gradients of the attention output and the gate [N, 2·qd], the call's dq,
+    dk, dv and its workspace (fasttrain.ops.attention.backward_workspace)."""
+    from fasttrain.ops.attention import backward_workspace
+    calls = attention_calls(m, U, P, B, A)
+    if not m.full_layers or not any(fasttrain_attention_call(m, *c[1:]) for c in calls):
+        return 0, 0
+    w, H, D = m.w, m.hidden, m.head_dim
+    qd = m.heads * D
+    N = U * P + B * A
+    saved = N * _common_saved_per_row(m, c_xa) + _attention_saved(m, U, P, B, A, c_xa)
+    consumed = N * (m.rank * c_xa + 3 * qd * w) + (N * _dense_saved(m, [(H, qd)]) if m.quantize == "none" else 0)
+    live = N * (4 * H + H * w) + _attention_saved(m, U, P, B, A, c_xa) - consumed + N * (H + 2 * qd) * w
+    best = max(live + n * h * (M + 2 * L) * D * w + backward_workspace(n, h, M, L, D, w)
+               for n, h, M, L in calls if fasttrain_attention_call(m, h, M, L))
+    return saved, max(0, best - saved)
 
 
 def backward_peak(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:

@@ -44,9 +44,12 @@ fasttrain.plan.hybrid_memory.
 Activation sizes follow the code paths: Hugging Face's Llama-family layer (RMSNorm upcasts to fp32,
 SDPA with grouped K/V repeated when a padding mask is present), fasttrain.ops.nf4_linear (saves its
 input and x·Aᵀ, never the dequantised weight) and fasttrain.ops.fused_logprob (an [N, H] fp32
-gradient vector instead of [N, V] logits). A 16-bit base (DenseLinear) runs its adapter in fp32: per
-projection it saves an fp32 copy of its input (bf16 models) and x·Aᵀ, and DoRA two fp32 outputs
-(tests/plan measures these steps on the tiny model too).
+gradient vector instead of [N, V] logits), fasttrain.ops.masked_attention (in the update on a CPU
+with native bf16, bf16 heads of at most 64: fasttrain's backward, which saves no output, log-sum-exp
+or float mask and holds a chunk of float32 scores at each attention backward; torch's SDPA
+elsewhere). A 16-bit base (DenseLinear) runs its adapter in fp32: per projection it saves an fp32
+copy of its input (bf16 models) and x·Aᵀ, and DoRA two fp32 outputs (tests/plan measures these
+steps on the tiny model too).
 What is not modelled: allocator fragmentation and the
 CUDA context (added by the fit check), Python objects, and the tokenizer; the compiled decode
 (rollout.compile: its cache rounded up to 64 columns, inductor's buffers); a model whose forward
@@ -56,14 +59,14 @@ sequence) and so runs its own full forward.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from fasttrain.nn.rollout_weights import use_dense
 from fasttrain.plan import hybrid_memory, moe_memory
 from fasttrain.plan.load import load_phase
-from fasttrain.plan.meta_model import ModelShape
+from fasttrain.plan.meta_model import ModelShape, fasttrain_attention_call
 from fasttrain.plan.run_shape import RunShape
 
 __all__ = ["Device", "MemoryPlan", "PARTS", "plan_memory", "probe_phase", "resident_base", "rollout_phase",
@@ -251,7 +254,59 @@ def _prefix_layer_saved(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int
         per_row += _dense_adapter_saved_per_row(m)
     prompts = U * P * ((2 * qd + 2 * kd) * w + m.heads * 4) + g * U * P * P * w
     answers = B * A * (2 * qd * w + m.heads * 4) + 2 * B * (P + A) * kd * w + g * B * A * (P + A) * w if A else 0
+    # fasttrain's backward (fasttrain.ops.attention) saves q, k, v and the shared bool mask only: no
+    # output, log-sum-exp or float mask
+    (_, h, M, L), *rest = attention_calls(m, U, P, B, A)
+    if fasttrain_attention_call(m, h, M, L):
+        prompts -= U * P * (qd * w + m.heads * 4) + g * U * P * P * w
+    if rest and fasttrain_attention_call(m, *rest[0][1:]):
+        answers -= B * A * (qd * w + m.heads * 4) + g * B * A * (P + A) * w
     return N * per_row + prompts + answers
+
+
+def attention_calls(m: ModelShape, U: int, P: int, B: int, A: int) -> list[tuple[int, int, int, int]]:
+    """prefix_forward's two attention calls of a layer as (rows, heads, query rows, keys): the
+    prompts' and the answers', the query heads of a KV head as query rows of it."""
+    g = m.heads // m.kv_heads
+    return [(U, m.kv_heads, g * P, P)] + ([(B, m.kv_heads, g * A, P + A)] if A else [])
+
+
+def _attention_backward_extra(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> tuple[int, int]:
+    """(the layer's saved bytes, what its fasttrain attention backward holds beyond them) at the
+    costlier of its two calls; (0, 0) where neither takes it. By then the MLP's and o_proj's backward
+    have run: of the saved bytes the pre-attention part (the input's fp32 copy and norm output, the
+    q/k/v adapters' x·Aᵀ) and the attentions' inputs are left. Held with them: the residual's gradient
+    [N, H] and o_proj's input gradient [N, qd], the call's dq, dk, dv and its workspace
+    (fasttrain.ops.attention.backward_workspace); in the prompts' call (the later) also the answers'
+    q/k/v gradients as full-size slices [N, qd + 2·kd] and the prompts' key/value gradients gathered
+    back from the answers [U·P, 2·kd]."""
+    from fasttrain.ops.attention import backward_workspace
+    calls = attention_calls(m, U, P, B, A)
+    if not any(fasttrain_attention_call(m, *c[1:]) for c in calls):
+        return 0, 0
+    w, H, r, D = m.w, m.hidden, m.rank, m.head_dim
+    qd, kd = m.heads * D, m.kv_heads * D
+    N = _prefix_tokens(U, P, B, A)
+    saved = _prefix_layer_saved(m, U, P, B, A, c_xa)
+    pre = N * ((4 * H + H * w) + 3 * r * c_xa + kd * w)
+    if m.quantize == "none":
+        acc = 8 if w == 8 else 4
+        pre += N * ((3 * acc * H if w != acc else 0) + (2 * acc * (qd + 2 * kd) if m.adapter_kind == "dora" else 0))
+    prompts_in = U * P * (qd + kd) * w
+    answers_in = B * A * qd * w + 2 * B * (P + A) * kd * w if A else 0
+    held = N * (H + qd) * w
+    best = 0
+    for i, (n, h, M, L) in enumerate(calls):
+        if not fasttrain_attention_call(m, h, M, L):
+            continue
+        outs = n * h * (M + 2 * L) * D * w
+        work = backward_workspace(n, h, M, L, D, w)
+        if i == 0:      # the prompts' call, after the answers'
+            live = pre + prompts_in + held + (N * (qd + 2 * kd) * w + 2 * U * P * kd * w if A else 0)
+        else:
+            live = pre + prompts_in + answers_in + held
+        best = max(best, live + outs + work)
+    return saved, max(0, best - saved)
 
 
 def _dense_adapter_saved_per_row(m: ModelShape) -> int:
@@ -287,6 +342,8 @@ class _PlainLayers:
     def backward_temps(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int = 0) -> int:
         N = _prefix_tokens(U, P, B, A)
         return N * m.hidden * m.w + 2 * N * m.intermediate * m.w
+
+    attention_backward_extra = staticmethod(_attention_backward_extra)
 
     @staticmethod
     def backward_peak(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int:
@@ -494,17 +551,22 @@ def _update(m: ModelShape, dev: Device, s: RunShape, checkpointing: bool) -> dic
     U, P, mb, A = _prefix_shape(s)
     N = _prefix_tokens(U, P, mb, A)
     n_tok = mb * T
+    if dev.kind == "cpu":
+        from fasttrain.ops.attention import takes_fasttrain_backward
+        m = replace(m, fasttrain_attention=takes_fasttrain_backward(w, m.head_dim, 1, dev.cpu_bf16))
     lay = _layers_of(m, dev)
     shared = mb * S * (24 + 1) + lay.prefix_inputs(m, U, P, mb, A)      # ids, masks, positions; rotary, masks
     head_in = n_tok * H * (w + 4 + w)                                     # hidden rows, the norm's fp32 input and output
+    # a layer's saved bytes and what its attention backward adds (fasttrain's backward: its workspace)
+    attn_saved, attn_extra = lay.attention_backward_extra(m, U, P, mb, A, c_xa)
     if checkpointing:
         kept = L * N * H * w
         fwd = max(kept + lay.prefix_layer_live(m, U, P, mb, A, _live_output_bytes(m, dev), grad=True), kept + head_in)
-        bwd = kept + lay.backward_peak(m, U, P, mb, A, c_xa)
+        bwd = kept + max(lay.backward_peak(m, U, P, mb, A, c_xa), attn_saved + attn_extra)
     else:
         kept = lay.prefix_saved(m, U, P, mb, A, c_xa) + L * N * H * w
         fwd = kept + head_in
-        bwd = kept + lay.backward_temps(m, U, P, mb, A, c_xa)
+        bwd = kept + max(lay.backward_temps(m, U, P, mb, A, c_xa), attn_extra)
     head = _logprob_head(m, dev, n_tok, grad=True)
     packed = _logprob_packed(m, dev, n_tok, grad=True)                  # kept across the phase's calls
     if fwd + head >= bwd:

@@ -97,6 +97,10 @@ class ModelShape:
     # layers, dense MLP of a MoE layer: the shared expert's width, 0 for none); () for a dense model
     moe: tuple = ()
     moe_active_params: int = 0       # expert weights one token runs through (k of E per MoE layer)
+    # the update's attention backward is fasttrain's (fasttrain.ops.attention's rule for this model
+    # on the planned device) for every call whose one row of scores fits its chunk: set by
+    # fasttrain.plan.memory for the update phase only
+    fasttrain_attention: bool = False
 
     @property
     def kv_layers(self) -> int:
@@ -105,6 +109,14 @@ class ModelShape:
     @property
     def w(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+
+def fasttrain_attention_call(m: ModelShape, h: int, M: int, L: int) -> bool:
+    """Whether an attention call of the update with h heads, M query rows and L keys per row runs
+    fasttrain's backward: the model-wide rule (m.fasttrain_attention) and the call's size
+    (fasttrain.ops.attention's chunk holds at least one row's scores)."""
+    from fasttrain.ops.attention import SCORE_BYTES
+    return m.fasttrain_attention and M > 0 and h * M * L * 4 <= SCORE_BYTES
 
 
 def _bytes(t: torch.Tensor) -> int:

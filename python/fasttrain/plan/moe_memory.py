@@ -408,6 +408,18 @@ class MoELayers:
         return self._kinds(m, self.base.backward_temps(m, U, P, B, A, c_xa),
                            max(self.base.backward_temps(self._moe_m(m), U, P, B, A, c_xa), self.grads(m, N)))
 
+    def attention_backward_extra(self, m, U, P, B, A, c_xa):
+        """The base family's (saved, extra) at fasttrain's attention backward, for the kind whose
+        saved + extra is larger; a MoE layer's routed experts' saved bytes are gone by then (its MLP's
+        backward ran), so they add to the saved bytes and come off the extra."""
+        N = U * P + B * A
+        dense = self.base.attention_backward_extra(m, U, P, B, A, c_xa) if self._dense_layers(m) else (0, 0)
+        saved, extra = self.base.attention_backward_extra(self._moe_m(m), U, P, B, A, c_xa)
+        if saved or extra:
+            experts = self.saved(m, N, c_xa)
+            saved, extra = saved + experts, max(0, extra - experts)
+        return max(dense, (saved, extra), key=sum)
+
     def backward_peak(self, m, U, P, B, A, c_xa):
         """The base layer's backward peak with the routed experts' saved bytes, and their gradients
         where they exceed the dense MLP's ([N, H] and 2 x [N, I], live at the same point)."""
