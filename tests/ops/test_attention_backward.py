@@ -189,7 +189,7 @@ def test_where_it_applies_and_where_the_call_is_sdpa():
 @pytest.mark.parametrize("n,h,M,L,D,dtype,chunk_rows", [
     (4, 3, 19, 45, 16, torch.bfloat16, None), (4, 3, 19, 45, 16, torch.float32, None),
     (5, 2, 64, 96, 32, torch.bfloat16, 2), (2, 2, 8, 300, 64, torch.bfloat16, None)])
-def test_backward_workspace_is_what_the_backward_allocates(n, h, M, L, D, dtype, chunk_rows, monkeypatch, forced):
+def test_backward_workspace_is_what_the_backward_allocates(n, h, M, L, D, dtype, chunk_rows, monkeypatch):
     """backward_workspace (what fasttrain.plan counts at a layer's attention backward) against the
     peak of the bytes the backward allocates, read from the allocator's events: within 5%, and the
     dq, dk, dv on top."""

@@ -5,11 +5,11 @@ answers), with a CPU backward of batched GEMMs around one fused softmax step.
 
 The forward is torch's scaled_dot_product_attention (ATen's flash attention on the CPU). Under the
 default setting, "auto", on a CPU that computes bf16 natively, for bf16 heads of at most
-AUTO_MAX_HEAD_DIM with a gradient wanted, the backward is fasttrain's, not ATen's. Per chunk of rows, S = q·kᵀ and dP = dO·vᵀ
-as float32 GEMMs (their inputs exact in float32), then csrc/cpu/attention_backward.cpp's softmax
-step (P and dS = scale·P ⊙ (dP − Σ P·dP) in one pass, in q's dtype), then dV = Pᵀ·dO, dQ = dS·k
-and dK = dSᵀ·q as GEMMs in q's dtype (P and dS rounded to it, as ATen's flash backward rounds
-them). `set_attention_backward("fasttrain")` takes it wherever it can run (float32 too), "flash"
+AUTO_MAX_HEAD_DIM with a gradient wanted, the backward is fasttrain's, not ATen's. Per chunk of
+rows, S = q·kᵀ and dP = dO·vᵀ as float32 GEMMs (their inputs exact in float32), then
+csrc/cpu/attention_backward.cpp's softmax step (P and dS = scale·P ⊙ (dP − Σ P·dP) in one pass, in
+q's dtype), then dV = Pᵀ·dO, dQ = dS·k and dK = dSᵀ·q as GEMMs in q's dtype (P and dS rounded to
+it, as ATen's flash backward rounds them). `set_attention_backward("fasttrain")` takes it wherever it can run (float32 too), "flash"
 nowhere (torch's backward throughout); FASTTRAIN_ATTENTION_BACKWARD sets the same at import.
 Why: at the update's answer shape (SmolLM2's study micro-batch: 12 rows, 3 KV heads of 64, 189
 query rows of a KV head over 360 keys) on a 2-core AMX Xeon, ATen's flash backward took 25-27 ms
@@ -51,8 +51,7 @@ def set_attention_backward(kind: str) -> str:
     """"auto" (the default: fasttrain's backward where it was measured faster, bf16 heads of
     at most AUTO_MAX_HEAD_DIM on a CPU that computes bf16 natively), "fasttrain" (fasttrain's
     wherever it can run: the CPU, float32 or bf16; for tests and comparisons) or "flash" (torch's
-    SDPA backward everywhere). Returns the previous
-    setting."""
+    SDPA backward everywhere). Returns the previous setting."""
     if kind not in ("auto", "fasttrain", "flash"):
         raise ValueError(f"set_attention_backward: kind must be 'auto', 'fasttrain' or 'flash', got {kind!r}")
     old, _KIND["value"] = _KIND["value"], kind
@@ -67,11 +66,10 @@ def attention_backward_kind(q: torch.Tensor, k: torch.Tensor) -> str:
     """"fasttrain" or "sdpa": whose backward masked_attention's call with these q, k would use."""
     if (_use_reference() or q.device.type != "cpu" or k.dtype != q.dtype or q.shape[1] != k.shape[1]):
         return "sdpa"
-    n, h, M, D = q.shape
-    kind = _KIND["value"]
-    native = kind == "auto" and q.dtype == torch.bfloat16 and _native_bf16()
-    return "fasttrain" if takes_fasttrain_backward(q.dtype.itemsize if q.dtype in (torch.float32, torch.bfloat16) else 0,
-                                                    D, h * M * k.shape[2], native) else "sdpa"
+    _, h, M, D = q.shape
+    dtype_bytes = {torch.float32: 4, torch.bfloat16: 2}.get(q.dtype, 0)
+    native = _KIND["value"] == "auto" and dtype_bytes == 2 and _native_bf16()
+    return "fasttrain" if takes_fasttrain_backward(dtype_bytes, D, h * M * k.shape[2], native) else "sdpa"
 
 
 def takes_fasttrain_backward(dtype_bytes: int, head_dim: int, scores_per_row: int, native_bf16: bool) -> bool:
@@ -80,9 +78,14 @@ def takes_fasttrain_backward(dtype_bytes: int, head_dim: int, scores_per_row: in
     the current setting: none under "flash"; any whose one row fits SCORE_BYTES under "fasttrain";
     under "auto" only bf16 heads of at most AUTO_MAX_HEAD_DIM on a CPU with native bf16."""
     kind = _KIND["value"]
-    if kind == "flash" or dtype_bytes not in (2, 4) or scores_per_row * 4 > SCORE_BYTES:
+    if kind == "flash" or dtype_bytes not in (2, 4) or not row_fits(scores_per_row):
         return False
     return kind == "fasttrain" or (dtype_bytes == 2 and head_dim <= AUTO_MAX_HEAD_DIM and native_bf16)
+
+
+def row_fits(scores_per_row: int) -> bool:
+    """Whether one row's float32 scores fit a chunk (else the call is torch's SDPA)."""
+    return scores_per_row * 4 <= SCORE_BYTES
 
 
 def backward_workspace(n: int, h: int, M: int, L: int, D: int, dtype_bytes: int) -> int:

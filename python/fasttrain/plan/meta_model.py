@@ -115,8 +115,8 @@ def fasttrain_attention_call(m: ModelShape, h: int, M: int, L: int) -> bool:
     """Whether an attention call of the update with h heads, M query rows and L keys per row runs
     fasttrain's backward: the model-wide rule (m.fasttrain_attention) and the call's size
     (fasttrain.ops.attention's chunk holds at least one row's scores)."""
-    from fasttrain.ops.attention import SCORE_BYTES
-    return m.fasttrain_attention and M > 0 and h * M * L * 4 <= SCORE_BYTES
+    from fasttrain.ops.attention import row_fits
+    return m.fasttrain_attention and M > 0 and row_fits(h * M * L)
 
 
 def _bytes(t: torch.Tensor) -> int:
