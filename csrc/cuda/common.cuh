@@ -36,10 +36,17 @@ __device__ __forceinline__ T warp_max(T v) {
 }
 
 // Blocks for a grid-stride kernel over `work` items: at least 1 (a launch with 0 blocks is an error
-// even when the kernel would do nothing), at most 8 x 65,535 (the kernels loop over the rest).
+// even when the kernel would do nothing), at most 8 x 65,535 (the kernels loop over the rest). On the
+// emulator the cap is a runtime setting (cuda_emu::set_grid_cap) that the tests set small, so that
+// the grid-stride loops run more than once at shapes a CPU can afford.
 inline int grid_for(int64_t work, int threads) {
   const int64_t blocks = (work + threads - 1) / threads;
-  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), int64_t(65535) * 8));
+#ifdef FASTTRAIN_CUDA_EMU
+  const int64_t cap = ::cuda_emu::grid_cap();
+#else
+  const int64_t cap = int64_t(65535) * 8;
+#endif
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), cap));
 }
 
 // Element i of a row-major NF4 matrix (bitsandbytes layout: element 2j in the high nibble of byte j).

@@ -51,6 +51,15 @@ PYBIND11_MODULE(_C_emu, m) {
       },
       pybind11::arg("order"), pybind11::arg("seed") = 1,
       "threads and blocks in order (0), in reverse (1) or shuffled from `seed` at every round (2)");
+  m.def(
+      "set_grid_cap",
+      [](int blocks) {
+        TORCH_CHECK(blocks >= 1 && blocks <= cuda_emu::kDefaultGridCap, "set_grid_cap: blocks must be in [1, 524280]");
+        cuda_emu::set_grid_cap(blocks);
+      },
+      pybind11::arg("blocks"),
+      "the most blocks a grid-stride kernel's launch gets (8 x 65535 by default, as on a GPU)");
+  m.def("grid_cap", &cuda_emu::grid_cap, "the grid-stride launches' block cap now in force");
   m.def("counters", &counters, "launches, blocks, fiber switches, barriers and warp exchanges so far");
   m.def("reset_counters", &cuda_emu::reset_counters);
   m.def("set_multiprocessors", &fasttrain::cuda_emu::set_multiprocessors,

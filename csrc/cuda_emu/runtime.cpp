@@ -263,6 +263,14 @@ std::string Site::str() const {
 const Thread& this_thread() { return g_fiber->thread; }
 const BlockInfo& this_block() { return g_block->info; }
 void set_schedule(Schedule s) { g_schedule = s; }
+namespace {
+int g_grid_cap = kDefaultGridCap;
+}
+int grid_cap() { return g_grid_cap; }
+void set_grid_cap(int blocks) {
+  if (blocks < 1 || blocks > kDefaultGridCap) fail("set_grid_cap: the cap must be in [1, 8 x 65535]");
+  g_grid_cap = blocks;
+}
 Schedule schedule() { return g_schedule; }
 Counters counters() { return g_counters; }
 void reset_counters() { g_counters = Counters{}; }

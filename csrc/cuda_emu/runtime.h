@@ -94,6 +94,12 @@ const BlockInfo& this_block();
 
 void set_schedule(Schedule s);
 Schedule schedule();
+// The most blocks fasttrain::cuda::grid_for gives a grid-stride kernel (8 x 65,535, as in the CUDA
+// build, unless a test sets it lower so that every grid-stride loop runs more than once at a small
+// shape). Emulator only: the CUDA build's cap is a constant.
+constexpr int kDefaultGridCap = 65535 * 8;
+int grid_cap();
+void set_grid_cap(int blocks);
 Counters counters();
 void reset_counters();
 // The most dynamic shared memory a launch may ask for (48 KiB: what a kernel gets without

@@ -29,6 +29,9 @@ MIRRORED = ("nf4_quantize", "nf4_dequantize", "blockwise8_quantize", "blockwise8
 # (name, order, seed): order 0 runs threads and blocks in order, 1 in reverse, 2 shuffled from the seed.
 SCHEDULES = {"forward": (0, 1), "reverse": (1, 1), "seeded": (2, 20261201)}
 TWO_SCHEDULES = ("forward", "seeded")
+# The block cap of every grid-stride launch in these tests (8 x 65,535 on a GPU): with 2 blocks, a
+# kernel over more than 2 x its block size of items runs its grid-stride loop at least twice.
+GRID_CAP = 2
 U32, U64 = 2.0**-24, 2.0**-53
 U = {torch.float32: U32, torch.float64: U64, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -51,6 +54,7 @@ def module():
             mod = importlib.import_module("fasttrain._C_emu")
     except ImportError as e:
         pytest.skip(f"the CUDA emulator is not built ({e}); `make build` builds it")
+    mod.set_grid_cap(GRID_CAP)
     lib = torch.library.Library("fasttrain_emu", "FRAGMENT")
     for name in MIRRORED:
         schema = str(getattr(torch.ops.fasttrain, name).default._schema)

@@ -63,3 +63,19 @@ def test_counters_count_the_fibers_switched():
     assert c["launches"] == 1 and c["blocks"] == 1 and c["barriers"] == 1
     assert c["warp_ops"] == 8 * 5  # 8 warps x 5 butterfly steps
     assert c["switches"] >= 256
+
+
+def test_grid_stride_launches_get_the_tests_grid_cap():
+    """The tests cap grid-stride launches at GRID_CAP blocks (a GPU's cap is 8 x 65,535), so that a
+    kernel over more than GRID_CAP blocks of items runs its grid-stride loop more than once."""
+    from emulator import GRID_CAP
+    m = module()
+    assert m.grid_cap() == GRID_CAP
+    code = torch.linspace(-1, 1, 256)
+    q, absmax = emu().blockwise8_quantize(torch.randn(5000), code, 256)
+    m.reset_counters()
+    out = emu().blockwise8_dequantize(q, absmax, code, 256)  # 5,000 items: 20 blocks of 256 uncapped
+    assert m.counters()["blocks"] == GRID_CAP and out.shape == (5000,) and not bool(out.isnan().any())
+    with pytest.raises(RuntimeError, match="set_grid_cap"):
+        m.set_grid_cap(0)
+    assert m.grid_cap() == GRID_CAP
