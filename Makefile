@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.14.1
 STAMP := $(VENV)/.fasttrain-installed
 export FASTTRAIN_CUDA ?= auto
 
-.PHONY: all install build test test-fast test-emu-asan test-wheel wheel demo bench ptxas info clean
+.PHONY: all install build test test-fast test-emu-asan test-emu-mutations test-wheel wheel demo bench ptxas info clean
 
 all: test
 
@@ -48,6 +48,11 @@ test: build
 # The CUDA emulator's tests under AddressSanitizer + UBSan (a separate build of fasttrain._C_emu).
 test-emu-asan: $(STAMP)
 	bash tools/test_emu_asan.sh $(PY)
+
+# The mutation run over the CUDA kernels on the emulator (tools/emu_mutations.py; hours on 2 cores,
+# resumable; not part of `make test`). Results: bench/results/emu_mutations.md.
+test-emu-mutations: $(STAMP)
+	nice -n 10 $(PY) tools/emu_mutations.py --yes $(MUTATIONS_ARGS)
 
 test-fast: build
 	$(PY) -m pytest -q $(XDIST) -m "not slow"

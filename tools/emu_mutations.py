@@ -1,0 +1,437 @@
+#!/usr/bin/env python3
+"""Mutation run over the CUDA kernels on the emulator (`make test-emu-mutations`; not part of `make test`).
+
+It answers: would some emulator test notice if this barrier, this stride or this lane mask were
+wrong? Each mutant is one edit of one site in csrc/cuda/kernels/*.cuh or csrc/cuda/common.cuh:
+
+  barrier  a __syncthreads() or __syncwarp() removed (replaced by a no-op statement)
+  stride   a block-stride or grid-stride step doubled (`i += S` -> `i += 2 * (S)`)
+  mask     a shuffle or ballot mask narrowed (0xffffffff -> 0x0000ffff)
+  tail     on the sites listed in TAIL_SITES, a bound check loosened by one (`<` -> `<=`), run on
+           the AddressSanitizer + UBSan build, since such a mutant reads or writes out of bounds
+
+Everything happens in a copy of the sources (build/emu-mutations/src: csrc, CMakeLists.txt,
+setup.py, pyproject.toml, python/fasttrain with its built modules, tests/conftest.py and
+tests/cuda_emu), never in the working tree. The copy's _C_emu is built non-unity (one object per
+csrc/cuda_emu/*.cpp), so a mutant in kernels/X.cuh recompiles only cuda_emu/X.cpp and relinks;
+then only that op's emulator tests run (OPS below), with -x, against the mutant module
+(FASTTRAIN_EMU_LIB). Outcomes: killed (the first failing test is recorded), or survived; a
+survivor is then judged by a person into TRIAGE: redundant (the site simplified in the source, with
+a comment why) or unreachable at any testable shape (with the reason). A barrier is never removed
+only because the emulator cannot judge it: races between blocks and the memory model are a GPU's.
+
+Resumable: each finished mutant is a line of bench/results/emu_mutations.jsonl (its site, the line
+it mutated, outcome, killer, seconds); a rerun skips those whose site and line text are unchanged.
+The table bench/results/emu_mutations.md is rewritten after each mutant. Prints its cost estimate
+(mutants left x the measured or assumed seconds each) before it starts.
+
+  python tools/emu_mutations.py [--list] [--kind K ...] [--file F ...] [--limit N] [--yes]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "emu-mutations"
+SRC = WORK / "src"
+RESULTS = ROOT / "bench" / "results" / "emu_mutations.jsonl"
+TABLE = ROOT / "bench" / "results" / "emu_mutations.md"
+KERNELS = ["csrc/cuda/common.cuh", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc/cuda/kernels").glob("*.cuh"))]
+
+# Each kernel header: the emulator unit that includes it and the tests that run its op.
+OPS = {
+    "fused_logprob": (["csrc/cuda_emu/fused_logprob.cpp"],
+                      ["tests/cuda_emu/test_real_shapes.py::test_fused_logprob_at_a_hidden_width_of_two_blocks_and_three_chunks",
+                       "tests/cuda_emu/test_real_shapes.py::test_the_first_bad_target_is_found_past_the_first_grid_stride",
+                       "tests/cuda_emu/test_kernels_fused_logprob.py"]),
+    "policy_loss": (["csrc/cuda_emu/policy_loss.cpp"],
+                    ["tests/cuda_emu/test_real_shapes.py::test_policy_loss_finalize_over_more_rows_than_threads",
+                     "tests/cuda_emu/test_kernels_policy_loss.py"]),
+    "gated_delta": (["csrc/cuda_emu/gated_delta.cpp"], ["tests/cuda_emu/test_kernels_gated_delta.py"]),
+    "moe_experts": (["csrc/cuda_emu/moe_experts.cpp"], ["tests/cuda_emu/test_kernels_moe_experts.py"]),
+    "nf4": (["csrc/cuda_emu/nf4.cpp"], ["tests/cuda_emu/test_kernels_nf4.py"]),
+    "nf4_linear": (["csrc/cuda_emu/nf4_linear.cpp"], ["tests/cuda_emu/test_kernels_nf4_linear.py"]),
+}
+# common.cuh's warp reductions: the ops whose kernels call them (fused_logprob's block_reduce, the
+# MoE routing gradient, the NF4 absmax, the policy loss's chunk sums), cheapest first.
+COMMON_OPS = ["nf4", "policy_loss", "fused_logprob", "moe_experts"]
+
+# Tail-guard sample: (file, the exact text on one line, its mutant). Sites where a one-past-the-end
+# read or write would land outside an allocation the sanitizer sees.
+TAIL_SITES = [
+    ("csrc/cuda/kernels/nf4.cuh", "i < n; i += (int64_t)gridDim.x * blockDim.x)", "i <= n; i += (int64_t)gridDim.x * blockDim.x)"),
+    ("csrc/cuda/kernels/fused_logprob.cuh", "for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {",
+     "for (int64_t h = threadIdx.x; h <= H; h += blockDim.x) {"),
+    ("csrc/cuda/kernels/policy_loss.cuh", "for (int64_t b = threadIdx.x; b < B; b += kThreads) rowscale[b]",
+     "for (int64_t b = threadIdx.x; b <= B; b += kThreads) rowscale[b]"),
+    ("csrc/cuda/kernels/moe_experts.cuh", "i < P; i += (int64_t)gridDim.x * blockDim.x)",
+     "i <= P; i += (int64_t)gridDim.x * blockDim.x)"),
+    ("csrc/cuda/kernels/nf4_linear.cuh", "n < N; n += (int64_t)gridDim.x * blockDim.x)",
+     "n <= N; n += (int64_t)gridDim.x * blockDim.x)"),
+]
+
+# Survivors judged by a person: site id -> (outcome, reason). Outcomes: "redundant" (the site was
+# then simplified in the source, with a comment; the entry stays as the record) or "unreachable".
+TRIAGE: dict[str, tuple[str, str]] = {}
+
+# Seconds assumed before any mutant of a kind was measured: a unit's compile (torch headers) and link
+# on a shared 2-vCPU host, plus the op's tests to their first failure.
+ASSUMED_S = {"barrier": 150.0, "stride": 150.0, "mask": 400.0, "tail": 240.0}
+TIMEOUT_S = 1500
+
+
+@dataclass
+class Mutant:
+    id: str          # kind:file:line[:col]
+    kind: str
+    file: str
+    line: int
+    text: str        # the line before the mutation
+    new: str         # the line after
+
+    @property
+    def op(self) -> str:
+        return Path(self.file).stem
+
+
+def strip_comment(line: str) -> str:
+    i = line.find("//")
+    return line if i < 0 else line[:i]
+
+
+BARRIER = re.compile(r"__sync(threads|warp)\s*\([^;]*?\)\s*;")
+# A for loop whose init names the thread (threadIdx, lane, t or a blockIdx-based index) and whose
+# step is a block or grid stride.
+FOR_STEP = re.compile(r"for\s*\((?P<init>[^;]*);(?P<cond>[^;]*);\s*(?P<var>\w+)\s*\+=\s*")
+
+
+def step_end(code: str, start: int) -> int:
+    """Where a for loop's step that begins at `start` ends: the `)` that closes the for."""
+    depth = 0
+    for i in range(start, len(code)):
+        if code[i] == "(":
+            depth += 1
+        elif code[i] == ")":
+            if depth == 0:
+                return i
+            depth -= 1
+    raise ValueError(f"no closing parenthesis in {code!r}")
+THREAD_INIT = re.compile(r"threadIdx|\blane\b|=\s*t\b|blockIdx")
+MASK = re.compile(r"(__shfl\w*_sync|__ballot_sync|__any_sync|__all_sync)\s*\(\s*0xffffffffu?")
+
+
+def find_mutants() -> list[Mutant]:
+    out: list[Mutant] = []
+    for f in KERNELS:
+        lines = (ROOT / f).read_text().splitlines()
+        for n, line in enumerate(lines, 1):
+            code = strip_comment(line)
+            if code.lstrip().startswith("#define"):
+                continue
+            for m in BARRIER.finditer(code):
+                new = line[:m.start()] + "((void)0);  /* mutant: barrier removed */" + line[m.end():]
+                out.append(Mutant(f"barrier:{f}:{n}:{m.start()}", "barrier", f, n, line, new))
+            for m in FOR_STEP.finditer(code):
+                if not THREAD_INIT.search(m.group("init")):
+                    continue
+                end = step_end(code, m.end())
+                step = code[m.end():end].strip()
+                new = line[:m.end()] + f"2 * ({step})" + line[end:]
+                out.append(Mutant(f"stride:{f}:{n}:{m.start()}", "stride", f, n, line, new))
+            for m in MASK.finditer(code):
+                new = line[:m.start()] + m.group(1) + "(0x0000ffffu" + line[m.end():]
+                out.append(Mutant(f"mask:{f}:{n}:{m.start()}", "mask", f, n, line, new))
+    for f, old, new_text in TAIL_SITES:
+        lines = (ROOT / f).read_text().splitlines()
+        hits = [n for n, line in enumerate(lines, 1) if old in line]
+        if len(hits) != 1:
+            raise SystemExit(f"TAIL_SITES: {old!r} occurs {len(hits)} times in {f} (want once): update the list")
+        n = hits[0]
+        out.append(Mutant(f"tail:{f}:{n}", "tail", f, n, lines[n - 1], lines[n - 1].replace(old, new_text)))
+    return out
+
+
+def load_results() -> dict[str, dict]:
+    done: dict[str, dict] = {}
+    if RESULTS.exists():
+        for line in RESULTS.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[r["id"]] = r
+    return done
+
+
+def host() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} vCPUs, {platform.system()} {platform.release()}"
+
+
+# ---- the copy and its builds ------------------------------------------------------------------------
+def make_copy(py: str) -> None:
+    """A fresh copy of what the emulator's build and tests read (replaced at every run's start, so a
+    run mutates the sources as they were when it started)."""
+    if SRC.exists():
+        shutil.rmtree(SRC)
+    SRC.mkdir(parents=True)
+    for f in ("CMakeLists.txt", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md"):
+        if (ROOT / f).exists():
+            shutil.copy2(ROOT / f, SRC / f)
+    ign = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "csrc", SRC / "csrc", ignore=ign)
+    shutil.copytree(ROOT / "python", SRC / "python", ignore=ign, symlinks=True)
+    (SRC / "tests").mkdir()
+    shutil.copy2(ROOT / "tests" / "conftest.py", SRC / "tests" / "conftest.py")
+    shutil.copytree(ROOT / "tests" / "cuda_emu", SRC / "tests" / "cuda_emu", ignore=ign)
+
+
+def build_env(sanitize: bool) -> dict:
+    tag = "asan" if sanitize else "plain"
+    env = dict(os.environ, FASTTRAIN_CUDA="0", FASTTRAIN_EMU="1", FASTTRAIN_UNITY="0",
+               FASTTRAIN_BUILD_TARGET="_C_emu", FASTTRAIN_BUILD_DIR=str(WORK / f"cmake-{tag}"),
+               FASTTRAIN_EMU_OUTPUT_DIR=str(WORK / f"out-{tag}"),
+               FASTTRAIN_EMU_SANITIZE="1" if sanitize else "0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    return env
+
+
+def build(py: str, sanitize: bool, configured: set) -> tuple[bool, str]:
+    """(ok, log tail). The first build of a kind configures through setup.py; later ones call ninja."""
+    env = build_env(sanitize)
+    if sanitize not in configured:
+        cmd = ["nice", "-n", "10", py, "setup.py", "--quiet", "build_ext"]
+    else:
+        cmd = ["nice", "-n", "10", "cmake", "--build", env["FASTTRAIN_BUILD_DIR"], "-j", env["MAX_JOBS"],
+               "--target", "_C_emu"]
+    p = subprocess.run(cmd, cwd=SRC, env=env, capture_output=True, text=True)
+    if p.returncode == 0:
+        configured.add(sanitize)
+    return p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+
+
+def module_path(sanitize: bool) -> str:
+    libs = glob.glob(str(WORK / f"out-{'asan' if sanitize else 'plain'}" / "_C_emu*.so"))
+    if len(libs) != 1:
+        raise SystemExit(f"expected one _C_emu module in the build output, found {libs}")
+    return libs[0]
+
+
+def objects(sanitize: bool) -> list[Path]:
+    return sorted((WORK / f"cmake-{'asan' if sanitize else 'plain'}").rglob("_C_emu.dir/**/*.o"))
+
+
+def unit_object(sanitize: bool, op: str) -> Path:
+    hits = [o for o in objects(sanitize) if o.name.startswith(f"{op}.cpp.")]
+    if len(hits) != 1:
+        raise SystemExit(f"expected one object for csrc/cuda_emu/{op}.cpp, found {hits}")
+    return hits[0]
+
+
+def mark_clean_except(sanitize: bool, keep: Path, stamp: float) -> None:
+    """Every object but `keep` dated no older than the mutated source, so that Ninja recompiles only
+    `keep` (the op whose tests run) and relinks; `keep` itself is removed so that it is rebuilt."""
+    for o in objects(sanitize):
+        if o == keep:
+            o.unlink(missing_ok=True)
+        elif o.stat().st_mtime < stamp:
+            os.utime(o, (stamp, stamp))
+
+
+def run_tests(py: str, tests: list[str], sanitize: bool) -> tuple[int, str]:
+    env = dict(os.environ, FASTTRAIN_EMU_LIB=module_path(sanitize), PYTHONPATH=str(SRC / "python"))
+    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+    if sanitize:
+        gxx = lambda name: subprocess.run(["g++", f"-print-file-name={name}"], capture_output=True,  # noqa: E731
+                                          text=True).stdout.strip()
+        env.update(LD_PRELOAD=f"{gxx('libasan.so')} {gxx('libubsan.so')}",
+                   ASAN_OPTIONS="detect_leaks=0:detect_stack_use_after_return=0:alloc_dealloc_mismatch=0",
+                   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", FASTTRAIN_EMU_SANITIZED="1")
+    cmd = ["nice", "-n", "10", py, "-m", "pytest", "-x", "-v", "-p", "no:cacheprovider", "-p", "no:randomly",
+           "--capture=sys", "-rf", *tests]
+    try:
+        p = subprocess.run(cmd, cwd=SRC, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return -9, out + f"\n[timeout after {TIMEOUT_S} s]"
+
+
+def killer(rc: int, log: str) -> str:
+    """The test that killed the mutant: pytest's first FAILED line, else (a crash: a sanitizer report
+    ends the process) the last test that started."""
+    m = re.search(r"^FAILED (\S+)", log, re.M)
+    if m:
+        return m.group(1)
+    started = re.findall(r"^(tests/\S+::\S+)", log, re.M)
+    what = "timeout" if rc == -9 else f"crash rc={rc}"
+    return f"{started[-1] if started else '?'} ({what})"
+
+
+def render_table(mutants: list[Mutant], done: dict[str, dict]) -> None:
+    rows, totals = [], {"killed": 0, "redundant": 0, "unreachable": 0, "survived (to judge)": 0, "not run": 0}
+    cost = 0.0
+    for m in mutants:
+        r = done.get(m.id)
+        if r is None or r.get("text") != m.text:
+            totals["not run"] += 1
+            rows.append(f"| {m.id} | `{m.text.strip()[:70]}` | not run | |")
+            continue
+        cost += r.get("seconds", 0.0)
+        if r["outcome"] == "killed":
+            totals["killed"] += 1
+            rows.append(f"| {m.id} | `{m.text.strip()[:70]}` | killed | {r['killer']} |")
+        elif m.id in TRIAGE:
+            outcome, why = TRIAGE[m.id]
+            totals[outcome] += 1
+            rows.append(f"| {m.id} | `{m.text.strip()[:70]}` | {outcome} | {why} |")
+        else:
+            totals["survived (to judge)"] += 1
+            rows.append(f"| {m.id} | `{m.text.strip()[:70]}` | SURVIVED | (every selected test passed) |")
+    head = [
+        "# CUDA kernels: mutation run on the emulator (tools/emu_mutations.py)",
+        "",
+        f"Host: {host()}. Last written: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
+        f"Mutants: {len(mutants)}; " + ", ".join(f"{k}: {v}" for k, v in totals.items()) +
+        f". Measured cost of the mutants run: {cost / 60:.1f} min (build of the unit + its op's tests, nice 10, "
+        "on the shared host).",
+        "",
+        "Site ids are kind:file:line[:column] in the sources the run copied. Killer: the first failing test "
+        "(pytest -x), or the test running when the process died (a sanitizer report).",
+        "",
+        "| site | line | outcome | killer or reason |",
+        "|---|---|---|---|",
+    ]
+    TABLE.parent.mkdir(parents=True, exist_ok=True)
+    TABLE.write_text("\n".join(head + rows) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--kind", action="append", choices=["barrier", "stride", "mask", "tail"])
+    ap.add_argument("--file", action="append", help="only mutants in these sources (substring match)")
+    ap.add_argument("--limit", type=int, default=0, help="stop after this many mutants")
+    ap.add_argument("--yes", action="store_true", help="start without asking (the estimate is still printed)")
+    ap.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
+    a = ap.parse_args()
+
+    mutants = find_mutants()
+    done = load_results()
+    if a.list:
+        for m in mutants:
+            state = done.get(m.id, {}).get("outcome", "-") if done.get(m.id, {}).get("text") == m.text else "-"
+            print(f"{m.id:60s} {state:9s} {m.new.strip()}")
+        return 0
+    todo = [m for m in mutants if (not a.kind or m.kind in a.kind) and (not a.file or any(f in m.file for f in a.file))
+            and not (m.id in done and done[m.id].get("text") == m.text)]
+    # one source after another (each switch recompiles two units), tail mutants (sanitized build) last
+    todo.sort(key=lambda m: (m.kind == "tail", m.file == "csrc/cuda/common.cuh", m.file, m.line))
+    if a.limit:
+        todo = todo[:a.limit]
+    measured: dict[str, list[float]] = {}
+    for r in done.values():
+        measured.setdefault(r["kind"], []).append(r.get("seconds", 0.0))
+    per = {k: (sum(v) / len(v) if v else ASSUMED_S[k]) for k, v in
+           ((k, measured.get(k, [])) for k in ASSUMED_S)}
+    est = sum(per[m.kind] for m in todo)
+    first_builds = 2 * 600 if any(m.kind == "tail" for m in todo) else 600
+    print(f"{len(mutants)} mutants, {len(mutants) - len(todo) if not (a.kind or a.file or a.limit) else len(done)} "
+          f"done before; this run: {len(todo)}. Estimated cost: {est / 60:.0f} min for the mutants "
+          f"({', '.join(f'{k} {v:.0f} s' for k, v in per.items())} each, "
+          f"{'measured' if measured else 'assumed'}) + about {first_builds / 60:.0f} min for the copy's first "
+          "non-unity build(s). Resumable: interrupt at any time.", flush=True)
+    if not todo:
+        render_table(mutants, done)
+        return 0
+    if not a.yes and sys.stdin.isatty():
+        if input("start? [y/N] ").strip().lower() != "y":
+            return 1
+
+    make_copy(a.python)
+    configured: set = set()
+    for sanitize in sorted({m.kind == "tail" for m in todo}):
+        t0 = time.time()
+        ok, log = build(a.python, sanitize, configured)
+        print(f"first build of the copy ({'sanitized' if sanitize else 'plain'}, non-unity): "
+              f"{time.time() - t0:.0f} s", flush=True)
+        if not ok:
+            print(log)
+            raise SystemExit("the unmutated copy does not build")
+    # Each op's tests must pass on the unmutated copy first, or a failure would say nothing about a mutant.
+    for op in sorted({o for m in todo for o in (COMMON_OPS if m.op == "common" else [m.op])}):
+        for sanitize in sorted({m.kind == "tail" for m in todo if m.op in (op, "common")}):
+            t0 = time.time()
+            rc, log = run_tests(a.python, OPS[op][1], sanitize)
+            print(f"baseline {op} ({'sanitized' if sanitize else 'plain'}): rc {rc}, {time.time() - t0:.0f} s",
+                  flush=True)
+            if rc != 0:
+                print(log[-4000:])
+                raise SystemExit(f"{op}'s tests fail on the unmutated sources: fix them first")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    for i, m in enumerate(todo, 1):
+        path = SRC / m.file
+        original = path.read_text()
+        st = path.stat()
+        lines = original.split("\n")
+        assert lines[m.line - 1] == m.text, f"{m.id}: the copy's line differs from the site's"
+        lines[m.line - 1] = m.new
+        t0 = time.time()
+        sanitize = m.kind == "tail"
+        ops = COMMON_OPS if m.op == "common" else [m.op]
+        built: list[Path] = []
+        outcome, kill = "survived", ""
+        try:
+            path.write_text("\n".join(lines))
+            for op in ops:  # common.cuh: one op's unit at a time, until one kills the mutant
+                obj = unit_object(sanitize, op)
+                mark_clean_except(sanitize, obj, path.stat().st_mtime)
+                built.append(obj)
+                ok, blog = build(a.python, sanitize, configured)
+                if not ok:
+                    outcome, kill = "killed", "compile error"
+                    break
+                rc, log = run_tests(a.python, OPS[op][1], sanitize)
+                if rc != 0:
+                    if rc in (2, 3, 4, 5) and "FAILED" not in log and not re.search(r"^tests/\S+::", log, re.M):
+                        print(log[-3000:])
+                        raise SystemExit(f"{m.id}: pytest could not run the tests (rc {rc}); nothing recorded")
+                    outcome, kill = "killed", killer(rc, log)
+                    break
+        finally:
+            # the source back with its old time stamp; the objects built from the mutant are removed,
+            # so the next build recompiles exactly those units and no other
+            path.write_text(original)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            for obj in built:
+                obj.unlink(missing_ok=True)
+        sec = time.time() - t0
+        rec = dict(id=m.id, kind=m.kind, file=m.file, line=m.line, text=m.text, new=m.new, outcome=outcome,
+                   killer=kill, seconds=round(sec, 1),
+                   date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}", host=host())
+        with RESULTS.open("a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        done[m.id] = rec
+        render_table(mutants, done)
+        print(f"[{i}/{len(todo)}] {m.id}: {outcome} {kill} ({sec:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
