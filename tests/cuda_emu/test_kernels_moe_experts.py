@@ -38,6 +38,10 @@ CASES = {
     "qwen3-30b-a3b-nf4-fp32": (4, 2048, 768, 4, 2, 4, torch.float32, True),
     "qwen3.5-35b-a3b-bf16-stack": (4, 2048, 512, 3, 2, 4, torch.bfloat16, False),
     "decode-3-tokens-top8": (3, 200, 80, 10, 8, 4, torch.float32, True),
+    # DeepSeek-V3's 256 experts, top 8, at a narrow width: 257 count bins run the rank and scan
+    # kernels' bin loops (step 256) twice; 528 pairs run the position, SwiGLU and routing-gradient
+    # grid-stride loops past the emulator's grid cap; H = 64 runs the routing gradient's lane loop twice
+    "256-experts-top8": (66, 64, 32, 256, 8, 2, torch.float32, True),
 }
 
 
