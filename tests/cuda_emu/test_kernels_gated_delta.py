@@ -2,7 +2,8 @@
 step with held rows) on the emulator against the float64 reference recurrence and the CPU op, under
 two schedules, at the head shapes real models use: Qwen3.5-27B's (Dk = Dv = 128, 48 value heads
 over 16 key heads: four warps per CTA), unequal head dims (128/64, 64/128), a head dim of 96 (three
-warps) and one of 40 (a partial second warp: idle threads). Five tokens with checkpoint_every = 4
+warps), one of 40 (a partial second warp: idle threads), and head dims of 1,056 beside 32 (blocks
+of 1,024 threads: the row and column loops run a second, partial trip). Five tokens with checkpoint_every = 4
 leave a partial span in the backward.
 
 Bounds (the selftest's derivation, fasttrain/selftest_gated_delta.py): the recurrence is
@@ -31,6 +32,11 @@ SHAPES = {
     "dk64-dv128": (1, 5, 2, 4, 64, 128),
     "d96": (1, 5, 1, 2, 96, 96),
     "d40": (2, 5, 1, 1, 40, 40),
+    # Above 1,024 a block has 1,024 threads (threads_for), so the row loops (i < Dk) and the column
+    # loops (j < Dv) run twice, the second trip with 32 of 1,024 threads; at every head dim up to
+    # 1,024 they run once. Not a model's head, the one shape that runs those loops again.
+    "dk1056-dv32": (1, 5, 1, 1, 1056, 32),
+    "dk32-dv1056": (1, 5, 1, 1, 32, 1056),
 }
 
 
@@ -98,7 +104,7 @@ def test_gated_delta_forward_and_backward_match_the_reference_and_the_cpu_op(sha
         assert_within(name + " vs peer", e, c, 2 * t)
 
 
-@pytest.mark.parametrize("shape", ["qwen3.5-27b", "dk128-dv64", "d96"])
+@pytest.mark.parametrize("shape", ["qwen3.5-27b", "dk128-dv64", "d96", "dk1056-dv32", "dk32-dv1056"])
 def test_the_decode_step_advances_active_rows_and_holds_the_others(shape, schedule):
     _, _, Hk, Hv, Dk, Dv = SHAPES[shape]
     B = 3

@@ -64,8 +64,10 @@ __global__ void forward_kernel(const T* __restrict__ q, const T* __restrict__ k,
   const int64_t w = blockIdx.x, b = w / dm.Hv, h = w % dm.Hv, DD = dm.Dk * dm.Dv;
   const int64_t N = (dm.T + C - 1) / C;
   T* S = S_out + w * DD;
+  // No barrier after this fill: until the first barrier in the loop, each thread reads back (into the
+  // checkpoint) only the elements it wrote itself; step_columns, which reads other threads' elements,
+  // runs after that barrier, and a sequence of no tokens reads nothing.
   for (int64_t e = threadIdx.x; e < DD; e += blockDim.x) S[e] = s0 != nullptr ? s0[w * DD + e] : T(0);
-  __syncthreads();
   for (int64_t t = 0; t < dm.T; ++t) {
     if (save && t % C == 0)
       for (int64_t e = threadIdx.x; e < DD; e += blockDim.x) ckpt[(w * N + t / C) * DD + e] = S[e];
