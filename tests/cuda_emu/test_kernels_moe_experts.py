@@ -151,6 +151,25 @@ def test_an_expert_index_outside_the_stack_makes_its_token_nan_and_no_other():
     assert int(offsets[-1]) == bad.numel() - 1 and int(order[-1]) == 2 * 2 + 1
 
 
+def test_pairs_outside_a_256_expert_stack_in_two_chunks_sort_last_in_order():
+    """257 buckets (the last: pairs outside the stack) over two 256-pair chunks: the rank and scan
+    kernels' bucket loops run a second trip for the outside bucket, whose per-chunk bases place the
+    two outside pairs last, in pair order."""
+    N, H, I, E, k, r, dtype, nf4 = CASES["256-experts-top8"]
+    x, idx, w, gu, dn, gul, dnl, _ = moe_inputs(N, H, I, E, k, 0, dtype, nf4, seed=7)
+    rest = op_args(x, idx, w, gu, dn, None, None)
+    y_ok = emu().moe_experts(x, idx, w, *rest, False)[0]
+    bad = idx.clone()
+    bad[10, 3], bad[60, 5] = E, E + 44  # pairs 83 (chunk 0) and 485 (chunk 1)
+    y, order, offsets, _, _ = emu().moe_experts(x, bad, w, *rest, False)
+    bucket = bad.reshape(-1).clamp(max=E)
+    assert torch.equal(order, torch.argsort(bucket, stable=True))
+    assert order[-2:].tolist() == [83, 485] and int(offsets[-1]) == bad.numel() - 2
+    assert bool(torch.isnan(y[[10, 60]]).all())
+    keep = (torch.arange(N) != 10) & (torch.arange(N) != 60)
+    assert torch.equal(y[keep], y_ok[keep])
+
+
 def test_no_tokens():
     x, idx, w, gu, dn, gul, dnl, _ = small_inputs()
     rest = op_args(x, idx, w, gu, dn, gul, dnl)
