@@ -253,14 +253,17 @@ def unit_object(sanitize: bool, op: str) -> Path:
     return hits[0]
 
 
-def mark_clean_except(sanitize: bool, keep: Path, stamp: float) -> None:
+def mark_clean_except(sanitize: bool, keep: Path, stamp: int) -> None:
     """Every object but `keep` dated no older than the mutated source, so that Ninja recompiles only
     `keep` (the op whose tests run) and relinks; `keep` itself is removed so that it is rebuilt."""
     for o in objects(sanitize):
         if o == keep:
             o.unlink(missing_ok=True)
-        elif o.stat().st_mtime < stamp:
-            os.utime(o, (stamp, stamp))
+        elif o.stat().st_mtime_ns < stamp:
+            os.utime(o, ns=(stamp, stamp))
+    # Ninja also compares the output times its log recorded: bring the log up to the files' times.
+    subprocess.run(["ninja", "-C", str(WORK / f"cmake-{'asan' if sanitize else 'plain'}"), "-t", "restat"],
+                   check=True, capture_output=True)
 
 
 def run_tests(py: str, tests: list[str], sanitize: bool) -> tuple[int, str]:
@@ -413,7 +416,7 @@ def main() -> int:
             path.write_text("\n".join(lines))
             for op in ops:  # common.cuh: one op's unit at a time, until one kills the mutant
                 obj = unit_object(sanitize, op)
-                mark_clean_except(sanitize, obj, path.stat().st_mtime)
+                mark_clean_except(sanitize, obj, path.stat().st_mtime_ns)
                 built.append(obj)
                 ok, blog = build(a.python, sanitize, configured)
                 if not ok:
