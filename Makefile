@@ -52,7 +52,7 @@ test-emu-asan: $(STAMP)
 # The mutation run over the CUDA kernels on the emulator (tools/emu_mutations.py; hours on 2 cores,
 # resumable; not part of `make test`). Results: bench/results/emu_mutations.md.
 test-emu-mutations: $(STAMP)
-	nice -n 10 $(PY) tools/emu_mutations.py --yes $(MUTATIONS_ARGS)
+	$(PY) tools/emu_mutations.py --yes $(MUTATIONS_ARGS)
 
 test-fast: build
 	$(PY) -m pytest -q $(XDIST) -m "not slow"
