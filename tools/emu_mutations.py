@@ -349,6 +349,7 @@ def main() -> int:
     ap.add_argument("--kind", action="append", choices=["barrier", "stride", "mask", "tail"])
     ap.add_argument("--file", action="append", help="only mutants in these sources (substring match)")
     ap.add_argument("--limit", type=int, default=0, help="stop after this many mutants")
+    ap.add_argument("--id", action="append", help="only mutants whose id contains one of these, in this order")
     ap.add_argument("--yes", action="store_true", help="start without asking (the estimate is still printed)")
     ap.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
     a = ap.parse_args()
@@ -364,6 +365,8 @@ def main() -> int:
             and not (m.id in done and done[m.id].get("text") == m.text)]
     # one source after another (each switch recompiles two units), tail mutants (sanitized build) last
     todo.sort(key=lambda m: (m.kind == "tail", m.file == "csrc/cuda/common.cuh", m.file, m.line))
+    if a.id:
+        todo = [m for want in a.id for m in todo if want in m.id]
     if a.limit:
         todo = todo[:a.limit]
     measured: dict[str, list[float]] = {}
