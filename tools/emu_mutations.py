@@ -253,10 +253,9 @@ def objects(sanitize: bool) -> list[Path]:
 
 
 def unit_object(sanitize: bool, op: str) -> Path:
-    hits = [o for o in objects(sanitize) if o.name.startswith(f"{op}.cpp.")]
-    if len(hits) != 1:
-        raise SystemExit(f"expected one object for csrc/cuda_emu/{op}.cpp, found {hits}")
-    return hits[0]
+    """Where Ninja puts csrc/cuda_emu/<op>.cpp's object (it may be absent: removed after a mutant)."""
+    return (WORK / f"cmake-{'asan' if sanitize else 'plain'}" / "CMakeFiles" / "_C_emu.dir" / "csrc" / "cuda_emu"
+            / f"{op}.cpp.o")
 
 
 def mark_clean_except(sanitize: bool, keep: Path, stamp: int) -> None:
@@ -441,12 +440,14 @@ def main() -> int:
         sanitize = m.kind == "tail"
         ops = COMMON_OPS if m.op == "common" else [m.op]
         built: list[Path] = []
+        before: dict[Path, int] = {}
         outcome, kill = "survived", ""
         try:
             path.write_text("\n".join(lines))
             for op in ops:  # common.cuh: one op's unit at a time, until one kills the mutant
                 obj = unit_object(sanitize, op)
                 mark_clean_except(sanitize, obj, path.stat().st_mtime_ns)
+                before = {o: o.stat().st_mtime_ns for o in objects(sanitize)}
                 built.append(obj)
                 ok, blog = build(a.python, sanitize, configured)
                 if not ok:
@@ -466,6 +467,11 @@ def main() -> int:
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
             for obj in built:
                 obj.unlink(missing_ok=True)
+            # and any other object Ninja rebuilt while the mutant was in place (one whose dependency
+            # record it lacked): those could hold the mutant too
+            for obj in objects(sanitize):
+                if obj.stat().st_mtime_ns != before.get(obj, -1):
+                    obj.unlink(missing_ok=True)
         sec = time.time() - t0
         rec = dict(id=m.id, kind=m.kind, file=m.file, line=m.line, text=m.text, new=m.new, outcome=outcome,
                    killer=kill, seconds=round(sec, 1),
