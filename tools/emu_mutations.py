@@ -37,6 +37,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -399,6 +400,8 @@ def main() -> int:
         except (ProcessLookupError, ValueError):
             pass
     lock.write_text(str(os.getpid()))
+    # a kill (SIGTERM) unwinds like Ctrl-C: the mutated source is restored and its objects removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     make_copy(a.python)
     configured: set = set()
     for sanitize in sorted({m.kind == "tail" for m in todo}):
