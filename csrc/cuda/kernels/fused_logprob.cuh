@@ -70,11 +70,9 @@ __global__ void __launch_bounds__(kThreads) logprob_stats_kernel(const acc_t* __
   const int64_t t = targets[n];
   const acc_t* zr = z + i * ldz;
   gemm_t* pr = p != nullptr ? p + i * ldp : nullptr;
-  if (t == ignore_index) {  // contributes nothing: zero probabilities keep its p.W row at 0
-    if (pr != nullptr)
-      for (int64_t j = threadIdx.x; j < cs; j += kThreads) pr[j] = gemm_t(0);
-    return;
-  }
+  // An ignored token contributes nothing. Its p~ row is not written: that row feeds only the token's
+  // own p.W row in the GEMM, which the finalize kernel sets to 0 without reading it.
+  if (t == ignore_index) return;
   acc_t m = -INFINITY;
   for (int64_t j = threadIdx.x; j < cs; j += kThreads) {
     acc_t v = zr[j];
