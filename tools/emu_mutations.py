@@ -92,11 +92,27 @@ TRIAGE: dict[str, tuple[str, str]] = {
         "read the previous reduction's result: a race between warps. The emulator runs every thread to its "
         "first blocking point (the warp shuffle after those reads) before any lane 0 can write, so no "
         "schedule it has can show the race; needed on a GPU, kept"),
+    "stride:csrc/cuda/kernels/nf4.cuh:53:2": (
+        "unreachable",
+        "blockwise8_quantize_kernel is launched with kThreads = 256 threads for the 256 code entries, so "
+        "each thread copies one entry and the loop never takes a second trip at any shape: the doubled "
+        "step is the same program"),
+    "barrier:csrc/cuda/kernels/nf4.cuh:54:2": (
+        "unreachable",
+        "the barrier orders every thread's write of the shared code table before any warp's lookups, a "
+        "race between warps. The emulator runs every thread to its first blocking point (the warp_max "
+        "shuffle, or its exit) before any lookup, so every entry is written first under each schedule; "
+        "needed on a GPU, kept"),
 }
 
 # Sites simplified after a mutant there survived (they no longer exist, so no mutant is made there):
 # (where, what was removed, why), listed in the table as redundant.
 SIMPLIFIED = [
+    ("barrier:csrc/cuda/kernels/policy_loss.cuh:111 (policy_finalize_kernel, before the loss sum's write of red)",
+     "__syncthreads();",
+     "the removal survived: every read of red (the row count's reduction, thread 0's read of red[0]) "
+     "happens before the barrier that publishes S_shared, so the write of red after the row loop needs no "
+     "barrier of its own; removed, with that comment"),
     ("stride:csrc/cuda/kernels/fused_logprob.cuh:75 (logprob_stats_kernel, an ignored token's p~ row)",
      "for (j = threadIdx.x; j < cs; j += kThreads) pr[j] = gemm_t(0);",
      "the doubled step survived: the zeros were never read. An ignored token's p~ row feeds only its own "

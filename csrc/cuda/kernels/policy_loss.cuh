@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(kThreads) policy_finalize_kernel(const float* 
       rowscale[b] = static_cast<float>(scale);
       lsum += l * scale;
     }
-    __syncthreads();
+    // No barrier before this write: every read of red (the count's reduction, thread 0's read of
+    // red[0]) happened before the barrier that published S_shared.
     red[threadIdx.x] = lsum;
     __syncthreads();
     for (int s = kThreads / 2; s > 0; s >>= 1) {
