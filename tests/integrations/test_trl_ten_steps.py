@@ -111,7 +111,8 @@ def check_steps(ft, trl, n: int, lr: float) -> dict[str, float]:
             allowed = d[name].abs() + lr * move.clamp(max=cap) + 4 * U32 * th.abs()
             diff = (th - trl["after"][k][name]).abs()
             worst["after"] = max(worst["after"], float((diff / allowed).max()))
-            assert (diff <= allowed).all(), ("after", t, name, float((diff - allowed).max()))
+            at = int((diff / allowed).argmax())
+            assert (diff <= allowed).all(), ("after", t, name, float(diff.flatten()[at]), float(allowed.flatten()[at]))
     return worst
 
 
