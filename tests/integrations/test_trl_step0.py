@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fasttrain.envs.dataset import DatasetEnvironment  # noqa: E402
-from fasttrain.models import load_policy  # noqa: E402
+from fasttrain.models import chat_messages_ids, load_policy  # noqa: E402
 from fasttrain.models.bundled import bundled_gguf, converted_dir_for  # noqa: E402
 from fasttrain.train.answers import answer_token_ids, eos_ids, prompt_token_ids, sample_answers  # noqa: E402
 
@@ -121,10 +121,10 @@ def test_step0_prompts_stop_reward_inputs_and_distribution_equal_trls(tmp_path):
             seen["trl_prompt_ids"] = [list(x) for x in own_ids]
             return out
 
-        args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, num_generations=G, max_completion_length=NEW,
-                          temperature=TEMPERATURE, top_p=1.0, top_k=0, per_device_train_batch_size=G * len(data),
-                          shuffle_dataset=False, beta=0.0, seed=0, report_to=[], save_strategy="no",
-                          disable_tqdm=True)
+        args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False,    # TRL's default: True
+                          num_generations=G, max_completion_length=NEW, temperature=TEMPERATURE, top_p=1.0, top_k=0,
+                          per_device_train_batch_size=G * len(data), shuffle_dataset=False, beta=0.0, seed=0,
+                          report_to=[], save_strategy="no", disable_tqdm=True)
         trainer = GRPOTrainer(model=trl_model, args=args, train_dataset=Dataset.from_list(data),
                               processing_class=trl_tok, rollout_func=rollout_func,
                               reward_funcs=[recorded(rewards.correct, seen), recorded(rewards.concise, seen)])
@@ -136,6 +136,9 @@ def test_step0_prompts_stop_reward_inputs_and_distribution_equal_trls(tmp_path):
         assert seen["trl_prompt_ids"] == [p for p in ft_prompt_ids for _ in range(G)]
         assert tok.decode(ft_prompt_ids[0]).startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")
         assert tok.decode(ft_prompt_ids[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+        user_only = [[m for m in r["prompt"] if m["role"] == "user"] for r in data]   # the template's own system turn
+        assert [list(x) for x in trainer._tokenize_prompts(user_only)[0]] == [chat_messages_ids(tok, m)
+                                                                               for m in user_only]
         # the stop, and a sampling distribution of temperature alone
         assert sorted(trainer.eos_token_ids) == sorted(eos)
         gc = trainer.generation_config
