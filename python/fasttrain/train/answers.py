@@ -68,7 +68,9 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
                    stop_strings: Sequence[str] = (), weights=None, compile_decode: bool = False,
                    tool_settings: dict | None = None, prefill_chunk: int = 0):
     """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
-    Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn;
+    Each answer text is `answer_prefix` + the decoded completion (special tokens skipped), cut at
+    the end of the turn and stripped (fasttrain.models.extract_answer), or left as decoded for an
+    environment with `decoded_answers = True` (TRL's reward-function text, the dataset environment);
     a row stops at EOS or once its text contains one of `stop_strings`. `weights`: dense rollout
     weights (fasttrain.nn.RolloutWeights), re-merged here if the adapters changed since the last
     call; `compile_decode`: the decode step through torch.compile; `prefill_chunk`: prompts
@@ -107,9 +109,10 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
         model.train(was)
     ids = roll.completion_ids.cpu()
     mask = roll.completion_mask.cpu().bool()
-    texts = [extract_answer(answer_prefix + tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True))
-             for b in range(ids.shape[0])]
-    return roll, texts
+    decoded = [answer_prefix + tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(ids.shape[0])]
+    if getattr(env, "decoded_answers", False):      # TRL's reward functions get the decoded text as it is
+        return roll, decoded
+    return roll, [extract_answer(t) for t in decoded]
 
 
 def join_rollouts(parts: Sequence, pad_id: int):

@@ -69,6 +69,13 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**62)
 
 
+def adamw(params, o) -> torch.optim.Optimizer:
+    """The run's optimizer: AdamW with optim's lr, betas, eps and weight decay (the differential tests
+    against TRL build theirs here too, so a changed convention shows there)."""
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay, foreach=False)
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, *, progress: bool = True,
                  env=None, console=None):
@@ -166,8 +173,7 @@ class Trainer:
         distributed.broadcast_parameters(self.params)          # every rank starts from rank 0's adapters
         self.rollout_weights = rollout_weights(cfg, self.model)
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, foreach=False)
+        self.optimizer = adamw(self.params, o)
         from fasttrain.rl.repo_r import Thermostat
         L = cfg.loss
         self.thermostat = Thermostat(zeta_min=L.zeta_min, zeta_max=L.zeta_max, warmup=L.thermostat_warmup)
