@@ -106,3 +106,30 @@ def test_curriculum_logged_and_resumed_exactly(tiny):
             gen = pid.split("/")[1]
             assert f"/L{r[f'curriculum_level_{gen}']}/" in pid
     assert (full.dir / "samples.jsonl").read_text() == (part.dir / "samples.jsonl").read_text()
+
+
+def test_init_reasoning_gym_writes_a_recipe_that_trains(tiny, monkeypatch):
+    """`fasttrain init NAME --reasoning-gym gcd,spell_backward` writes a recipe that runs as written
+    (here on the tiny policy, one step, with dynamic sampling and the curriculum switched on)."""
+    from typer.testing import CliRunner
+    from fasttrain.cli import app
+    monkeypatch.chdir(tiny)
+    r = CliRunner()
+    res = r.invoke(app, ["init", "rgtask", "--reasoning-gym", "gcd,spell_backward"])
+    assert res.exit_code == 0, res.output
+    text = (tiny / "rgtask" / "recipe.toml").read_text()
+    assert "[env.generators.gcd]" in text and "[env.generators.spell_backward]" in text
+    res = r.invoke(app, ["init", "other", "--reasoning-gym", "gcd,spel_backward"])
+    assert res.exit_code != 0 and "close names: spell_backward" in " ".join(res.output.split())
+    assert not (tiny / "other").exists()
+    cfg = load_config(str(tiny / "rgtask" / "recipe.toml"),
+                      ["policy.model=tiny_world:tiny_policy", "policy.dtype=float32", "policy.rank=4",
+                       "run.steps=1", f"run.out={tiny / 'runs'}", "run.device=cpu", "run.threads=1",
+                       "rollout.max_new_tokens=4", "rollout.group_size=2", "probe.prompts=2", "probe.samples=1",
+                       "env.train_rows=20", "env.probe_rows=4", "rollout.dynamic_sampling=true",
+                       "env.curriculum=true"])
+    assert cfg.env.generators == {"gcd": {"weight": 1.0}, "spell_backward": {"weight": 1.0}}
+    tr = Trainer(cfg, progress=False)
+    tr.train()
+    row = json.loads((tr.dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["curriculum_level_gcd"] == 0 and "dynamic_groups" in row and "reward_format" in row
