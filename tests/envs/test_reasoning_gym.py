@@ -54,7 +54,7 @@ def test_probe_disjoint_and_no_duplicates():
     sq = [p.spec for p in small.prompts("train")]
     assert len(set(sq)) == len(sq) < 30
     assert not set(sq) & {p.spec for p in small.prompts("probe")}
-    assert any("distinct questions" in r for r in small.skipped_rows)
+    assert any("distinct questions" in r for r in small.short_rows)
 
 
 def test_score_equals_reasoning_gyms_score_answer():
@@ -68,7 +68,8 @@ def test_score_equals_reasoning_gyms_score_answer():
                                  (f"think\n<answer> {gold}x </answer>", f"{gold}x", 1.0),
                                  (f"<answer>1</answer> then <answer>{gold}</answer>", gold, 0.5),
                                  (f"reasoning...\nAnswer: {gold}", gold, 0.0),
-                                 ("no idea\n7", "7", 0.0)]:
+                                 ("no idea\n7", "7", 0.0),
+                                 (f"<answer> {gold}\nmore", gold, 0.0)]:
             s = env.score(p, text)
             want = own(inner, entry)
             assert s.valid and s.channels["core"] == want == s.core and s.channels["format"] == fmt, (name, text)
@@ -85,6 +86,8 @@ def test_extraction_rule():
     assert extract_rg_answer("<answer>1</answer><answer>2</answer>") == ("2", 0.5)
     assert extract_rg_answer("so\nFinal answer: 9\n\n") == ("9", 0.0)
     assert extract_rg_answer("") == (None, 0.0)
+    assert extract_rg_answer("<answer>2\n\nThere are 2 legs") == ("2", 0.0)          # never closed
+    assert extract_rg_answer("<answer>") == (None, 0.0)
 
 
 def test_unknown_generator_and_setting_refused_with_close_names():

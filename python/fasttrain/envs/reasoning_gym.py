@@ -27,9 +27,11 @@ answer holds exactly one `<answer>...</answer>` pair, 0.5 for several pairs, 0 f
 standardises both inside each group, then weights them.
 
 Extraction. The text inside the last `<answer>...</answer>` pair, stripped (reasoning-gym's own
-`extract_answer`). Without tags, the fallback is the last non-empty line of the answer, stripped,
-with a leading "answer:" (any case) removed; it is scored by the same `score_answer` but earns
-no format credit. An empty answer is invalid (core -1). Nothing is executed.
+`extract_answer` rule). Fallbacks, scored by the same `score_answer` but with no format credit:
+an `<answer>` tag that is never closed (an answer cut off at max_new_tokens, or a recipe whose
+rollout.answer_prefix is "<answer>") gives the rest of that tag's line; an answer without tags
+gives its last non-empty line, stripped, with a leading "answer:" (any case) removed. An empty
+answer is invalid (core -1). Nothing is executed.
 
 Curriculum (`env.curriculum = true`, fasttrain.envs.rg_curriculum): each generator's train rows
 come from reasoning-gym's `create_curriculum(name)` at its current global level (level 0 at the
@@ -41,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import logging
 import re
 from typing import Any, Mapping, Sequence
 
@@ -54,6 +57,7 @@ ANSWER_FORMAT = ("Think briefly if you need to, then give only the final answer 
                  "</answer> tags, for example <answer>42</answer>.")
 DEFAULT_PROBE_ROWS = 100
 _TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+log = logging.getLogger("fasttrain.envs")
 _LEAD = re.compile(r"^\s*(final\s+)?answer\s*[:=]\s*", re.IGNORECASE)
 
 
@@ -81,6 +85,10 @@ def extract_rg_answer(text: str) -> tuple[str | None, float]:
     tags = list(_TAG.finditer(text))
     if tags:
         return tags[-1].group(1).strip(), (1.0 if len(tags) == 1 else 0.5)
+    opened = text.rfind("<answer>")
+    if opened >= 0:                     # cut off (or never closed): the rest of the tag's line
+        rest = text[opened + len("<answer>"):].strip().split("\n", 1)[0].strip()
+        return rest or None, 0.0
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         return None, 0.0
@@ -155,7 +163,7 @@ class ReasoningGymEnvironment:
         self.train_counts = dict(zip(names, _split_rows(int(train_rows), [w for w, _ in self.generators.values()])))
         self.probe_counts = dict(zip(names, _split_rows(int(probe_rows or DEFAULT_PROBE_ROWS),
                                                         [w for w, _ in self.generators.values()])))
-        self.skipped_rows: list[str] = []
+        self.short_rows: list[str] = []        # generators that gave fewer distinct rows than their share
         self._datasets: dict[tuple[str, str, int], Any] = {}
         self.curriculum = None
         if curriculum:
@@ -206,9 +214,10 @@ class ReasoningGymEnvironment:
             lv = "p" if level is None else f"L{level}"
             out.append(Prompt(f"rg/{name}/{split}/{lv}/{i}", q, {"generator": name, "entry": entry,
                                                                    "split": split, "level": level}))
-        if len(out) < want:
-            self.skipped_rows.append(f"{name} ({split}): only {len(out)} distinct questions of {want} "
-                                     f"in {len(ds)} draws")
+        if len(out) < want:         # a small generator: fewer rows than its share, said once
+            self.short_rows.append(f"{name} ({split}): only {len(out)} distinct questions of {want} "
+                                   f"in {len(ds)} draws")
+            log.warning("reasoning-gym: %s", self.short_rows[-1])
         return out
 
     def _rows_all(self, split: str, levels: Mapping[str, int] | None) -> list[Prompt]:

@@ -75,8 +75,10 @@ curriculum_lower = 0.25            # down one level below this
 [rollout]
 prompts_per_step = 2
 group_size = 8
-max_new_tokens = 48
+max_new_tokens = 16
 temperature = 0.7
+answer_prefix = "<answer>"         # the answer starts inside the tag (a small model otherwise explains
+stop_strings = ["</answer>"]       # and seldom writes one) and ends with it
 dynamic_sampling = false           # true: drop groups without signal and sample more prompts ...
 dynamic_max_rounds = 3             # ... in at most this many extra rounds per step
 
