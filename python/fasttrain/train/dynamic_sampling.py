@@ -36,6 +36,7 @@ per-group advantages; the low-signal alarm reads it) beside nonzero_adv_share (t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -150,7 +151,11 @@ def dynamic_step(tr, step: int) -> dict[str, Any]:
         lo, hi = rank * m, (rank + 1) * m
         key = [cfg.run.seed, step] if r == 0 else [cfg.run.seed, step, r]
         t = time.perf_counter()
-        roll, texts = tr._with_oom_retry(step, "rollout", lambda n: tr._sample(step, prompts, lo, hi, n, key=key))
+        # a stop signal in round 0's rollout drops the step (nothing of it is recorded yet; one
+        # process); later rounds come after scoring, which may change state: the step finishes
+        stop = tr._stop.abortable(W == 1) if (tr._stop is not None and r == 0) else contextlib.nullcontext()
+        with stop:
+            roll, texts = tr._with_oom_retry(step, "rollout", lambda n: tr._sample(step, prompts, lo, hi, n, key=key))
         seconds = time.perf_counter() - t
         tr._mid_step = True
         scores, texts, turns = tr._score_step(prompts, lo, hi, texts, answer_token_ids(roll), roll.conversations)

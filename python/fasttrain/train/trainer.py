@@ -280,17 +280,16 @@ class Trainer:
             self._train_version = self.env.train_version
         self._oom_retries = 0
         dyn = None
-        # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
         if R.dynamic_sampling:              # rounds of sampling and scoring (fasttrain.train.dynamic_sampling)
             from fasttrain.train.dynamic_sampling import dynamic_step, kept_advantages
-            with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
-                dyn = dynamic_step(self, step)
+            dyn = dynamic_step(self, step)
             roll, prompts, texts, scores, turns = dyn["roll"], dyn["prompts"], dyn["texts"], dyn["scores"], dyn["turns"]
             times["rollout"] = dyn["rollout_seconds"]
             times["verify"] = time.perf_counter() - t - times["rollout"]
         else:
             prompts = self._prompts_for_step(step)
             lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
+            # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
             with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
                 roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
             times["rollout"] = time.perf_counter() - t
