@@ -2,11 +2,15 @@
 against the plain recipe, every adapter scored by one evaluator that no trainer owns.
 
 What it compares (each run in its own subprocess, one after another, never two at once):
-  task       two reasoning-gym generators (--generators, default basic_arithmetic (two 1- or
-             2-digit terms, addition) and leg_counting (1-2 animals), see GENERATORS: the pair the bundled
-             SmolLM2-135M partly solves; `--pick` measures a candidate list's starting success),
-             equal weights, env.train_rows 1000, env.data_seed 0; every answer starts with the
-             prefilled "<answer>" (rollout.answer_prefix) and stops at "</answer>", 16 new tokens
+  task       two reasoning-gym generators (--generators; default basic_arithmetic, two 1- or
+             2-digit terms added, and leg_counting, 1-2 kinds of animal with up to 5 of each; see
+             GENERATORS), equal weights, env.train_rows 1000, env.data_seed 0; every answer starts
+             with the prefilled "<answer>" (rollout.answer_prefix) and stops at "</answer>", 16 new
+             tokens. The pair should start at a success between 0.1 and 0.6: run `--pick` first.
+             (A first look, 8 rows x 2 answers each on a shared 2-core host, with smaller settings
+             whose question pools were too small to hold rows out: leg_counting with at most 2 of
+             each animal 0.125, 1-digit addition 0.083, gcd up to 10 0.083; without the prefilled
+             tag every candidate scored 0: the model explains and seldom writes the tags.)
   arms       plain        the recipe as `fasttrain init --reasoning-gym` writes it (sized for a CPU)
              dynamic      + rollout.dynamic_sampling (rollout.dynamic_max_rounds 3)
              curriculum   + env.curriculum (window 8 steps, bounds 0.75 / 0.25)
@@ -55,7 +59,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 GENERATORS = {
     "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"],
                          "allow_parentheses": False, "allow_negation": False},
-    "leg_counting": {"min_animals": 1, "max_animals": 2, "max_instances": 2},
+    "leg_counting": {"min_animals": 1, "max_animals": 2, "max_instances": 5},
     "gcd": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 10},
     "letter_counting": {"min_words": 3, "max_words": 5},
     "spell_backward": {"min_word_len": 3, "max_word_len": 4},
@@ -231,13 +235,14 @@ def run_all(a) -> int:
             d = work / f"{arm}-{seed}"
             argv = common + ["--worker", arm, "--worker-seed", str(seed), "--worker-dir", str(d)]
             done = d / "result.json"
-            if done.exists() and json.loads(done.read_text()).get("argv") == argv:
+            want = recipe(a, arm, seed, str(d))           # the settings too (GENERATORS may have changed)
+            if done.exists() and json.loads(done.read_text()).get("recipe") == want:
                 res = json.loads(done.read_text())
                 print(f"[{time.time() - t0:.0f} s] {arm} seed {seed}: reused", flush=True)
             else:
                 print(f"[{time.time() - t0:.0f} s] {arm} seed {seed}", flush=True)
                 res = run_worker(argv, a.timeout)
-                done.write_text(json.dumps({**res, "argv": argv}))
+                done.write_text(json.dumps({**res, "argv": argv, "recipe": want}))
             results.setdefault(arm, []).append(res)
     levels: dict[str, list[int]] = {}
     for runs in results.values():

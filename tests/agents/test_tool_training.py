@@ -88,8 +88,9 @@ def test_dynamic_sampling_with_tool_rollouts(tmp_path, monkeypatch):
 
     def scripted(model, prompt_ids, **kw):
         tok = scripted.tok
-        scripts = [FINAL] * 3 if len(seen) % 2 == 0 else [CALL + FINAL, BAD + FINAL, FINAL]
         G = kw["group_size"]
+        n_train = sum(r.group_size == 3 for r in seen)          # the probe samples 2 answers a prompt
+        scripts = [FINAL] * 3 if G == 3 and n_train % 2 == 0 else [CALL + FINAL, BAD + FINAL, FINAL]
         kw["replay"] = [tok(scripts[b % 3], add_special_tokens=False)["input_ids"] for b in range(len(prompt_ids) * G)]
         roll = real(model, prompt_ids, **kw)
         seen.append(roll)
