@@ -14,7 +14,9 @@ What it compares (each run in its own subprocess, one after another, never two a
              scored 0 on 8 rows: the model explains and seldom writes the tags.
   arms       plain        the recipe as `fasttrain init --reasoning-gym` writes it (sized for a CPU)
              dynamic      + rollout.dynamic_sampling (rollout.dynamic_max_rounds 3)
-             curriculum   + env.curriculum (window 8 steps, bounds 0.75 / 0.25)
+             curriculum   + env.curriculum (window 8 steps, bounds 0.75 / 0.25; level 0 of
+                          reasoning-gym's curriculum replaces the range settings above, so this
+                          arm starts on its own rows, e.g. 1-digit addition)
              both         + both
   seeds      21, 22, 23 (chosen before any run), 60 steps, an adapter every 10 steps
   evaluator  bench/learning_eval.py (imports nothing of fasttrain's trainer or environments): each
