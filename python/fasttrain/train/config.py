@@ -107,9 +107,23 @@ class EnvSection:
     tools: tuple[str, ...] = ()             # "module:function" or "path/file.py:function"
     environment: str = ""                   # "module:Class" with reset(**row), tools as methods
     tool_timeout: float = 10.0              # seconds per tool call; past it the call is an error
+    # name = "reasoning-gym" (fasttrain.envs.reasoning_gym): reasoning-gym's generators, each a
+    # table of its weight and its own config's settings: [env.generators.gcd] weight = 1.0
+    generators: dict[str, dict[str, Any]] = field(default_factory=dict)
+    train_rows: int = 1000                  # train rows over the mixture (probe: env.probe_rows, 0 = 100)
+    data_seed: int = 0                      # the generators' rows are a pure function of this seed
+    curriculum: bool = False                # reasoning-gym's curricula, the level moved by ...
+    curriculum_window: int = 8              # ... the mean score of this many steps' answers:
+    curriculum_upper: float = 0.75          # up one level at or above this
+    curriculum_lower: float = 0.25          # down one level below this
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for fasttrain.envs.load_env(name, ...)."""
+        if self.name == "reasoning-gym":
+            return {"generators": {k: dict(v) for k, v in self.generators.items()}, "train_rows": self.train_rows,
+                    "probe_rows": self.probe_rows, "data_seed": self.data_seed, "curriculum": self.curriculum,
+                    "curriculum_window": self.curriculum_window, "curriculum_upper": self.curriculum_upper,
+                    "curriculum_lower": self.curriculum_lower}
         if self.name != "dataset":
             return {}
         return {"dataset": self.dataset, "rewards": list(self.rewards), "probe_dataset": self.probe_dataset,
@@ -153,6 +167,11 @@ class RolloutSection:
     # fit the device with every answer at max_new_tokens (fasttrain.plan.picks).
     wave_prompts: int = 0
     prefill_prompts: int = 0
+    # DAPO's dynamic sampling (fasttrain.train.dynamic_sampling): groups whose answers all get a
+    # zero advantage are dropped and more prompts are sampled, up to dynamic_max_rounds extra
+    # generation rounds per step; past that the step trains on what it has.
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 3
 
 
 @dataclass(frozen=True)
@@ -278,6 +297,11 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "env.reward_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
     "env.worker_memory_mb": (lambda v: v == 0 or 64 <= v < math.inf, "0 (a quarter of the host's memory) or a number of MB >= 64"),
     "env.tool_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
+    "env.train_rows": (lambda v: v >= 1, "an integer >= 1"),
+    "env.curriculum_window": (lambda v: v >= 1, "an integer >= 1"),
+    "env.curriculum_upper": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "env.curriculum_lower": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "rollout.dynamic_max_rounds": (lambda v: v >= 0, "an integer >= 0"),
     "rollout.max_tool_calls": (lambda v: v >= 0, "an integer >= 0 (0: no limit but max_new_tokens)"),
     "rollout.wave_prompts": (lambda v: v >= 0, "an integer >= 0 (0: the plan picks)"),
     "rollout.prefill_prompts": (lambda v: v >= 0, "an integer >= 0 (0: the plan picks)"),
@@ -357,6 +381,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return tuple(value)
     if origin is dict and typing.get_args(tp)[1] == TemplateValue:
         return _template_kwargs(key, value)
+    if origin is dict and typing.get_args(tp)[1] == dict[str, Any]:
+        return _generator_tables(key, value)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: {value!r} is not a table of name = number")
@@ -383,6 +409,20 @@ def _template_kwargs(key: str, value: Any) -> dict[str, TemplateValue]:
         if not isinstance(v, (bool, int, float, str)):
             raise ConfigError(f"{key}.{k}: {v!r} is not allowed; allowed: true, false, a number or a string")
     return {str(k): v for k, v in value.items()}
+
+
+def _generator_tables(key: str, value: Any) -> dict[str, dict[str, Any]]:
+    """env.generators: a table of generator name -> table of TOML scalars or lists of them."""
+    allowed = "a table of generator name = { weight = 1.0, setting = value, ... }"
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {allowed}")
+    for name, table in value.items():
+        for k, v in table.items():
+            if not (isinstance(v, (bool, int, float, str)) or
+                    (isinstance(v, list) and all(isinstance(x, (bool, int, float, str)) for x in v))):
+                raise ConfigError(f"{key}.{name}.{k}: {v!r} is not allowed; allowed: a number, string, "
+                                  "true/false or a list of those")
+    return {str(n): dict(t) for n, t in value.items()}
 
 
 def _build(data: dict[str, Any]) -> Config:
@@ -412,15 +452,27 @@ def _build(data: dict[str, Any]) -> Config:
         sections[f.name] = cls(**kwargs)
     cfg = Config(**sections)
     if cfg.env.name != "dataset":
-        used = [k for k in _DATASET_KEYS if getattr(cfg.env, k) != getattr(EnvSection, k)]
+        used = [k for k in _DATASET_KEYS if getattr(cfg.env, k) != getattr(EnvSection, k)
+                and not (cfg.env.name == "reasoning-gym" and k == "probe_rows")]
         if used:
             raise ConfigError(f"env.{used[0]} is read only with env.name = \"dataset\" "
                               f"(env.name is {cfg.env.name!r})")
+    if cfg.env.name != "reasoning-gym":
+        used = [k for k in _RG_KEYS if getattr(cfg.env, k) != EnvSection.__dataclass_fields__[k].default
+                and k != "generators"] + (["generators"] if cfg.env.generators else [])
+        if used:
+            raise ConfigError(f"env.{used[0]} is read only with env.name = \"reasoning-gym\" "
+                              f"(env.name is {cfg.env.name!r})")
+    elif cfg.env.curriculum_lower >= cfg.env.curriculum_upper:
+        raise ConfigError(f"env.curriculum_lower ({cfg.env.curriculum_lower}) must be below env.curriculum_upper "
+                          f"({cfg.env.curriculum_upper})")
     if cfg.loss.zeta_min > cfg.loss.zeta_max:
         raise ConfigError(f"loss.zeta_min ({cfg.loss.zeta_min}) must be <= loss.zeta_max ({cfg.loss.zeta_max})")
     return cfg
 
 
+_RG_KEYS = ("generators", "train_rows", "data_seed", "curriculum", "curriculum_window", "curriculum_upper",
+            "curriculum_lower")
 _DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core",
                  "worker_memory_mb", "tools", "environment", "tool_timeout")
 

@@ -96,6 +96,8 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         self._check_channels()
         self.train_prompts = self._train_prompts()
+        self._train_version = getattr(self.env, "train_version", None)   # a curriculum's level moves it
+        self.prompt_cursor = 0                     # dynamic sampling's place in the prompt stream
         self.probe_prompts = self.env.prompts("probe")[: cfg.probe.prompts]
         # rows left out by env.skip_bad_rows, with the reason (export.json and report.md count them)
         self.skipped_rows: list[str] = list(getattr(self.env, "skipped_rows", []))
@@ -279,21 +281,42 @@ class Trainer:
         t = time.perf_counter()
         distributed.collective_seconds(reset=True)
         torch.manual_seed(step_seed(cfg.run.seed, step, 1))
-        prompts = self._prompts_for_step(step)
-        lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
+        if getattr(self.env, "train_version", None) != self._train_version:     # a curriculum moved a level
+            self.train_prompts = self._train_prompts()
+            self._train_version = self.env.train_version
         self._oom_retries = 0
-        # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
-        with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
-            roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
-        times["rollout"] = time.perf_counter() - t
+        dyn = None
+        if R.dynamic_sampling:              # rounds of sampling and scoring (fasttrain.train.dynamic_sampling)
+            from fasttrain.train.dynamic_sampling import dynamic_step, kept_advantages
+            dyn = dynamic_step(self, step)
+            roll, prompts, texts, scores, turns = dyn["roll"], dyn["prompts"], dyn["texts"], dyn["scores"], dyn["turns"]
+            times["rollout"] = dyn["rollout_seconds"]
+            times["verify"] = time.perf_counter() - t - times["rollout"]
+        else:
+            prompts = self._prompts_for_step(step)
+            lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
+            # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
+            with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
+                roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
+            times["rollout"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self._mid_step = True           # from here on the step changes state (environment, adapters)
+            scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
+                                                    roll.conversations)       # whole step, every rank
+            times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._mid_step = True               # from here on the step changes state (environment, adapters)
-        scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
-                                                roll.conversations)       # whole step, every rank
-        times["verify"] = time.perf_counter() - t
-        t = time.perf_counter()
-        adv, adv_info = self._advantages(scores)
-        adv = adv[lo * R.group_size:hi * R.group_size].to(self.device)
+        if dyn is None:
+            adv, adv_info = self._advantages(scores)
+            adv = adv[lo * R.group_size:hi * R.group_size].to(self.device)
+        else:                               # the kept groups: the live ones standardised over the batch
+            adv, adv_info = kept_advantages(self, dyn["kept_scores"], dyn["live"])
+            k = dyn["groups_per_rank"] * R.group_size
+            adv = adv[distributed.rank() * k:(distributed.rank() + 1) * k].to(self.device)
+            adv_info.update(dyn["info"])
+            if adv_info["dynamic_cap_reached"]:
+                self._warn(step, f"dynamic sampling: {adv_info['dynamic_rounds']} extra round(s) (rollout."
+                                 f"dynamic_max_rounds = {R.dynamic_max_rounds}) left step {step} with "
+                                 f"{sum(dyn['live'])} live group(s) of {R.prompts_per_step}; it trains on those")
         times["advantages"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -366,7 +389,7 @@ class Trainer:
             **gap,
             **{k: v for k, v in (passes[0] if passes else {}).items() if k.startswith("moe_")},   # MoE routing
             "tokens": n_tok, "loss_tokens": n_loss,
-            "mean_length": n_tok / len(scores), "skipped": skipped,
+            "mean_length": n_tok / (len(scores) if dyn is None else len(dyn["kept_scores"])), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
             # out-of-memory retries of this step, and the sizes the phases now run with
             "oom_retries": self._oom_retries, "rollout_chunk_prompts": self.sizes["rollout"] or len(prompts),
@@ -385,7 +408,12 @@ class Trainer:
                    "reasons": [s.reason for s in scores]}
         if turns is not None:
             samples["conversations"] = turns               # each answer's turns (assistant, tool, ...)
-        self._check_share(step, adv_info["nonzero_adv_share"])
+        if dyn is not None:
+            samples["kept"] = dyn["kept"]                  # per group: trained on (dynamic sampling)
+        end_step = getattr(self.env, "end_step", None)     # a curriculum sees every answer's score
+        if callable(end_step):
+            row.update(end_step([p for p in prompts for _ in range(R.group_size)], scores))
+        self._check_share(step, adv_info.get("nonzero_adv_share_before", adv_info["nonzero_adv_share"]))
         return row, samples
 
     @staticmethod
@@ -402,11 +430,12 @@ class Trainer:
         return {"rollout_logprob_gap": total / n, "rollout_logprob_gap_max": top}
 
     # ---- out of memory ------------------------------------------------------------------------
-    def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None):
+    def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None, key=None):
         """This rank's answers, sampled `per_chunk` prompts at a time (each group's generator is
-        seeded by its place in the step, so chunks draw the answers of one batch)."""
+        seeded by its place in the step, so chunks draw the answers of one batch; `key`: the
+        seed key, default (run.seed, step))."""
         R, mine = self.cfg.rollout, prompts[lo:hi]
-        seeds = group_seeds([self.cfg.run.seed, step], lo, hi)
+        seeds = group_seeds(key or [self.cfg.run.seed, step], lo, hi)
         n = per_chunk or len(mine)
         parts, texts = [], []
         for a in range(0, len(mine), n):
@@ -560,6 +589,7 @@ class Trainer:
         return {"run_id": self.run_id, **self._family(), "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
                 "warnings": self.warnings, "zeta_log": self.zeta_log, "sizes": self.sizes,
+                "prompt_cursor": self.prompt_cursor,
                 # the environment's counters and state (plug-in wrapper, dataset rewards), if any
                 "env": self.env.state_dict() if callable(getattr(self.env, "state_dict", None)) else None}
 
@@ -636,6 +666,7 @@ class Trainer:
         self.warnings = list(meta["warnings"])
         self.zeta_log = list(meta["zeta_log"])
         self.sizes.update(meta.get("sizes", {}))
+        self.prompt_cursor = int(meta.get("prompt_cursor", 0))
         set_rng_state(meta["rng"])
         for note in getattr(self, "_resume_notes", []):
             self._warn(self.step, f"{note}; resuming from {ckpt.name}")
