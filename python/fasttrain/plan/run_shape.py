@@ -44,9 +44,12 @@ class RunShape:
     probe_wave: int = 0
     probe_prefill_chunk: int = 0
     # rollout.top_p < 1 with no top_k: the draw sorts each row's logits (fasttrain.rollout.sampling
-    # kept_cut), in time and memory; top_k and min_p alone cost a partial sort of k values or nothing
+    # kept_cut), in time and memory; any truncation: the dropped-token mask and the largest dropped
+    # logit's float64 temporary (top_k's partial sort of k values is small)
     sort_draw: bool = False
     probe_sort_draw: bool = False
+    truncated_draw: bool = False
+    probe_truncated_draw: bool = False
 
     @property
     def rows(self) -> int:
@@ -96,8 +99,13 @@ def run_shape(cfg, prompt_tokens: int) -> RunShape:
         probe_every=cfg.probe.every, rollout_weights=getattr(r, "base_weights", "auto"),
         wave=getattr(r, "wave_prompts", 0), prefill_chunk=getattr(r, "prefill_prompts", 0),
         probe_wave=getattr(cfg.probe, "wave_prompts", 0), probe_prefill_chunk=getattr(cfg.probe, "prefill_prompts", 0),
-        sort_draw=_sorts(r), probe_sort_draw=_sorts(cfg.probe))
+        sort_draw=_sorts(r), probe_sort_draw=_sorts(cfg.probe), truncated_draw=_truncates(r),
+        probe_truncated_draw=_truncates(cfg.probe))
 
 
 def _sorts(section) -> bool:
     return getattr(section, "top_p", 1.0) < 1.0 and getattr(section, "top_k", 0) == 0
+
+
+def _truncates(section) -> bool:
+    return getattr(section, "top_p", 1.0) < 1.0 or getattr(section, "top_k", 0) > 0 or getattr(section, "min_p", 0.0) > 0
