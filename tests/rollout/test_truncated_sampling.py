@@ -95,9 +95,10 @@ def test_draws_follow_the_kept_sets_softmax_and_never_leave_it(trunc):
     assert bool(kept[tok].all())                                      # never a token outside the kept set
     # the behaviour log-prob is the truncated one (float64 draw, fp32 result: relative 2^-24 plus the sums)
     assert torch.allclose(logp.double(), q[tok].log(), rtol=0, atol=1e-6)
-    # the record: delta = z_token - z_cut, never below (rounded up to fp32), and it names the set
-    z_cut = zt[kept].min()
-    exact = zt[tok] - z_cut
+    # the record: delta = z_token - c with c midway between the smallest kept logit and the largest dropped
+    # one, never below (rounded up to fp32), and it names the set
+    c = (zt[kept].min() + zt[~kept].max()) / 2
+    exact = zt[tok] - c
     assert bool((delta.double() >= exact).all()) and bool((delta.double() - exact <= 2 ** -23 * exact.abs() + 1e-30).all())
     for t in tok.unique()[:8].tolist():
         d = float(delta[tok == t][0])

@@ -134,7 +134,7 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
         b = rows_all[live]
         tokens[b, n[b]] = tok[b]
         logps[b, n[b]] = tok_logp[b]
-        if deltas is not None:
+        if deltas is not None and delta is not None:
             deltas[b, n[b]] = delta[b]
         action[b, n[b]] = True
         ended = live & torch.isin(tok, eos_t)

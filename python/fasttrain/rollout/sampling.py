@@ -20,9 +20,11 @@ descending order, and a prefix of a prefix is a prefix, so the kept set is {v : 
 cut per row. Ties at the cut are all kept (transformers splits tied logits arbitrarily at the top_p
 boundary by its sort order; a set that depends on a sort's tie order cannot be recorded by one
 number). The draw zeroes the weights below the cut, so the token and its log-prob are those of the
-kept set's renormalised softmax, and the row records delta = z_token - z_cut >= 0 (fp32, rounded up:
-the replay never loses the boundary), from which the update rebuilds the set relative to its own
-logit of the token (fasttrain.ops.fused_logprob's keep_delta).
+kept set's renormalised softmax, and the row records delta = z_token - c > 0 with c midway between
+the smallest kept logit and the largest dropped one (fp32, rounded up), from which the update
+rebuilds the set relative to its own logit of the token (fasttrain.ops.fused_logprob's keep_delta):
+the midpoint leaves half the gap for the two forwards' rounding (a cut at the boundary logit itself
+would drop that token whenever the update's rounding puts it a hair lower).
 """
 
 from __future__ import annotations
@@ -204,7 +206,13 @@ def draw_tokens(logits: Tensor, temperature: float, gens: list, rows: int,
     cut = None
     if truncation is not None and truncation.active(d.shape[1]):
         cut = kept_cut(d, m, truncation)
-        d.masked_fill_(d < cut, -float("inf"))             # weight 0: never drawn, not in the sum
+        drop = d < cut
+        # the recorded cut: midway to the largest dropped logit, so that another forward's rounding
+        # (the update's) moves no token across it; nothing dropped: the whole vocabulary
+        below = torch.where(drop, d, -float("inf")).amax(-1, keepdim=True)
+        cut = torch.where(below > -float("inf"), (cut + below) / 2, below)
+        d.masked_fill_(drop, -float("inf"))                # weight 0: never drawn, not in the sum
+        del drop
     c = d.sub_(m).exp_().cumsum_(-1)                       # in d's storage: no second [B, V] buffer
     total = c[:, -1:]
     u = _uniforms(gens, rows, d.device)
@@ -220,7 +228,7 @@ def draw_tokens(logits: Tensor, temperature: float, gens: list, rows: int,
     picked = (z - m - total.log())[:, 0]
     if cut is None:
         return tok, picked.float(), None
-    delta = (z - cut)[:, 0]
+    delta = (z - cut)[:, 0]                                # +inf where nothing was dropped
     d32 = delta.float()
     d32 = torch.where(d32.double() < delta, torch.nextafter(d32, torch.full_like(d32, float("inf"))), d32)
     return tok, picked.float(), d32
@@ -339,7 +347,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         active = ~done
         tokens[:, t] = torch.where(active, tok, pad)
         logps[:, t] = torch.where(active, tok_logp, 0.0)
-        if deltas is not None:
+        if deltas is not None and delta is not None:
             deltas[:, t] = torch.where(active, delta, float("inf"))
         live[:, t] = active
         if eos_t.numel():
