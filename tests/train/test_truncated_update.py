@@ -95,6 +95,28 @@ def test_tool_rollout_records_kept_sets_only_on_sampled_tokens():
     check_gap(model, r, act)
 
 
+@pytest.mark.parametrize("replay", [True, False])
+def test_trainer_steps_with_the_knobs_and_logs_the_gap(tiny, tiny_recipe, replay):
+    """The trainer samples with rollout.top_p / top_k / min_p and its logged rollout_logprob_gap is the
+    rounding of the two forwards with the replay (the tiny world's float32 bound, as the hybrid's e2e
+    test uses), and the kept mass's -log Z_K without it (rollout.replay_kept_set = false)."""
+    import json
+
+    from fasttrain.train import Trainer, load_config
+    cfg = load_config(tiny_recipe(tiny / "runs", **{"run.steps": 2, "probe.every": 0, "probe.prompts": 1,
+                                                    "rollout.top_p": 0.8, "rollout.top_k": 20, "rollout.min_p": 0.1,
+                                                    "rollout.replay_kept_set": replay}))
+    tr = Trainer(cfg, progress=False)
+    tr.train()
+    rows = [json.loads(line) for line in (tr.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        if replay:
+            assert 0 <= r["rollout_logprob_gap"] <= r["rollout_logprob_gap_max"] < 1e-4, r
+        else:
+            assert r["rollout_logprob_gap"] > 1e-2, r
+
+
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread_for_tiny_models):
     """Tiny models: one thread (see tests/conftest.py)."""
