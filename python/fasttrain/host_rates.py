@@ -14,7 +14,8 @@ fasttrain's cache folder (host_rates.json), so a plan costs a few seconds only t
   elementwise elements/s of an out-of-place product of two 1024 x 1024 tensors, bf16 and fp32
   sampling    elements/s of one sampling step over fp32 logits [16, 32768] (the rollout's per-token
               work over V: fasttrain.rollout.sampling.draw_tokens at temperature 1)
-              and with top_p 0.9 (sampling_sorted: each row sorted for its kept set)
+              and with top_p 0.9 (sampling_sorted: random-normal logits are flat, so every row is
+              sorted whole for its kept set: top_p's worst case)
   experts     fasttrain.ops.moe_experts itself (the routed experts of a mixture-of-experts layer) at a
               reference layer (hidden 1024, expert width 512, 8 experts, top-2, LoRA r 8 on both
               stacks, bf16 tokens), NF4 experts and 16-bit ones: FLOP/s (expert_pair_flops) of a

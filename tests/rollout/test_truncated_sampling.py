@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from fasttrain.rollout import sampling
 from fasttrain.rollout.sampling import Truncation, draw_tokens, kept_cut
 
 from chi_square import ALPHA, chi2_quantile, chi_square, detectable_tv
@@ -57,8 +58,12 @@ KNOBS = [Truncation(top_k=20), Truncation(top_p=0.8), Truncation(min_p=0.1),
          Truncation(top_k=20, top_p=0.8, min_p=0.1), Truncation(top_k=5, top_p=0.95)]
 
 
+@pytest.mark.parametrize("listed", [1024, 12, 3])
 @pytest.mark.parametrize("trunc", KNOBS, ids=str)
-def test_kept_set_is_transformers_warpers(trunc):
+def test_kept_set_is_transformers_warpers(trunc, listed, monkeypatch):
+    """listed: top_p's partial sort (1024: the whole row here; 12 and 3: rows whose cut is in the list and
+    rows sorted whole)."""
+    monkeypatch.setattr(sampling, "TOP_P_LIST", listed)
     from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     for seed in range(5):
         d = torch.stack([row(seed), row(seed + 100)]) / TEMP

@@ -24,7 +24,10 @@ kept set's renormalised softmax, and the row records delta = z_token - c > 0 wit
 the smallest kept logit and the largest dropped one (fp32, rounded up), from which the update
 rebuilds the set relative to its own logit of the token (fasttrain.ops.fused_logprob's keep_delta):
 the midpoint leaves half the gap for the two forwards' rounding (a cut at the boundary logit itself
-would drop that token whenever the update's rounding puts it a hair lower).
+would drop that token whenever the update's rounding puts it a hair lower). top_p alone reads the
+1024 largest logits (a partial sort) and sorts a row whole only where they hold less than top_p of
+its mass (one host sync a step to ask); on the 2-core EPYC, one thread, [16, 32768] float64: the
+whole sort 41 ms, topk(1024) 6 ms, the plain draw about 2 ms.
 """
 
 from __future__ import annotations
@@ -114,11 +117,26 @@ def truncation_problem(top_k, top_p, min_p) -> str | None:
     return None
 
 
+TOP_P_LIST = 1024     # top_p's partial sort: the largest logits taken first (kept_cut)
+
+
+def _top_p_cut(vals: Tensor, e: Tensor, total: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """(top_p's cut [B, 1], rows whose every listed value is kept [B, 1] bool) from descending logits
+    vals [B, n] (a prefix of the row's sorted logits), their weights e = exp(vals - max) (overwritten)
+    and the row's total weight: transformers keeps a token while the mass above it is < top_p (the
+    first token always)."""
+    above = e.cumsum(-1).sub_(e)                                       # mass strictly above each
+    count = (above < top_p * total).sum(-1, keepdim=True)
+    return vals.gather(1, count.clamp(min=1) - 1), count >= vals.shape[1]
+
+
 def kept_cut(d: Tensor, m: Tensor, trunc: Truncation) -> Tensor:
     """The cut z_cut [B, 1] of the kept set {v : d_v >= z_cut} of tempered logits d [B, V] (float64,
-    row max m [B, 1]). top_p sorts the row (or only top_k's k values when top_k is on: ties at the
-    k-th value that topk leaves out come after every listed value, so they change no listed value's
-    mass above it, only the total)."""
+    row max m [B, 1]). top_p reads a sorted prefix of the row: top_k's k values when top_k is on (ties
+    at the k-th value that topk leaves out come after every listed value, so they change no listed
+    value's mass above it, only the total), else the TOP_P_LIST largest, and the whole sorted row only
+    where those do not reach top_p. A cut inside the list is exact: every value above a listed one
+    is listed too."""
     V = d.shape[1]
     cut = torch.full_like(m, -float("inf"))
     k = trunc.top_k if 0 < trunc.top_k < V else 0
@@ -130,17 +148,18 @@ def kept_cut(d: Tensor, m: Tensor, trunc: Truncation) -> Tensor:
             e = (vals - m).exp_()
             tied_out = (d == cut).sum(-1, keepdim=True) - (vals == cut).sum(-1, keepdim=True)
             total = e.sum(-1, keepdim=True) + tied_out * (cut - m).exp()
+            cut = torch.maximum(cut, _top_p_cut(vals, e, total, trunc.top_p)[0])
         else:
-            vals = d.sort(dim=-1, descending=True).values              # [B, V]: top_p's sort
-            e = (vals - m).exp_()
-            total = None
-        above = e.cumsum_(-1)                                          # mass up to and including each
-        if total is None:
-            total = above[:, -1:]
-        above.sub_((vals - m).exp_())                                  # mass strictly above each
-        # transformers keeps a token while the mass above it is < top_p (the first token always)
-        last = (above < trunc.top_p * total).sum(-1, keepdim=True).clamp_(min=1) - 1
-        cut = torch.maximum(cut, vals.gather(1, last))
+            # the TOP_P_LIST largest first (a partial sort): where they reach top_p the cut is among
+            # them; only the other rows are sorted whole
+            total = (d - m).exp_().sum(-1, keepdim=True)
+            vals = d.topk(min(V, TOP_P_LIST), dim=-1, sorted=True).values
+            cut_p, whole = _top_p_cut(vals, (vals - m).exp_(), total, trunc.top_p)
+            if vals.shape[1] < V and bool(whole.any()):
+                rows = whole[:, 0].nonzero()[:, 0]
+                vs = d[rows].sort(dim=-1, descending=True).values      # [b, V]: top_p's sort
+                cut_p[rows] = _top_p_cut(vs, (vs - m[rows]).exp_(), total[rows], trunc.top_p)[0]
+            cut = torch.maximum(cut, cut_p)
     if trunc.min_p > 0.0:
         cut = torch.maximum(cut, m + math.log(trunc.min_p))
     return cut
