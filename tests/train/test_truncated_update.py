@@ -104,7 +104,7 @@ def test_trainer_steps_with_the_knobs_and_logs_the_gap(tiny, tiny_recipe, replay
 
     from fasttrain.train import Trainer, load_config
     cfg = load_config(tiny_recipe(tiny / "runs", **{"run.steps": 2, "probe.every": 0, "probe.prompts": 1,
-                                                    "rollout.top_p": 0.8, "rollout.top_k": 20, "rollout.min_p": 0.1,
+                                                    "rollout.top_p": 0.8, "rollout.top_k": 20, "rollout.min_p": 0.1, "probe.top_p": 0.9,
                                                     "rollout.replay_kept_set": replay}))
     tr = Trainer(cfg, progress=False)
     tr.train()
