@@ -173,7 +173,8 @@ def _backward(ctx, grad_logp, grad_entropy, grad_stats, grad_vec_out):
             d_weight = gw
         if bias is not None and ctx.needs_input_grad[3]:
             d_bias = gb.to(bias.dtype)
-    return d_hidden, d_weight, None, d_bias, None, None, None, None, None
+    # one gradient per input the op was called with (the dispatcher leaves out keep_delta when it is None)
+    return (d_hidden, d_weight, None, d_bias) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 torch.library.register_autograd("fasttrain::fused_logprob_forward", _backward, setup_context=_setup_context)
