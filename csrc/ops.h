@@ -33,11 +33,11 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& abs
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
     const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
-    int64_t chunk_bytes);
+    int64_t chunk_bytes, const std::optional<at::Tensor>& keep_delta);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cuda(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
     const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
-    int64_t chunk_bytes);
+    int64_t chunk_bytes, const std::optional<at::Tensor>& keep_delta);
 // Returns (grad_weight, grad_bias).
 std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
     const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,

@@ -29,9 +29,12 @@ TORCH_LIBRARY(fasttrain, m) {
   // inputs), grad_vec [N,H] fp32|fp64 when
   // compute_grad (d logp_n / d h_n = (W[t_n] - sum_v p_nv W[v]) / T), else [0,H]. Tokens whose
   // target == ignore_index give 0 everywhere. chunk_bytes bounds the scratch (0: default).
+  // keep_delta [N] fp32|fp64 (optional): each token's kept set of a truncated draw, delta = z_target - z_cut
+  // (core/math.h kept_cut; +inf: all): logp, entropy and gradients are those of the softmax restricted
+  // to {v : z_v >= z_target - delta}, renormalised; stats then has a third row, the absolute cut.
   m.def("fused_logprob_forward(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, float temperature, "
-        "int ignore_index, bool compute_grad, int chunk_bytes) -> (Tensor, Tensor, Tensor, Tensor)");
-  // grad_logp [N] fp32|fp64, stats [2,N] from the forward -> grad_weight [V,H] (weight's dtype),
+        "int ignore_index, bool compute_grad, int chunk_bytes, Tensor? keep_delta=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  // grad_logp [N] fp32|fp64, stats [2,N] or [3,N] (a kept set's cut) from the forward -> grad_weight [V,H] (weight's dtype),
   // grad_bias [V] fp32|fp64 (zeros when bias is None): dW = sum_n g_n (onehot(t_n) - p_n) h_n^T / T, p
   // recomputed per chunk. Both ops raise for a target outside [0, V) that is not ignore_index.
   m.def("fused_logprob_backward_weight(Tensor grad_logp, Tensor hidden, Tensor weight, Tensor targets, "

@@ -218,6 +218,26 @@ FT_HD T lse_entropy(const LseState<T>& st) {
 template <typename T>
 FT_HD T softmax_prob(T z, T ref, T log_s) { return ft_exp(lse_logprob(z, ref, log_s)); }
 
+// The kept set of a truncated draw (top_k / top_p / min_p): each filter keeps a prefix of the
+// sorted logits, so one number per token names the set. The sampler records
+// delta = z_target - z_cut > 0 in temperature-scaled logits (z_cut: midway between the smallest kept
+// logit and the largest dropped one); the op rebuilds the absolute cut from its own target logit,
+// cut = z_target - delta, and keeps
+// {v : z_v >= cut} (ties at the boundary kept) and the target itself (the rounding of another
+// forward never drops the sampled token). delta = +inf is the whole vocabulary (cut = -inf, also
+// for a target logit of -inf, where z_target - delta would be NaN).
+template <typename T>
+FT_HD T kept_cut(T z_target, T delta) { return delta == T(INFINITY) ? T(-INFINITY) : z_target - delta; }
+
+template <typename T>
+FT_HD bool kept(T z, T cut, bool is_target) { return is_target || z >= cut; }
+
+// Probability of an entry under the kept set's renormalised softmax (backward recompute): 0 outside.
+template <typename T>
+FT_HD T kept_prob(T z, T ref, T log_s, T cut, bool is_target) {
+  return kept(z, cut, is_target) ? softmax_prob(z, ref, log_s) : T(0);
+}
+
 // d log p(t) / d z_v = 1[v == t] - p_v, scaled by the upstream gradient g and by 1/T for the
 // logits before temperature: the coefficient of w_v (for dH) and of h (for dW) and of dbias.
 template <typename T>

@@ -190,9 +190,10 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # ---- fused_logprob ----------------------------------------------------------------------------
-def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=False, seed=0) -> tuple[str, Callable]:
+def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=False, seed=0,
+                  kept=False) -> tuple[str, Callable]:
     name = f"N={N} H={H} V={V} {DT_NAME[dtype]} T={T}{' bias' if bias else ''} chunk={chunk or 'default'}" + \
-           (" g~1/N" if small_grad else "")
+           (" g~1/N" if small_grad else "") + (" kept set" if kept else "")
 
     def run(check: _Check):
         from fasttrain.ops import logprob as lp_mod
@@ -205,6 +206,16 @@ def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=
         t[::7] = -100
         up = torch.randn(N, generator=g, dtype=torch.float64) / (N if small_grad else 1)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
+        delta = None
+        if kept:   # a truncated draw's record: each token's kept set cut at the widest gap among its 20 largest
+            zs = (h.double() @ w.double().T + (0 if b is None else b.double())) / T
+            s, order = zs.sort(-1, descending=True)
+            j = (s[:, :-1] - s[:, 1:])[:, :20].argmax(1)                     # the cut between s[j] and s[j + 1]
+            cut = (s.gather(1, j[:, None]) + s.gather(1, j[:, None] + 1))[:, 0] / 2
+            pick = (torch.rand(N, generator=g) * (j + 1)).long()
+            t = torch.where(t == -100, t, order.gather(1, pick[:, None])[:, 0])
+            delta = zs.gather(1, t.clamp(min=0)[:, None])[:, 0] - cut
+            delta = delta.to(acc).to(dev)
         leaves_k = [_leaf(x, dev) for x in (h, w, b)]
         leaves_r = [_leaf(x, dev, torch.float64) for x in (h, w, b)]
         td = t.to(dev)
@@ -214,7 +225,7 @@ def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=
             lp_mod.set_chunk_bytes(chunk)
             try:
                 hk, wk, bk = leaves_k
-                logp, ent = KERNELS["fused_logprob"](hk, wk, td, T, bias=bk)
+                logp, ent = KERNELS["fused_logprob"](hk, wk, td, T, bias=bk, keep_delta=delta)
                 (logp * up.to(dev, logp.dtype)).sum().backward()
                 return logp, ent
             finally:
@@ -222,7 +233,7 @@ def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=
 
         def ref():
             hr, wr, br = leaves_r
-            logp, ent = R.fused_logprob(hr, wr, td, T, bias=br)
+            logp, ent = R.fused_logprob(hr, wr, td, T, bias=br, keep_delta=delta)
             (logp * up.to(dev)).sum().backward()
             return logp, ent
 
@@ -233,7 +244,11 @@ def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=
             hr, wr, br = (x.detach() if x is not None else None for x in leaves_r)
             keep = (td != -100)
             z = hr @ wr.T + (0 if br is None else br)
-            P = torch.softmax(z / T, -1)
+            zk = z / T
+            if delta is not None:   # the kept set's softmax (the reference's own definition)
+                zk = torch.where(zk >= zk.gather(1, torch.where(keep, td, 0)[:, None]) - delta.double()[:, None], zk,
+                                 torch.full_like(zk, -math.inf))
+            P = torch.softmax(zk, -1)
             onehot = torch.zeros_like(P).scatter_(1, torch.where(keep, td, 0)[:, None], 1.0) * keep[:, None]
             P = P * keep[:, None]
             S = (hr.abs() @ wr.abs().T + (0 if br is None else br.abs())).max() / T
@@ -264,7 +279,8 @@ def _logprob_cases(dev, quick: bool):
     if quick:
         return [_logprob_case(dev, 37, 19, 53, torch.float32, chunk=small, seed=1),
                 _logprob_case(dev, 130, 65, 1001, torch.bfloat16, T=1.0, chunk=small, seed=2),
-                _logprob_case(dev, 64, 32, 777, torch.float16, bias=False, chunk=small, small_grad=True, seed=3)]
+                _logprob_case(dev, 64, 32, 777, torch.float16, bias=False, chunk=small, small_grad=True, seed=3),
+                _logprob_case(dev, 130, 65, 1001, torch.float32, chunk=small, seed=4, kept=True)]
     out = []
     shapes = [(1, 7, 5), (37, 19, 53), (130, 65, 1001), (300, 96, 5003)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
@@ -277,6 +293,8 @@ def _logprob_cases(dev, quick: bool):
     out.append(_logprob_case(dev, 300, 96, 5003, torch.bfloat16, chunk=0, seed=40))
     out.append(_logprob_case(dev, 37, 19, 53, torch.float64, chunk=small, seed=41))   # both backends take fp64
     out.append(_logprob_case(dev, 130, 65, 1001, torch.float64, chunk=small, seed=42))
+    out.append(_logprob_case(dev, 130, 65, 1001, torch.float32, chunk=small, seed=43, kept=True))   # top_k/top_p replay
+    out.append(_logprob_case(dev, 37, 19, 53, torch.float64, chunk=small, seed=44, kept=True))
     return out
 
 

@@ -102,3 +102,24 @@ def test_chat_template_kwargs_take_a_table_of_scalars_and_name_the_key():
         load_config("demo", ["policy.chat_template_kwargs={ x = [1] }"])
     with pytest.raises(ConfigError, match=r"policy.chat_template_kwargs.1x: not a template variable name"):
         load_config("demo", ['policy.chat_template_kwargs={ "1x" = true }'])
+
+
+def test_sampling_knobs_parse_and_bad_values_are_one_line():
+    c = load_config("cispo", ["rollout.top_p=0.95", "rollout.top_k=20", "rollout.min_p=0.05", "probe.top_p=0.9"])
+    assert (c.rollout.top_p, c.rollout.top_k, c.rollout.min_p, c.probe.top_p) == (0.95, 20, 0.05, 0.9)
+    assert (c.probe.top_k, c.probe.min_p, c.rollout.replay_kept_set) == (0, 0.0, True)
+    for bad, msg in (("rollout.top_p=0", r"rollout.top_p: 0.0 is not allowed; allowed: a number in \(0, 1\]"),
+                     ("rollout.top_p=1.5", r"rollout.top_p: 1.5 is not allowed"),
+                     ("rollout.top_k=-1", r"rollout.top_k: -1 is not allowed; allowed: an integer >= 0"),
+                     ("rollout.min_p=1", r"rollout.min_p: 1.0 is not allowed; allowed: a number in \[0, 1\)"),
+                     ("probe.min_p=-0.5", r"probe.min_p: -0.5 is not allowed")):
+        with pytest.raises(ConfigError, match=msg) as e:
+            load_config("cispo", [bad])
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["rollout.repetition_penalty=1.1", "rollout.presence_penalty=0.5",
+                                 "probe.repetition_penalty=1.2"])
+def test_penalties_are_refused_with_the_reason(key):
+    with pytest.raises(ConfigError, match=r"changes the sampled distribution in a way the update does not replay"):
+        load_config("cispo", [key])

@@ -168,11 +168,14 @@ def nf4_dequantize(packed: torch.Tensor, state, dtype: torch.dtype | None = None
 
 # ---- fused_logprob -----------------------------------------------------------------------------
 def fused_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                  ignore_index: int = -100, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  ignore_index: int = -100, bias: torch.Tensor | None = None,
+                  keep_delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and entropy of softmax((hidden·weightᵀ + bias) / temperature) from the full logits.
 
     Returns (logp, entropy) in float32 (float64 for float64 hidden), entropy detached; tokens whose
-    target is ignore_index give 0 and no gradient. Leading dims of hidden/targets are kept."""
+    target is ignore_index give 0 and no gradient. Leading dims of hidden/targets are kept.
+    keep_delta (targets' shape): the softmax restricted to each token's kept set
+    {v : z_v >= z_target - delta} plus the target, renormalised (+inf: the whole vocabulary)."""
     if hidden.dim() < 2:
         raise ValueError(f"fused_logprob: hidden must be [N, H] (or [..., H]), got shape {tuple(hidden.shape)}")
     if targets.shape != hidden.shape[:-1]:
@@ -193,7 +196,14 @@ def fused_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     z = h.to(acc) @ weight.to(acc).T
     if bias is not None:
         z = z + bias.to(acc)
-    ls = torch.log_softmax(z / temperature, dim=-1)
+    z = z / temperature
+    if keep_delta is not None:
+        d = keep_delta.reshape(-1).to(acc)
+        zt = z.gather(1, torch.where(keep, t, 0)[:, None])[:, 0]
+        cut = torch.where(torch.isinf(d) & (d > 0), torch.full_like(zt, -float("inf")), zt - d)
+        onehot = torch.zeros_like(z, dtype=torch.bool).scatter_(1, torch.where(keep, t, 0)[:, None], True)
+        z = torch.where((z >= cut.detach()[:, None]) | onehot, z, torch.full_like(z, -float("inf")))
+    ls = torch.log_softmax(z, dim=-1)
     zero = torch.zeros((), dtype=acc, device=h.device)
     logp = torch.where(keep, ls.gather(1, torch.where(keep, t, 0)[:, None]).squeeze(1), zero)
     with torch.no_grad():

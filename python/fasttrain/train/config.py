@@ -139,6 +139,15 @@ class RolloutSection:
     group_size: int = 12                    # answers per prompt (G)
     max_new_tokens: int = 128
     temperature: float = 1.0
+    # Truncated sampling with TRL's / transformers' names and meanings, applied in transformers'
+    # order (temperature, top_k, top_p, min_p); each sampled token's kept set is recorded and the
+    # update scores it on that set (fasttrain.rollout.sampling). Off: top_k 0, top_p 1, min_p 0.
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    # false: score and train on the whole vocabulary while sampling from the kept set (TRL's way; for
+    # comparisons: the importance ratio then measures the kept mass)
+    replay_kept_set: bool = True
     # Text prefilled at the start of every answer (e.g. "<signal>"): part of the prompt, not
     # trained on, prepended to the answer the verifier scores. Also used by the probe and filter.
     answer_prefix: str = ""
@@ -229,6 +238,9 @@ class ProbeSection:
     prompts: int = 50                       # first N of the environment's frozen probe prompts
     samples: int = 1                        # answers per probe prompt
     temperature: float = 1.0
+    top_k: int = 0                          # truncation of the probe's draw, as rollout.top_k ...
+    top_p: float = 1.0
+    min_p: float = 0.0
     max_new_tokens: int = 0                 # 0 = rollout.max_new_tokens
     seed: int = 1234                        # the same seed at every probe: scores compare policies
     wave_prompts: int = 0                   # as rollout.wave_prompts, for the probe (0: the plan's pick)
@@ -292,6 +304,12 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "rollout.max_new_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "rollout.max_prompt_tokens": (lambda v: v >= 0, "an integer >= 0 (0: the model's context minus max_new_tokens)"),
     "rollout.temperature": (lambda v: v > 0, "a number > 0"),
+    "rollout.top_k": (lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)"),
+    "rollout.min_p": (lambda v: 0 <= v < 1, "a number in [0, 1) (0: off)"),
+    "probe.top_k": (lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "probe.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)"),
+    "probe.min_p": (lambda v: 0 <= v < 1, "a number in [0, 1) (0: off)"),
     "rollout.stop_strings": (lambda v: all(len(x) > 0 for x in v), "a list of non-empty strings"),
     "env.probe_rows": (lambda v: v >= 0, "an integer >= 0"),
     "env.reward_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
@@ -440,6 +458,10 @@ def _build(data: dict[str, Any]) -> Config:
         given = data.get(f.name, {})
         kwargs = {}
         for k, v in given.items():
+            if k in _UNREPLAYED_KNOBS and f.name in ("rollout", "probe"):
+                raise ConfigError(f"{f.name}.{k} is not supported: it changes the sampled distribution in a way "
+                                  "the update does not replay (the update would train on another distribution "
+                                  "than the one each token was drawn from); use top_k, top_p or min_p")
             if k not in sec_hints:
                 raise ConfigError(f"unknown key '{f.name}.{k}'; allowed keys in [{f.name}]: "
                                   + ", ".join(sec_hints))
@@ -473,6 +495,9 @@ def _build(data: dict[str, Any]) -> Config:
 
 _RG_KEYS = ("generators", "train_rows", "data_seed", "curriculum", "curriculum_window", "curriculum_upper",
             "curriculum_lower")
+# Sampling knobs of TRL / transformers that fasttrain refuses by name, with the reason.
+_UNREPLAYED_KNOBS = ("repetition_penalty", "presence_penalty")
+
 _DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core",
                  "worker_memory_mb", "tools", "environment", "tool_timeout")
 

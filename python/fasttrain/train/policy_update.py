@@ -43,7 +43,7 @@ def _decoder(model):
 
 def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completion_ids, completion_mask,
                     temperature: float, shared_prefix: bool = True, position_ids=None, prompt_index=None,
-                    routing=None, packed: bool = True):
+                    routing=None, packed: bool = True, keep_delta=None):
     """log p and entropy [B, T] of the answer tokens (zeros where completion_mask is 0).
 
     `shared_prefix`: run each distinct prompt once and let its answers attend to its keys and
@@ -55,7 +55,10 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
     experts' rollout record of these rows (fasttrain.rollout.moe_routing.ReplayRouting), replayed by
     the shared-prefix forward; None routes by the model's own router. `packed`: the shared-prefix
     forward runs only the answers' real tokens through the layers (fasttrain.train.answer_packing;
-    same values and gradients as the padded layout); False forces the padded layout [B, T-1]."""
+    same values and gradients as the padded layout); False forces the padded layout [B, T-1].
+    `keep_delta` [B, T]: a truncated rollout's kept sets (Rollout.keep_delta): each token is scored
+    on the softmax restricted to the set it was drawn from, renormalised (log-prob, entropy and
+    gradient; fasttrain.ops.fused_logprob); None scores on the whole vocabulary."""
     from fasttrain.ops import fused_logprob
     from fasttrain.train.prefix_forward import shared_prefix_selected
 
@@ -74,7 +77,8 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
         h = hidden[:, prompt_len - 1: prompt_len - 1 + T][m]          # [B, T, H] predicts answer token t
     lm = model.lm_head
     logp_sel, ent_sel = fused_logprob(h, lm.weight, completion_ids[m], temperature,
-                                      bias=getattr(lm, "bias", None))
+                                      bias=getattr(lm, "bias", None),
+                                      keep_delta=None if keep_delta is None else keep_delta[m])
     logp = torch.zeros(m.shape, dtype=logp_sel.dtype, device=h.device).masked_scatter(m, logp_sel)
     ent = torch.zeros(m.shape, dtype=ent_sel.dtype, device=h.device).masked_scatter(m, ent_sel.detach())
     return logp, ent
@@ -95,8 +99,13 @@ class UpdateResult:
 
 
 def _rollout_args(roll, sl):
-    """The rollout's own tensors for rows `sl`, as answer_logprobs takes them."""
-    return dict(position_ids=roll.position_ids[sl], prompt_index=roll.prompt_index[sl])
+    """The rollout's own tensors for rows `sl`, as answer_logprobs takes them. The kept sets go to
+    every scoring of the rollout: the old and updated policy's log-probs and the reference's, so the
+    KL term compares the policy and the reference restricted to the same set, the one each token was
+    drawn from (zero when they agree)."""
+    delta = getattr(roll, "keep_delta", None)
+    return dict(position_ids=roll.position_ids[sl], prompt_index=roll.prompt_index[sl],
+                keep_delta=None if delta is None else delta[sl])
 
 
 def _replay(roll, sl, replay: bool, aux: bool = False):

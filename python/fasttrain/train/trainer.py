@@ -16,6 +16,7 @@ writes the run folder.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -35,7 +36,7 @@ from fasttrain.ops.logprob import logprob_pack_cache
 from fasttrain.rl.masks import token_stats
 from fasttrain.train import distributed
 from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, join_rollouts, sample_answers,
-                                     score_answers, tool_settings)
+                                     score_answers, tool_settings, truncation_of)
 from fasttrain.train.checkpoint import (check_family, load_checkpoint, newest_checkpoint_name, pick_checkpoint,
                                         rng_state, save_checkpoint, set_rng_state)
 from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
@@ -444,11 +445,15 @@ class Trainer:
                                       seed=seeds[a:a + n], answer_prefix=R.answer_prefix,
                                       stop_strings=R.stop_strings, weights=self.rollout_weights,
                                       compile_decode=R.compile, prefill_chunk=self.prefill["rollout"],
+                                      truncation=truncation_of(R),
                                       tool_settings={**tool_settings(self.cfg), "first_slot": a * R.group_size})
             parts.append(roll)
             texts += tx
         pad = getattr(self.model.config, "pad_token_id", None)
-        return join_rollouts(parts, pad if isinstance(pad, int) else 0), texts
+        roll = join_rollouts(parts, pad if isinstance(pad, int) else 0)
+        if not R.replay_kept_set and roll.keep_delta is not None:   # score on the whole vocabulary, as TRL does
+            roll = dataclasses.replace(roll, keep_delta=None)
+        return roll, texts
 
     def _undo_update(self):
         """A function that puts the adapters and AdamW back as they are now (before an update
