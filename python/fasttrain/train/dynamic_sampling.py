@@ -124,7 +124,8 @@ def select_groups(roll, groups: Sequence[int]):
                    logprobs=take(roll.logprobs), finished=take(roll.finished), group_size=G,
                    conversations=None if roll.conversations is None else [roll.conversations[i] for i in rows.tolist()],
                    tool_stats=roll.tool_stats,
-                   routing=None if roll.routing is None else take(roll.routing))
+                   routing=None if roll.routing is None else take(roll.routing),
+                   keep_delta=None if roll.keep_delta is None else take(roll.keep_delta))
 
 
 def dynamic_step(tr, step: int) -> dict[str, Any]:
