@@ -326,11 +326,22 @@ def test_the_update_charges_the_chosen_kl_on_the_loss_tokens(tiny, monkeypatch, 
 
     monkeypatch.setattr(pu, "answer_logprobs", keep_token_grads)
     opt = torch.optim.SGD(params, lr=20.0)                         # pass 1's step makes pass 2 off-policy
-    pu.update_policy(model, params, opt, roll, scores, torch.zeros(B), loss_mask, cfg, 0.0, B, 0.0, 1.0)
+    passes = pu.update_policy(model, params, opt, roll, scores, torch.zeros(B), loss_mask, cfg, 0.0, B, 0.0,
+                              1.0).passes
     assert len(seen) == 2
-    lp, g = seen[1]
     mask = sampled if normalize == "trl" else loss_mask
     n = float(mask.sum())
+    # the logged KL (kl_mean, without beta) is the mean of the loss's own KL term over the charged
+    # tokens: r k3 ("k3_ratio") or k3; in pass 1 r = 1 up to the two forwards' rounding
+    for (lp, _), stats in zip(seen, passes):
+        d = scores.ref_logp.double() - lp
+        r = torch.exp(lp - scores.old_logp.double())
+        k3 = d.exp() - d - 1
+        term = r * k3 if kl == "k3_ratio" else k3
+        want = float(term[mask].mean())
+        # n float32 terms (each 10 roundings) summed, then divided: (n + 12) EPS32 of the mean's scale
+        assert abs(stats["kl_mean"] - want) <= (n + 12) * 2.0**-23 * want, (stats["kl_mean"], want)
+    lp, g = seen[1]
     d = scores.ref_logp.double() - lp
     r = torch.exp(lp - scores.old_logp.double())
     assert float((r - 1)[mask].abs().max()) > 1e-3                 # pass 2 is off-policy

@@ -164,13 +164,15 @@ inline void forward(Device& dev, at::ScalarType dt, const void* logp, const void
       };
       // One kernel per (CISPO or not, KL none / k3 / k3_ratio, per-token advantages or per-row), picked
       // flag by flag; the ratio flag without KL is never instantiated.
+      // (std::decay_t: GCC names a flag captured by a nested generic lambda as a reference type.)
       with_flag(loss_type == fm::kCispo, [&](auto cispo) {
         with_flag(has_kl, [&](auto kl) {
           with_flag(has_kl && kl_type == fm::kKlK3Ratio, [&](auto ratio) {
-            if constexpr (decltype(kl)::value || !decltype(ratio)::value) {
+            constexpr bool kC = std::decay_t<decltype(cispo)>::value, kK = std::decay_t<decltype(kl)>::value,
+                           kR = std::decay_t<decltype(ratio)>::value;
+            if constexpr (kK || !kR) {
               with_flag(adv_per_token, [&](auto per_token) {
-                run(policy_chunk_kernel<scalar_t, decltype(cispo)::value, decltype(kl)::value,
-                                        decltype(ratio)::value, decltype(per_token)::value>);
+                run(policy_chunk_kernel<scalar_t, kC, kK, kR, std::decay_t<decltype(per_token)>::value>);
               });
             }
           });

@@ -528,6 +528,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             table[key] = sub
         elif len(parts) == 2:
             table[key] = value
+            if sec == "loss" and key in ("kl", "kl_bias_correction"):   # one setting, two names: the later wins
+                table.pop("kl_bias_correction" if key == "kl" else "kl", None)
         else:
             raise ConfigError(f"override {item!r}: too many dots")
     return out
