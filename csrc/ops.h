@@ -54,12 +54,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
     const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& token_normalizer,
     int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
-    double token_normalizer_value);
+    double token_normalizer_value, int64_t kl_type);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
     const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
     const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& token_normalizer,
     int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
-    double token_normalizer_value);
+    double token_normalizer_value, int64_t kl_type);
 // grad_logp [B,T] of `dtype` = grad_loss * coef * rowscale[row].
 at::Tensor policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& coef, const at::Tensor& rowscale,
                                     at::ScalarType dtype);

@@ -157,11 +157,12 @@ def _run_config(recipe: str, set_: list[str], resume: Optional[Path], out: Optio
     import tomllib
 
     from fasttrain.train import load_config
+    from fasttrain.train.config import saved_run_data
 
     if resume is not None:
         if not (resume / "config.toml").exists():
             raise FileNotFoundError(f"--resume {resume}: no config.toml there (not a fasttrain run folder)")
-        return load_config(tomllib.loads((resume / "config.toml").read_text()), set_)
+        return load_config(saved_run_data(tomllib.loads((resume / "config.toml").read_text())), set_)
     return load_config(recipe, list(set_) + ([f"run.out={json.dumps(out)}"] if out else []))
 
 

@@ -15,6 +15,7 @@ import math
 import re
 import tomllib
 import typing
+import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, Literal
 
 __all__ = ["ConfigError", "Config", "load_config", "load_recipe", "recipe_path", "list_recipes",
            "apply_overrides", "config_to_toml", "config_hash", "SEED_PRIORITIES", "RESUME_CHANGEABLE",
-           "resume_changes"]
+           "resume_changes", "saved_run_data"]
 
 
 class ConfigError(ValueError):
@@ -197,7 +198,7 @@ class AdvantagesSection:
 @dataclass(frozen=True)
 class LossSection:
     kind: Literal["cispo", "dapo", "grpo"] = "cispo"
-    beta: float = 0.08                      # KL(k3) weight to the base model (adapters off)
+    beta: float = 0.08                      # weight of the KL term to the base model (adapters off)
     eps_low: float = 0.2
     eps_high: float = 0.28
     cispo_cap: float = 1.2
@@ -215,9 +216,19 @@ class LossSection:
     # denominator and pays the KL term, the entropy mask only zeroes the policy term, and GRPO's row
     # means are averaged per micro-batch, then over the micro-batches.
     normalize: Literal["batch", "trl"] = "batch"
-    # KL weighted by the (differentiable) ratio r = exp(log p - old log p): beta * r * k3, TRL 1.16's
-    # use_bias_correction_kl (its default), the unbiased reverse-KL gradient; false: beta * k3.
-    kl_bias_correction: bool = False
+    # The KL estimator, computed inside the loss op (docs/recipes.md derives both), with k3 =
+    # e^(ref - log p) - (ref - log p) - 1. "k3_ratio": beta * r * k3, the ratio r = exp(log p - old log p)
+    # kept in the graph; its gradient is the unbiased estimate of grad KL(pi || pi_ref), on- and
+    # off-policy (DeepSeek-V3.2 §3.1; TRL's use_bias_correction_kl, its default). "k3": beta * k3 as
+    # the loss: the forward KL's gradient on-policy, neither KL's off-policy (the older recipe's).
+    kl: Literal["k3_ratio", "k3"] = "k3_ratio"
+    # Deprecated name of `kl`: true is "k3_ratio", false "k3". Not a field: it sets `kl` (with a
+    # FutureWarning) and is never written to a run's config.toml.
+    kl_bias_correction: dataclasses.InitVar[bool | None] = None
+
+    def __post_init__(self, kl_bias_correction: bool | None) -> None:
+        if kl_bias_correction is not None:
+            object.__setattr__(self, "kl", _kl_from_alias(kl_bias_correction))
 
 
 @dataclass(frozen=True)
@@ -443,6 +454,37 @@ def _generator_tables(key: str, value: Any) -> dict[str, dict[str, Any]]:
     return {str(n): dict(t) for n, t in value.items()}
 
 
+def _kl_from_alias(value: Any) -> str:
+    """loss.kl of the deprecated loss.kl_bias_correction (said once per place, as a FutureWarning)."""
+    kl = "k3_ratio" if _coerce("loss.kl_bias_correction", value, bool) else "k3"
+    warnings.warn(f"loss.kl_bias_correction is deprecated: write loss.kl = {json.dumps(kl)} "
+                  f"(kl_bias_correction = {_literal_text(value)} means that)", FutureWarning, stacklevel=3)
+    return kl
+
+
+def _loss_alias(given: dict[str, Any]) -> dict[str, Any]:
+    """[loss] with kl_bias_correction replaced by the kl it names; both given must agree."""
+    if "kl_bias_correction" not in given:
+        return given
+    given = dict(given)
+    kl = _kl_from_alias(given.pop("kl_bias_correction"))
+    if "kl" in given and given["kl"] != kl:
+        raise ConfigError(f"loss.kl_bias_correction (deprecated) names loss.kl = {json.dumps(kl)}, which "
+                          f"contradicts loss.kl = {given['kl']!r}; keep loss.kl alone")
+    given["kl"] = kl
+    return given
+
+
+def saved_run_data(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run folder's config.toml (parsed) as the run trained: a run saved before loss.kl existed
+    holds neither loss.kl nor loss.kl_bias_correction and trained with "k3" (config.toml holds every
+    key), so resuming it keeps k3 instead of taking today's default."""
+    loss = saved.get("loss")
+    if isinstance(loss, dict) and "kl" not in loss and "kl_bias_correction" not in loss:
+        return {**saved, "loss": {**loss, "kl": "k3"}}
+    return saved
+
+
 def _build(data: dict[str, Any]) -> Config:
     hints = typing.get_type_hints(Config)
     sections = {}
@@ -454,8 +496,11 @@ def _build(data: dict[str, Any]) -> Config:
             raise ConfigError(f"[{sec_name}] must be a table, got {sec_val!r}")
     for f in dataclasses.fields(Config):
         cls = hints[f.name]
-        sec_hints = typing.get_type_hints(cls)
+        sec_hints = {k: t for k, t in typing.get_type_hints(cls).items()
+                     if not isinstance(t, dataclasses.InitVar)}        # aliases: handled before
         given = data.get(f.name, {})
+        if f.name == "loss":
+            given = _loss_alias(given)
         kwargs = {}
         for k, v in given.items():
             if k in _UNREPLAYED_KNOBS and f.name in ("rollout", "probe"):
@@ -560,6 +605,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             table[key] = sub
         elif len(parts) == 2:
             table[key] = value
+            if sec == "loss" and key in ("kl", "kl_bias_correction"):   # one setting, two names: the later wins
+                table.pop("kl_bias_correction" if key == "kl" else "kl", None)
         else:
             raise ConfigError(f"override {item!r}: too many dots")
     return out

@@ -40,7 +40,7 @@ from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful,
 from fasttrain.train.checkpoint import (check_family, load_checkpoint, newest_checkpoint_name, pick_checkpoint,
                                         rng_state, save_checkpoint, set_rng_state)
 from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
-                                    resume_changes)
+                                    resume_changes, saved_run_data)
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device, rollout_weights, set_checkpointing
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
@@ -360,7 +360,8 @@ class Trainer:
         n_tok, n_loss = int(n_tok), int(n_loss)
         mean_entropy = ent_sum / max(1, n_tok)
         # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy, over every
-        # rank's tokens), the one value the loss used; 0 without a reference (beta = 0)
+        # rank's tokens; r = 1 there up to two forwards' rounding, so "k3_ratio"'s r * k3 is k3), the
+        # value the loss used; 0 without a reference (beta = 0)
         kl = passes[0].get("kl_mean", math.nan) if passes else math.nan
         if batch.ref_logp is None:
             kl = 0.0
@@ -649,7 +650,7 @@ class Trainer:
         if not cfg_file.exists():
             raise FileNotFoundError(f"--resume {run_dir}: no config.toml there (not a fasttrain run folder)")
         import tomllib
-        saved = tomllib.loads(cfg_file.read_text())
+        saved = saved_run_data(tomllib.loads(cfg_file.read_text()))
         cfg = load_config(saved, overrides)
         changes = resume_changes(load_config(saved), cfg)                # refuses what may not change
         ckpt, notes = pick_checkpoint(run_dir / "checkpoints", from_step)   # before the model loads
