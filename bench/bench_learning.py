@@ -113,7 +113,7 @@ def fasttrain_config(a, seed: int, algo: str, out: str):
         "advantages": {"priorities": dict(zip(TASK["rewards"], TASK["weights"])), "guard": "none",
                        "batch_normalize": True},
         "loss": {**PAIRS[algo]["fasttrain"], "beta": a.beta, "token_mask": "all", "passes": a.passes, "repo_r": False,
-                 **({"normalize": "trl", "kl_bias_correction": True} if a.trl_conventions else {})},
+                 **({"normalize": "trl"} if a.trl_conventions else {})},
         "optim": {"lr": a.lr, "micro_batch": a.micro_batch, "grad_clip": 1.0},
         # the probe only saves the adapters the evaluator scores; 2 rows keep its cost small
         "probe": {"every": a.save_every, "prompts": 2, "samples": 1, "temperature": a.temperature},
@@ -585,7 +585,7 @@ def main() -> int:
     ap.add_argument("--work", help="folder for the runs and evaluations, kept: a run or evaluation found there with "
                     "the same settings is reused (an interrupted benchmark goes on; a later call can add a pair)")
     ap.add_argument("--trl-conventions", action="store_true", help="fasttrain with TRL's loss conventions "
-                    "(loss.normalize = \"trl\", loss.kl_bias_correction = true; docs/trl.md)")
+                    "(loss.normalize = \"trl\"; the KL estimator is TRL's by default, loss.kl = \"k3_ratio\"; docs/trl.md)")
     ap.add_argument("--first-step", action="store_true", help="only compare both trainers' answers at the first "
                     "step (the base policy, no update) on the prompts of --steps steps: mean reward of each, paired")
     ap.add_argument("--replot", type=Path, help="only redraw the steps-and-seconds figure of a result JSON")

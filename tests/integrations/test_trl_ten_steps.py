@@ -5,7 +5,7 @@ gets the completions from its `rollout_func` at every step, so everything after 
 inside `trainer.train()`), run for ten training steps of one or two passes each (TRL: max_steps = 10 x
 num_iterations). fasttrain runs its Trainer's step as the Trainer does (`score_batch`, then `update_policy` with
 the Trainer's own AdamW, `fasttrain.train.trainer.adamw`) ten times. TRL's conventions are on
-(`loss.normalize = "trl"`, `loss.kl_bias_correction = true`). After every optimizer step the test compares
+(`loss.normalize = "trl"`, `loss.kl = "k3_ratio"`, the default). After every optimizer step the test compares
 each token's loss gradient dL/d log p, the gradient norm (clipping is active at every step), the clipped
 gradient of every LoRA factor and the factors after the step.
 

@@ -9,7 +9,7 @@ with the same LoRA factors (B not 0, so the reference differs from the policy). 
 the advantages, each token's loss gradient dL/d log p (what the token sends back into the model), the clipped
 gradient of every LoRA factor, the gradient norm before clipping, and the factors after the optimizer step.
 
-Settings (`loss.normalize = "trl"`, `loss.kl_bias_correction = true` give TRL's conventions, docs/trl.md):
+Settings (`loss.normalize = "trl"` and `loss.kl = "k3_ratio"`, the default, give TRL's conventions, docs/trl.md):
 CISPO, DAPO and GRPO; beta 0 and 0.08; 1 and 2 passes (TRL num_iterations); 8 answers in micro-batches of 4;
 max gradient norm 0.05 (active: every norm is above it); lr 0.02, so that pass 2's ratios leave the clip range.
 
@@ -67,7 +67,7 @@ COMPLETIONS = {"w5 w9 w12": [[20, 31, 44, 9, 60, 71], [22, 8, EOS], [25, 27, 40,
                "w40 w2": [[50, 52, EOS], [61, 9, 14], [70, 72, 11], [80, 13, EOS]]}
 T_MAX = 6
 FP32_GRAD_REL = 2 * 8 * 256 * U32                     # the float32 bound above, relative to a tensor's max
-TRL_CONVENTIONS = dict(normalize="trl", kl_bias_correction=True)
+TRL_CONVENTIONS = dict(normalize="trl", kl="k3_ratio")
 
 
 def even_share(completion_ids, **kwargs):
@@ -338,13 +338,15 @@ def test_one_update_equals_trls_in_float32(tmp_path, monkeypatch, kind, beta, pa
     trl = run_trl(tmp_path, base, init, kind, beta, passes, bf16=False)
     check_fp32(run_fasttrain(base, init, kind, beta, passes, torch.float32, monkeypatch, **TRL_CONVENTIONS), trl,
                passes)
-    # The recipe's own settings: the same update without KL; with KL, the ratio weighting TRL adds is missing.
-    recipe = run_fasttrain(base, init, kind, beta, passes, torch.float32, monkeypatch)
+    # The recipe's own settings (every token in the loss, KL "k3_ratio" by default): the same update. The old
+    # default, k3 as the loss, lacks the ratio weighting TRL applies: the same update only without KL.
+    check_fp32(run_fasttrain(base, init, kind, beta, passes, torch.float32, monkeypatch), trl, passes)
+    k3 = run_fasttrain(base, init, kind, beta, passes, torch.float32, monkeypatch, kl="k3")
     if beta == 0:
-        check_fp32(recipe, trl, passes)
+        check_fp32(k3, trl, passes)
     else:
         with pytest.raises(AssertionError):
-            check_fp32(recipe, trl, passes)
+            check_fp32(k3, trl, passes)
 
 
 def test_top_entropy_tokens_normalised_and_kl_charged_as_trl_with_normalize_trl(tmp_path, monkeypatch):
@@ -357,7 +359,7 @@ def test_top_entropy_tokens_normalised_and_kl_charged_as_trl_with_normalize_trl(
     check_fp32(run_fasttrain(base, init, "dapo", 0.08, 1, torch.float32, monkeypatch, micro=B, top=0.5,
                              **TRL_CONVENTIONS), trl, 1)
     recipe = run_fasttrain(base, init, "dapo", 0.08, 1, torch.float32, monkeypatch, micro=B, top=0.5,
-                           kl_bias_correction=True)        # normalize = "batch": the top tokens alone count
+                           kl="k3_ratio")        # normalize = "batch": the top tokens alone count
     with pytest.raises(AssertionError):
         check_fp32(recipe, trl, 1)
 
