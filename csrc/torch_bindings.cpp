@@ -29,9 +29,12 @@ TORCH_LIBRARY(fasttrain, m) {
   // inputs), grad_vec [N,H] fp32|fp64 when
   // compute_grad (d logp_n / d h_n = (W[t_n] - sum_v p_nv W[v]) / T), else [0,H]. Tokens whose
   // target == ignore_index give 0 everywhere. chunk_bytes bounds the scratch (0: default).
+  // keep_delta [N] fp32|fp64 (optional): each token's kept set of a truncated draw, delta = z_target - z_cut
+  // (core/math.h kept_cut; +inf: all): logp, entropy and gradients are those of the softmax restricted
+  // to {v : z_v >= z_target - delta}, renormalised; stats then has a third row, the absolute cut.
   m.def("fused_logprob_forward(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, float temperature, "
-        "int ignore_index, bool compute_grad, int chunk_bytes) -> (Tensor, Tensor, Tensor, Tensor)");
-  // grad_logp [N] fp32|fp64, stats [2,N] from the forward -> grad_weight [V,H] (weight's dtype),
+        "int ignore_index, bool compute_grad, int chunk_bytes, Tensor? keep_delta=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  // grad_logp [N] fp32|fp64, stats [2,N] or [3,N] (a kept set's cut) from the forward -> grad_weight [V,H] (weight's dtype),
   // grad_bias [V] fp32|fp64 (zeros when bias is None): dW = sum_n g_n (onehot(t_n) - p_n) h_n^T / T, p
   // recomputed per chunk. Both ops raise for a target outside [0, V) that is not ignore_index.
   m.def("fused_logprob_backward_weight(Tensor grad_logp, Tensor hidden, Tensor weight, Tensor targets, "
@@ -41,12 +44,13 @@ TORCH_LIBRARY(fasttrain, m) {
   // logp, old_logp, ref_logp [B,T] fp32|fp16|bf16 (one dtype); advantages fp32 [B] or [B,T]; mask [B,T] bool or
   // fp32 (0 = inactive, else the token's weight); token_normalizer fp32 [] or [1] (or the float value, used
   // when > 0): the divisor of the token-level loss (GRPO: the number of sequences).
-  // loss_type 0 cispo, 1 dapo, 2 grpo. Returns loss fp32 [], stats fp32 [7] (ratio_mean, clip_low_frac,
+  // loss_type 0 cispo, 1 dapo, 2 grpo; kl_type (used when ref_logp is given and beta != 0) 0 k3 as the loss,
+  // 1 k3_ratio (r * k3, r differentiable); last and defaulted so that callers written before it keep k3. Returns loss fp32 [], stats fp32 [7] (ratio_mean, clip_low_frac,
   // clip_high_frac, cap_frac, kl_mean, repo_r_factor_mean, active_tokens), and for backward the
   // per-token gradient coefficient fp32 [B,T] and per-row scale fp32 [B].
   m.def("policy_loss(Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask, Tensor? ref_logp, "
         "Tensor? token_normalizer, int loss_type, float beta, float eps_low, float eps_high, float cispo_cap, "
-        "float zeta, float token_normalizer_value) -> (Tensor, Tensor, Tensor, Tensor)");
+        "float zeta, float token_normalizer_value, int kl_type=0) -> (Tensor, Tensor, Tensor, Tensor)");
   // grad_loss fp32 [], coef fp32 [B,T], rowscale fp32 [B] -> grad_logp [B,T] of dtype
   m.def("policy_loss_backward(Tensor grad_loss, Tensor coef, Tensor rowscale, ScalarType dtype) -> Tensor");
 

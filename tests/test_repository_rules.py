@@ -179,3 +179,36 @@ def test_hypothesis_examples_have_no_deadline():
     from hypothesis import settings
 
     assert settings.default.deadline is None
+
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but '-' and '_' dropped,
+    spaces to '-' (code spans and links keep their text)."""
+    out = set()
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_links_in_the_readme_and_docs_resolve():
+    """Every relative link and image of README.md and docs/*.md names a file of the repository, and
+    a #fragment names a heading of the page it points to."""
+    bad = []
+    for page in _tracked("README.md", "docs/*.md"):
+        text = page.read_text(encoding="utf-8")
+        for m in LINK.finditer(text):
+            target = m.group(1) or m.group(2)
+            if re.match(r"[a-z]+:", target):             # http(s):, mailto: ...
+                continue
+            path, _, fragment = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.relative_to(ROOT)}: {target}")
+            elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest.read_text(encoding="utf-8")):
+                bad.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)

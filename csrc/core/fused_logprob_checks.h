@@ -53,6 +53,20 @@ inline void fused_logprob_bad_target(const char* op, int64_t value, int64_t pos,
               ") and not ignore_index (", ignore_index, ")");
 }
 
+// keep_delta [N] (float32, or float64 for float64 inputs): each token's kept set as delta >= 0 from its
+// target logit (core/math.h kept_cut; +inf keeps the whole vocabulary). Its values are not scanned
+// (a device read-back); a NaN or negative delta keeps the target alone, or more than its set.
+inline void fused_logprob_check_keep_delta(const char* op, const at::Tensor& hidden,
+                                           const std::optional<at::Tensor>& keep_delta) {
+  if (!keep_delta.has_value()) return;
+  const at::Tensor& d = *keep_delta;
+  FT_CHECK_ARG(d.dim() == 1 && d.size(0) == hidden.size(0), op, "keep_delta", "must be [N] with N = ",
+               hidden.size(0), ", got shape ", d.sizes());
+  FT_CHECK_ARG(d.scalar_type() == at::kFloat || d.scalar_type() == at::kDouble, op, "keep_delta",
+               "must be float32 or float64, got ", d.scalar_type());
+  FT_CHECK_SAME_DEVICE(op, hidden, d);
+}
+
 // The backward's own inputs: grad_logp [N] and the forward's stats [2, N] in the accumulation dtype.
 inline void fused_logprob_check_backward_weight_args(const char* op, const at::Tensor& hidden,
                                                      const at::Tensor& grad_logp, const at::Tensor& stats,
@@ -60,8 +74,8 @@ inline void fused_logprob_check_backward_weight_args(const char* op, const at::T
   const int64_t N = hidden.size(0);
   FT_CHECK_ARG(grad_logp.dim() == 1 && grad_logp.size(0) == N, op, "grad_logp", "must be [N] with N = ", N,
                ", got shape ", grad_logp.sizes());
-  FT_CHECK_ARG(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N, op, "stats",
-               "must be [2, N] with N = ", N, " (the forward's third output), got shape ", stats.sizes());
+  FT_CHECK_ARG(stats.dim() == 2 && (stats.size(0) == 2 || stats.size(0) == 3) && stats.size(1) == N, op, "stats",
+               "must be [2, N] or [3, N] with N = ", N, " (the forward's third output), got shape ", stats.sizes());
   FT_CHECK_DTYPE(op, stats, acc_dt);
   FT_CHECK_SAME_DEVICE(op, hidden, grad_logp);
   FT_CHECK_SAME_DEVICE(op, hidden, stats);

@@ -218,6 +218,26 @@ FT_HD T lse_entropy(const LseState<T>& st) {
 template <typename T>
 FT_HD T softmax_prob(T z, T ref, T log_s) { return ft_exp(lse_logprob(z, ref, log_s)); }
 
+// The kept set of a truncated draw (top_k / top_p / min_p): each filter keeps a prefix of the
+// sorted logits, so one number per token names the set. The sampler records
+// delta = z_target - z_cut > 0 in temperature-scaled logits (z_cut: midway between the smallest kept
+// logit and the largest dropped one); the op rebuilds the absolute cut from its own target logit,
+// cut = z_target - delta, and keeps
+// {v : z_v >= cut} (ties at the boundary kept) and the target itself (the rounding of another
+// forward never drops the sampled token). delta = +inf is the whole vocabulary (cut = -inf, also
+// for a target logit of -inf, where z_target - delta would be NaN).
+template <typename T>
+FT_HD T kept_cut(T z_target, T delta) { return delta == T(INFINITY) ? T(-INFINITY) : z_target - delta; }
+
+template <typename T>
+FT_HD bool kept(T z, T cut, bool is_target) { return is_target || z >= cut; }
+
+// Probability of an entry under the kept set's renormalised softmax (backward recompute): 0 outside.
+template <typename T>
+FT_HD T kept_prob(T z, T ref, T log_s, T cut, bool is_target) {
+  return kept(z, cut, is_target) ? softmax_prob(z, ref, log_s) : T(0);
+}
+
 // d log p(t) / d z_v = 1[v == t] - p_v, scaled by the upstream gradient g and by 1/T for the
 // logits before temperature: the coefficient of w_v (for dH) and of h (for dW) and of dbias.
 template <typename T>
@@ -261,6 +281,8 @@ FT_HD float exp_f32(float x) {
 
 // Which policy-gradient term (the op's `loss_type`).
 enum PolicyLossKind : int { kCispo = 0, kDapo = 1, kGrpo = 2 };
+// Which KL estimator the loss holds (the op's `kl_type`).
+enum PolicyKlKind : int { kKlK3 = 0, kKlK3Ratio = 1 };
 
 // REPO-R advantage factor: A' = A * factor with factor = 1 - zeta*log p (A > 0) or 1 + zeta*log p
 // (A < 0), log p detached and clamped at -20, and never below 0 so the advantage's sign never
@@ -278,7 +300,7 @@ struct PolicyToken {
   float loss;     // policy-gradient term + beta * k3 KL
   float grad;     // d loss / d logp (the REPO-R factor and the CISPO weight are detached)
   float ratio;    // r = exp(logp - old_logp)
-  float kl;       // k3 KL estimate (without beta); 0 when has_kl is false
+  float kl;       // the KL term (without beta): k3, or r * k3 for k3_ratio; 0 when has_kl is false
   float factor;   // REPO-R factor
   float clip_low, clip_high, capped;  // 0/1 indicators
 };
@@ -290,8 +312,17 @@ struct PolicyToken {
 //    gradient -A' r, or 0 where the clipped branch is the smaller (r > 1+eps_high with A' > 0,
 //    r < 1-eps_low with A' < 0). Ties follow torch.minimum/clamp, whose gradients sum to -A' r.
 //    GRPO is the same with eps_high = eps_low (the caller passes that).
-//  k3 KL (Schulman 2020): beta * (exp(ref - logp) - (ref - logp) - 1), gradient beta * (1 - exp(ref - logp)).
-template <bool kCispoLoss, bool kHasKl>
+//  KL to the reference, with d = ref - logp and k3 = e^d - d - 1 (Schulman 2020), k3 >= 0:
+//   k3        beta * k3, gradient beta * (1 - e^d). Its expectation over tokens sampled from the
+//             policy is grad KL(pi_ref || pi): the forward KL on-policy, neither KL off-policy.
+//   k3_ratio  beta * r * k3 with r = exp(logp - old_logp) differentiable (DeepSeek-V3.2 §3.1; TRL's
+//             use_bias_correction_kl). d/dlogp (r k3) = r k3 + r (1 - e^d) = r (k3 + 1 - e^d) = -r d,
+//             so the gradient is beta * r * (logp - ref): the importance-weighted, unbiased estimate of
+//             grad KL(pi || pi_ref) over tokens sampled from pi_old (the reverse KL, on- and off-policy).
+//             Written as -r d, not r (k3 + 1 - e^d): no cancellation, and it stays linear in d where
+//             the value grows as e^d. Not clamped (a clamp of the value would zero the gradient of the
+//             tokens furthest from the reference; docs/design.md).
+template <bool kCispoLoss, bool kHasKl, bool kKlRatio = false>
 FT_HD PolicyToken policy_token(float logp, float old_logp, float adv, float ref_logp, float beta,
                                float eps_low, float eps_high, float cispo_cap, float zeta) {
   PolicyToken t;
@@ -320,9 +351,15 @@ FT_HD PolicyToken policy_token(float logp, float old_logp, float adv, float ref_
   if (kHasKl) {
     const float d = ref_logp - logp;
     const float e = exp_f32(d);
-    t.kl = e - d - 1.0f;
+    const float k3 = e - d - 1.0f;
+    if (kKlRatio) {
+      t.kl = r * k3;
+      t.grad += -beta * r * d;
+    } else {
+      t.kl = k3;
+      t.grad += beta * (1.0f - e);
+    }
     t.loss += beta * t.kl;
-    t.grad += beta * (1.0f - e);
   } else {
     t.kl = 0.0f;
   }

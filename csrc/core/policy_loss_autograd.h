@@ -21,7 +21,7 @@ namespace fasttrain {
 using PolicyLossOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using PolicyLossSig = PolicyLossOut(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
-                                    double, double, double, double, double, double);
+                                    double, double, double, double, double, double, int64_t);
 
 // Every argument but logp: not a Variable input of the Function (no gradient, no graph edge).
 struct PolicyLossData {
@@ -32,6 +32,7 @@ struct PolicyLossData {
   const std::optional<at::Tensor>& token_normalizer;
   int64_t loss_type;
   double beta, eps_low, eps_high, cispo_cap, zeta, token_normalizer_value;
+  int64_t kl_type;
 };
 
 class PolicyLossFunction : public torch::autograd::Function<PolicyLossFunction> {
@@ -44,7 +45,7 @@ class PolicyLossFunction : public torch::autograd::Function<PolicyLossFunction> 
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [loss, stats, coef, rowscale] =
         op.call(logp, d.old_logp, d.advantages, d.mask, d.ref_logp, d.token_normalizer, d.loss_type, d.beta,
-                d.eps_low, d.eps_high, d.cispo_cap, d.zeta, d.token_normalizer_value);
+                d.eps_low, d.eps_high, d.cispo_cap, d.zeta, d.token_normalizer_value, d.kl_type);
     ctx->mark_non_differentiable({stats, coef, rowscale});
     ctx->save_for_backward({coef, rowscale});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logp.scalar_type());
@@ -73,9 +74,9 @@ inline PolicyLossOut policy_loss_autograd(const at::Tensor& logp, const at::Tens
                                           const std::optional<at::Tensor>& ref_logp,
                                           const std::optional<at::Tensor>& token_normalizer, int64_t loss_type,
                                           double beta, double eps_low, double eps_high, double cispo_cap,
-                                          double zeta, double token_normalizer_value) {
+                                          double zeta, double token_normalizer_value, int64_t kl_type) {
   const PolicyLossData d{old_logp, advantages, mask, ref_logp, token_normalizer, loss_type, beta,
-                         eps_low, eps_high, cispo_cap, zeta, token_normalizer_value};
+                         eps_low, eps_high, cispo_cap, zeta, token_normalizer_value, kl_type};
   auto out = PolicyLossFunction::apply(logp, d);
   return {std::move(out[0]), std::move(out[1]), std::move(out[2]), std::move(out[3])};
 }

@@ -13,7 +13,7 @@ FT_VARIANT_BEGIN
 
 inline void check_inputs(const char* op, const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
                   const at::Tensor& mask, const std::optional<at::Tensor>& ref_logp,
-                  const std::optional<at::Tensor>& token_normalizer, int64_t loss_type) {
+                  const std::optional<at::Tensor>& token_normalizer, int64_t loss_type, int64_t kl_type) {
   FT_CHECK_DIM(op, logp, 2);
   FT_CHECK_FLOATING(op, logp);
   FT_CHECK_ARG(old_logp.sizes() == logp.sizes(), op, "old_logp", "must have logp's shape ", logp.sizes(),
@@ -44,6 +44,7 @@ inline void check_inputs(const char* op, const at::Tensor& logp, const at::Tenso
   }
   FT_CHECK_ARG(loss_type >= 0 && loss_type <= 2, op, "loss_type", "must be 0 (cispo), 1 (dapo) or 2 (grpo), got ",
                loss_type);
+  FT_CHECK_ARG(kl_type == 0 || kl_type == 1, op, "kl_type", "must be 0 (k3) or 1 (k3_ratio), got ", kl_type);
 }
 
 // The CUDA backward's arguments (the CPU backward checks its own).

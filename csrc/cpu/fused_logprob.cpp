@@ -226,9 +226,12 @@ void split_bf16_rows(const float* z, int64_t ldz, int64_t nb, int64_t cs, int64_
 // Fused statistics pass over one row of chunk logits (in place): z = (zr + b) * inv_temp, chunk
 // max, rebase, p~ = exp(z - ref) written back, sums s and u added. Returns alpha (the factor for
 // the p.W accumulator of this row) and sets z_target when the target falls in this chunk.
+// cut: the kept set's absolute cut (fm::kept_cut; -inf keeps all): an entry below it weighs 0 and
+// adds nothing to s and u, except the target (fm::kept). The chunk max and so the reference still
+// see every entry; the kept set holds the row's maximum (z_max >= z_target >= cut), so r is its max.
 template <typename acc_t>
 acc_t fused_row_pass(acc_t* z, int64_t C, const acc_t* bias, acc_t inv_temp, int64_t t_local,
-                     fm::LseState<acc_t>& st, acc_t& z_target) {
+                     fm::LseState<acc_t>& st, acc_t& z_target, acc_t cut) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
   const Vec vscale(inv_temp);
@@ -261,13 +264,13 @@ acc_t fused_row_pass(acc_t* z, int64_t C, const acc_t* bias, acc_t inv_temp, int
   const acc_t ref = st.ref;
   // 3. p~ = exp(z - ref), s += sum p~, u += sum p~ (z - ref)
   // (z - ref floored as fm::lse_delta does: a -inf logit adds 0 to s and u, never NaN)
-  const Vec vref(ref), vfloor(acc_t(fm::kLseDeltaFloor)), vneginf(acc_t(-INFINITY));
+  const Vec vref(ref), vfloor(acc_t(fm::kLseDeltaFloor)), vneginf(acc_t(-INFINITY)), vcut(cut);
   Vec vs(0), vu(0);
   j = 0;
   for (; j + W <= C; j += W) {
     const Vec zj = Vec::loadu(z + j);
     const Vec d0 = zj - vref;
-    const Vec d = Vec::blendv(d0, vfloor, (d0 < vfloor) | (zj == vneginf));
+    const Vec d = Vec::blendv(d0, vfloor, (d0 < vfloor) | (zj == vneginf) | (zj < vcut));
     const Vec p = d.exp();
     p.store(z + j);
     vs = vs + p;
@@ -281,9 +284,16 @@ acc_t fused_row_pass(acc_t* z, int64_t C, const acc_t* bias, acc_t inv_temp, int
     for (int64_t k = 0; k < W; ++k) { s_c += bs[k]; u_c += bu[k]; }
   }
   for (; j < C; ++j) {
-    const acc_t d = fm::lse_delta(z[j], ref);
+    const acc_t d = z[j] < cut ? acc_t(fm::kLseDeltaFloor) : fm::lse_delta(z[j], ref);
     const acc_t p = fm::ft_exp(d);
     z[j] = p;
+    s_c += p;
+    u_c += p * d;
+  }
+  if (t_local >= 0 && !(z_target >= cut)) {  // the target below its own cut (rounding): kept anyway
+    const acc_t d = fm::lse_delta(z_target, ref);
+    const acc_t p = fm::ft_exp(d);
+    z[t_local] = p;
     s_c += p;
     u_c += p * d;
   }
@@ -305,10 +315,29 @@ static void check_targets_cpu(const char* op, const at::Tensor& targets, int64_t
 template <typename acc_t>
 static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const int64_t* tg, const acc_t* bias,
                          acc_t inv_temp, int64_t ignore_index, bool compute_grad, int64_t chunk_bytes,
-                         acc_t* logp, acc_t* ent, acc_t* stats, at::Tensor& grad_vec,
+                         acc_t* logp, acc_t* ent, acc_t* stats, at::Tensor& grad_vec, const acc_t* delta,
                          const at::Tensor& hid16 = at::Tensor(), const at::Tensor& wpacked = at::Tensor(),
                          const at::Tensor& wpacked_k = at::Tensor()) {
   const int64_t N = hid.size(0), H = hid.size(1), V = weight.size(0);
+  // The kept sets' absolute cuts (fm::kept_cut) from each token's own target logit, one dot product
+  // a token before the chunk loop: what makes the replay one pass over the vocabulary.
+  std::vector<acc_t> cut(N, acc_t(-INFINITY));
+  if (delta != nullptr) {
+    fasttrain::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "fused_logprob_cut", [&] {
+        for (int64_t n = n0; n < n1; ++n) {
+          const int64_t t = tg[n];
+          if (t == ignore_index) continue;
+          const acc_t* hr = hid.const_data_ptr<acc_t>() + n * H;
+          const scalar_t* wr = weight.const_data_ptr<scalar_t>() + t * H;
+          acc_t zt_dot = 0;
+          for (int64_t h = 0; h < H; ++h) zt_dot += hr[h] * static_cast<acc_t>(wr[h]);
+          if (bias) zt_dot += bias[t];
+          cut[n] = fm::kept_cut(zt_dot * inv_temp, delta[n]);
+        }
+      });
+    });
+  }
   const at::ScalarType acc_dt = hid.scalar_type();
   const int64_t nthreads = at::get_num_threads();
   const int64_t B = std::max<int64_t>(1, env_int("FASTTRAIN_LOGPROB_BLOCK", kTokenBlock));
@@ -384,7 +413,7 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
           const int64_t n = n0 + i, t = tg[n];
           if (t == ignore_index) continue;
           const int64_t t_local = (t >= v0 && t < v0 + cs) ? t - v0 : -1;
-          const acc_t a = fused_row_pass<acc_t>(zp + i * cs, cs, bc, inv_temp, t_local, st[n], zt[n]);
+          const acc_t a = fused_row_pass<acc_t>(zp + i * cs, cs, bc, inv_temp, t_local, st[n], zt[n], cut[n]);
           alpha_all[n] = a;
           any_rescale |= (a != acc_t(1));
         }
@@ -432,12 +461,14 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
       acc_t* g = compute_grad ? grad_vec.data_ptr<acc_t>() + n * H : nullptr;
       if (t == ignore_index) {
         logp[n] = ent[n] = stats[n] = stats[N + n] = acc_t(0);
+        if (delta) stats[2 * N + n] = acc_t(0);
         if (g) std::fill(g, g + H, acc_t(0));
         continue;
       }
       const acc_t log_s = std::log(st[n].s);
       stats[n] = st[n].ref;
       stats[N + n] = log_s;
+      if (delta) stats[2 * N + n] = cut[n];
       logp[n] = fm::lse_logprob(zt[n], st[n].ref, log_s);
       ent[n] = fm::lse_entropy(st[n]);
       if (g) {
@@ -454,25 +485,29 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
     const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
-    int64_t chunk_bytes) {
+    int64_t chunk_bytes, const std::optional<at::Tensor>& keep_delta) {
   constexpr const char* op = "fasttrain::fused_logprob_forward";
   FT_CHECK_DEVICE_TYPE(op, hidden, at::kCPU);
   fused_logprob_check_args(op, hidden, weight, targets, bias, temperature);
+  fused_logprob_check_keep_delta(op, hidden, keep_delta);
   const at::Tensor w = weight.contiguous();
   const at::Tensor tg = targets.contiguous();
   const int64_t N = hidden.size(0), H = hidden.size(1), V = w.size(0);
   check_targets_cpu(op, tg, V, ignore_index);
   const at::ScalarType acc_dt = acc_type_of(hidden.scalar_type());
   const at::TensorOptions ao = hidden.options().dtype(acc_dt);
-  at::Tensor logp = at::empty({N}, ao), ent = at::empty({N}, ao), stats = at::empty({2, N}, ao);
+  at::Tensor logp = at::empty({N}, ao), ent = at::empty({N}, ao);
+  at::Tensor stats = at::empty({keep_delta.has_value() ? 3 : 2, N}, ao);
   at::Tensor grad_vec = compute_grad ? at::zeros({N, H}, ao) : at::empty({0, H}, ao);
   if (N == 0) return {logp, ent, stats, grad_vec};
   const at::Tensor hid = hidden.to(acc_dt).contiguous();  // a no-op for fp32 / fp64 contiguous input
   const at::Tensor b = bias.has_value() ? bias->to(acc_dt).contiguous() : at::Tensor();
+  const at::Tensor kd = keep_delta.has_value() ? keep_delta->to(acc_dt).contiguous() : at::Tensor();
   if (acc_dt == at::kDouble) {
     forward_impl<double>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<double>() : nullptr,
                          1.0 / temperature, ignore_index, compute_grad, chunk_bytes, logp.data_ptr<double>(),
-                         ent.data_ptr<double>(), stats.data_ptr<double>(), grad_vec);
+                         ent.data_ptr<double>(), stats.data_ptr<double>(), grad_vec,
+                         kd.defined() ? kd.const_data_ptr<double>() : nullptr);
   } else {
     // bf16 logits by brgemm where the CPU's oneDNN ukernel packs bf16 (W packed once per call)
     // (from the open pack scope's cache: w is the caller's W where it is contiguous, else a copy
@@ -483,7 +518,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward
     forward_impl<float>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
                         static_cast<float>(1.0 / temperature), ignore_index, compute_grad, chunk_bytes,
                         logp.data_ptr<float>(), ent.data_ptr<float>(), stats.data_ptr<float>(), grad_vec,
-                        wpacked.defined() ? hidden.contiguous() : at::Tensor(), wpacked, wpacked_k);
+                        kd.defined() ? kd.const_data_ptr<float>() : nullptr, wpacked.defined() ? hidden.contiguous() : at::Tensor(), wpacked, wpacked_k);
   }
   return {logp, ent, stats, grad_vec};
 }
@@ -492,7 +527,7 @@ template <typename acc_t>
 static void backward_weight_impl(const acc_t* g, const at::Tensor& hid, const at::Tensor& weight,
                                  const int64_t* tg, const acc_t* bias, const acc_t* stats, acc_t inv_temp,
                                  int64_t ignore_index, int64_t chunk_bytes, at::Tensor& grad_weight,
-                                 acc_t* grad_bias) {
+                                 acc_t* grad_bias, bool kept_rows) {
   const int64_t N = hid.size(0), H = hid.size(1), V = weight.size(0);
   const at::ScalarType acc_dt = hid.scalar_type();
   const int64_t nthreads = at::get_num_threads();
@@ -528,9 +563,11 @@ static void backward_weight_impl(const acc_t* g, const at::Tensor& hid, const at
             continue;
           }
           const acc_t gn = g[n], ref = stats[n], log_s = stats[N + n];
+          const acc_t cut = kept_rows ? stats[2 * N + n] : acc_t(-INFINITY);
           for (int64_t j = 0; j < cs; ++j) {
             const acc_t zz = (zr[j] + (bias ? bias[v0 + j] : acc_t(0))) * inv_temp;
-            const acc_t d = fm::logprob_dlogit(gn, v0 + j == t, fm::softmax_prob(zz, ref, log_s), inv_temp);
+            const acc_t d = fm::logprob_dlogit(gn, v0 + j == t, fm::kept_prob(zz, ref, log_s, cut, v0 + j == t),
+                                               inv_temp);
             zr[j] = d;
             if (bias) db[j] += d;
           }
@@ -563,12 +600,12 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cpu(
     backward_weight_impl<double>(g.const_data_ptr<double>(), hid, w, tg.const_data_ptr<int64_t>(),
                                  b.defined() ? b.const_data_ptr<double>() : nullptr, l.const_data_ptr<double>(),
                                  1.0 / temperature, ignore_index, chunk_bytes, grad_weight,
-                                 grad_bias.data_ptr<double>());
+                                 grad_bias.data_ptr<double>(), l.size(0) == 3);
   } else {
     backward_weight_impl<float>(g.const_data_ptr<float>(), hid, w, tg.const_data_ptr<int64_t>(),
                                 b.defined() ? b.const_data_ptr<float>() : nullptr, l.const_data_ptr<float>(),
                                 static_cast<float>(1.0 / temperature), ignore_index, chunk_bytes, grad_weight,
-                                grad_bias.data_ptr<float>());
+                                grad_bias.data_ptr<float>(), l.size(0) == 3);
   }
   return {grad_weight, grad_bias};
 }

@@ -1,4 +1,4 @@
-// Fused policy loss (CISPO | DAPO | GRPO, k3 KL, REPO-R, token mask), CPU.
+// Fused policy loss (CISPO | DAPO | GRPO, KL k3 or k3_ratio, REPO-R, token mask), CPU.
 // What it is: one pass over the tokens computes each token's loss, its gradient coefficient
 // (saved for backward) and the statistics; a short serial pass reduces per-chunk sums into the
 // loss, the stats vector and per-row scales. Backward is one elementwise pass:
@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "core/variant.h"
@@ -47,7 +48,7 @@ struct PolicyArgs {
 // One chunk: a vectorizable token loop over blocks of kBlock tokens writes each token's weighted
 // terms to a small stack buffer, then kSumLanes-wide partial sums (plain adds, vectorized; no
 // reassociation needed) accumulate them. coef is written in the same loop.
-template <typename scalar_t, bool kCispo, bool kKl, bool kAdvPerToken>
+template <typename scalar_t, bool kCispo, bool kKl, bool kKlRatio, bool kAdvPerToken>
 void policy_chunk(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ old,
                   const float* __restrict__ adv, const void* mask_, bool mask_bool,
                   const scalar_t* __restrict__ ref, float* __restrict__ coef, int64_t n,
@@ -72,7 +73,7 @@ void policy_chunk(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ 
       const float w = mk[j];
       const float A = kAdvPerToken ? adv[i] : adv_row;
       const float r = kKl ? static_cast<float>(ref[i]) : 0.0f;
-      const fm::PolicyToken t = fm::policy_token<kCispo, kKl>(
+      const fm::PolicyToken t = fm::policy_token<kCispo, kKl, kKlRatio>(
           static_cast<float>(lp[i]), static_cast<float>(old[i]), A, r, a.beta, a.eps_low, a.eps_high, a.cap, a.zeta);
       const bool on = w != 0.0f;  // masked tokens contribute exactly 0 even if their inputs are inf/NaN
       const float nz = static_cast<float>(A != 0.0f);
@@ -110,10 +111,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     const at::Tensor& logp_, const at::Tensor& old_logp_, const at::Tensor& advantages_, const at::Tensor& mask_,
     const std::optional<at::Tensor>& ref_logp_, const std::optional<at::Tensor>& token_normalizer,
     int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
-    double token_normalizer_value) {
+    double token_normalizer_value, int64_t kl_type) {
   constexpr const char* op = "fasttrain::policy_loss";
   FT_CHECK_DEVICE_TYPE(op, logp_, at::kCPU);
-  check_inputs(op, logp_, old_logp_, advantages_, mask_, ref_logp_, token_normalizer, loss_type);
+  check_inputs(op, logp_, old_logp_, advantages_, mask_, ref_logp_, token_normalizer, loss_type, kl_type);
   const bool has_kl = ref_logp_.has_value() && beta != 0.0;
   const at::Tensor logp = logp_.contiguous(), old_logp = old_logp_.contiguous();
   const at::Tensor adv = advantages_.contiguous(), mask = mask_.contiguous();
@@ -134,6 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
                         static_cast<float>(loss_type == fm::kGrpo ? eps_low : eps_high),
                         static_cast<float>(cispo_cap), static_cast<float>(zeta)};
   const bool cispo = loss_type == fm::kCispo;
+  const bool kl_ratio = kl_type == fm::kKlK3Ratio;
 
   FT_DISPATCH_FLOATING(logp.scalar_type(), "policy_loss_cpu", [&] {
     const scalar_t* lp = logp.const_data_ptr<scalar_t>();
@@ -156,14 +158,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
         }
       });
     };
-    // 8 variants: loss family x KL x advantage per token / per sequence.
-    if (cispo) {
-      if (has_kl) adv_per_token ? run(policy_chunk<scalar_t, true, true, true>) : run(policy_chunk<scalar_t, true, true, false>);
-      else adv_per_token ? run(policy_chunk<scalar_t, true, false, true>) : run(policy_chunk<scalar_t, true, false, false>);
-    } else {
-      if (has_kl) adv_per_token ? run(policy_chunk<scalar_t, false, true, true>) : run(policy_chunk<scalar_t, false, true, false>);
-      else adv_per_token ? run(policy_chunk<scalar_t, false, false, true>) : run(policy_chunk<scalar_t, false, false, false>);
-    }
+    // 12 variants: loss family x KL (none, k3, k3_ratio) x advantage per token / per sequence.
+    auto by_adv = [&](auto cispo_c, auto kl_c, auto ratio_c) {
+      constexpr bool C = decltype(cispo_c)::value, K = decltype(kl_c)::value, R = decltype(ratio_c)::value;
+      adv_per_token ? run(policy_chunk<scalar_t, C, K, R, true>) : run(policy_chunk<scalar_t, C, K, R, false>);
+    };
+    auto by_kl = [&](auto cispo_c) {
+      if (!has_kl) by_adv(cispo_c, std::false_type{}, std::false_type{});
+      else if (kl_ratio) by_adv(cispo_c, std::true_type{}, std::true_type{});
+      else by_adv(cispo_c, std::true_type{}, std::false_type{});
+    };
+    cispo ? by_kl(std::true_type{}) : by_kl(std::false_type{});
   });
 
   // Reduce: batch sums in chunk order; GRPO also per-row sums.

@@ -44,21 +44,25 @@ namespace flk = fasttrain::cuda::fused_logprob;
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward_cuda(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
     const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool compute_grad,
-    int64_t chunk_bytes) {
+    int64_t chunk_bytes, const std::optional<at::Tensor>& keep_delta) {
   constexpr const char* op = "fasttrain::fused_logprob_forward";
   FT_CHECK_DEVICE_TYPE(op, hidden, at::kCUDA);
   fused_logprob_check_args(op, hidden, weight, targets, bias, temperature);
+  fused_logprob_check_keep_delta(op, hidden, keep_delta);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const at::Tensor h = hidden.contiguous(), w = weight.contiguous(), tg = targets.contiguous();
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t N = h.size(0), H = h.size(1), V = w.size(0);
+  const at::Tensor kd = keep_delta.has_value()
+                            ? keep_delta->to(flk::acc_type_of(h.scalar_type())).contiguous() : at::Tensor();
   const at::TensorOptions ao = h.options().dtype(flk::acc_type_of(h.scalar_type()));
-  at::Tensor logp = at::empty({N}, ao), ent = at::empty({N}, ao), stats = at::empty({2, N}, ao);
+  at::Tensor logp = at::empty({N}, ao), ent = at::empty({N}, ao), stats = at::empty({keep_delta.has_value() ? 3 : 2, N}, ao);
   at::Tensor grad_vec = compute_grad ? at::zeros({N, H}, ao) : at::empty({0, H}, ao);
   fasttrain::cuda::TorchDevice dev(h);
   flk::forward(dev, op, h.scalar_type(), h.const_data_ptr(), w.const_data_ptr(), tg.const_data_ptr<int64_t>(),
                b.defined() ? b.const_data_ptr() : nullptr, N, H, V, temperature, ignore_index, compute_grad,
-               chunk_bytes, logp.data_ptr(), ent.data_ptr(), stats.data_ptr(), grad_vec.data_ptr());
+               chunk_bytes, logp.data_ptr(), ent.data_ptr(), stats.data_ptr(), grad_vec.data_ptr(),
+               kd.defined() ? kd.const_data_ptr() : nullptr);
   return {logp, ent, stats, grad_vec};
 }
 
@@ -81,7 +85,8 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_backward_weight_cuda(
   fasttrain::cuda::TorchDevice dev(h);
   flk::backward_weight(dev, op, h.scalar_type(), g.const_data_ptr(), h.const_data_ptr(), w.const_data_ptr(),
                        tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr() : nullptr, l.const_data_ptr(), N,
-                       H, V, temperature, ignore_index, chunk_bytes, grad_weight.data_ptr(), grad_bias.data_ptr());
+                       H, V, temperature, ignore_index, chunk_bytes, grad_weight.data_ptr(), grad_bias.data_ptr(),
+                       l.size(0) == 3);
   return {grad_weight, grad_bias};
 }
 

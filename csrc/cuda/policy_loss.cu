@@ -1,4 +1,4 @@
-// Fused policy loss (CISPO | DAPO | GRPO, k3 KL, REPO-R, token mask), CUDA. Same per-token math as
+// Fused policy loss (CISPO | DAPO | GRPO, KL k3 or k3_ratio, REPO-R, token mask), CUDA. Same per-token math as
 // the CPU kernel (core/math.h policy_token). Three launches, no host sync (CUDA-graph safe):
 //  1. chunk kernel: one CTA per (row, kChunk tokens); each thread does a few tokens, writes the
 //     gradient coefficient and block-reduces the 9 sums into partial[chunk] (fixed order, so
@@ -30,10 +30,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
     const at::Tensor& logp_, const at::Tensor& old_logp_, const at::Tensor& advantages_, const at::Tensor& mask_,
     const std::optional<at::Tensor>& ref_logp_, const std::optional<at::Tensor>& token_normalizer,
     int64_t loss_type, double beta, double eps_low, double eps_high, double cispo_cap, double zeta,
-    double token_normalizer_value) {
+    double token_normalizer_value, int64_t kl_type) {
   constexpr const char* op = "fasttrain::policy_loss";
   FT_CHECK_DEVICE_TYPE(op, logp_, at::kCUDA);
-  check_inputs(op, logp_, old_logp_, advantages_, mask_, ref_logp_, token_normalizer, loss_type);
+  check_inputs(op, logp_, old_logp_, advantages_, mask_, ref_logp_, token_normalizer, loss_type, kl_type);
   const c10::cuda::CUDAGuard guard(logp_.device());
   const bool has_kl = ref_logp_.has_value() && beta != 0.0;
   const at::Tensor logp = logp_.contiguous(), old_logp = old_logp_.contiguous();
@@ -53,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
               adv_per_token, mask_is_bool ? nullptr : mask.const_data_ptr<float>(),
               mask_is_bool ? static_cast<const uint8_t*>(mask.const_data_ptr()) : nullptr,
               has_kl ? ref.const_data_ptr() : nullptr, norm.defined() ? norm.const_data_ptr<float>() : nullptr,
-              token_normalizer_value, B, T, loss_type, beta, eps_low, eps_high, cispo_cap, zeta,
+              token_normalizer_value, B, T, loss_type, beta, eps_low, eps_high, cispo_cap, zeta, kl_type,
               coef.data_ptr<float>(), rowscale.data_ptr<float>(), loss.data_ptr<float>(), stats.data_ptr<float>());
   return {loss, stats, coef, rowscale};
 }

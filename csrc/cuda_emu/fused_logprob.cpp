@@ -17,20 +17,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(const at::Ten
                                                                    const at::Tensor& targets,
                                                                    const std::optional<at::Tensor>& bias,
                                                                    double temperature, int64_t ignore_index,
-                                                                   bool compute_grad, int64_t chunk_bytes) {
+                                                                   bool compute_grad, int64_t chunk_bytes,
+                                                                   const std::optional<at::Tensor>& keep_delta) {
   constexpr const char* op = "fasttrain_emu::fused_logprob_forward";
   fused_logprob_check_args(op, hidden, weight, targets, bias, temperature);
+  fused_logprob_check_keep_delta(op, hidden, keep_delta);
   begin_op();
   const at::Tensor h = hidden.contiguous(), w = weight.contiguous(), tg = targets.contiguous();
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t N = h.size(0), H = h.size(1), V = w.size(0);
+  const at::Tensor kd = keep_delta.has_value()
+                            ? keep_delta->to(flk::acc_type_of(h.scalar_type())).contiguous() : at::Tensor();
   const at::TensorOptions ao = h.options().dtype(flk::acc_type_of(h.scalar_type()));
-  at::Tensor logp = poisoned({N}, ao), ent = poisoned({N}, ao), stats = poisoned({2, N}, ao);
+  at::Tensor logp = poisoned({N}, ao), ent = poisoned({N}, ao), stats = poisoned({keep_delta.has_value() ? 3 : 2, N}, ao);
   at::Tensor grad_vec = compute_grad ? at::zeros({N, H}, ao) : at::empty({0, H}, ao);
   EmuDevice dev;
   flk::forward(dev, op, h.scalar_type(), h.const_data_ptr(), w.const_data_ptr(), tg.const_data_ptr<int64_t>(),
                b.defined() ? b.const_data_ptr() : nullptr, N, H, V, temperature, ignore_index, compute_grad,
-               chunk_bytes, logp.data_ptr(), ent.data_ptr(), stats.data_ptr(), grad_vec.data_ptr());
+               chunk_bytes, logp.data_ptr(), ent.data_ptr(), stats.data_ptr(), grad_vec.data_ptr(),
+               kd.defined() ? kd.const_data_ptr() : nullptr);
   return {logp, ent, stats, grad_vec};
 }
 
@@ -52,7 +57,8 @@ std::tuple<at::Tensor, at::Tensor> backward_weight(const at::Tensor& grad_logp, 
   EmuDevice dev;
   flk::backward_weight(dev, op, h.scalar_type(), g.const_data_ptr(), h.const_data_ptr(), w.const_data_ptr(),
                        tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr() : nullptr, l.const_data_ptr(), N,
-                       H, V, temperature, ignore_index, chunk_bytes, grad_weight.data_ptr(), grad_bias.data_ptr());
+                       H, V, temperature, ignore_index, chunk_bytes, grad_weight.data_ptr(), grad_bias.data_ptr(),
+                       l.size(0) == 3);
   return {grad_weight, grad_bias};
 }
 }  // namespace fused_logprob_emu

@@ -16,9 +16,10 @@ namespace pk = fasttrain::cuda::policy_loss;
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& logp_, const at::Tensor& old_logp_, const at::Tensor& advantages_, const at::Tensor& mask_,
     const std::optional<at::Tensor>& ref_logp_, const std::optional<at::Tensor>& token_normalizer, int64_t loss_type,
-    double beta, double eps_low, double eps_high, double cispo_cap, double zeta, double token_normalizer_value) {
+    double beta, double eps_low, double eps_high, double cispo_cap, double zeta, double token_normalizer_value,
+    int64_t kl_type) {
   check_inputs("fasttrain_emu::policy_loss", logp_, old_logp_, advantages_, mask_, ref_logp_, token_normalizer,
-               loss_type);
+               loss_type, kl_type);
   begin_op();
   const at::Tensor logp = logp_.contiguous(), old_logp = old_logp_.contiguous();
   const at::Tensor adv = advantages_.contiguous(), mask = mask_.contiguous();
@@ -34,7 +35,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
               adv.dim() == 2, mask_is_bool ? nullptr : mask.const_data_ptr<float>(),
               mask_is_bool ? static_cast<const uint8_t*>(mask.const_data_ptr()) : nullptr,
               ref.defined() ? ref.const_data_ptr() : nullptr, norm.defined() ? norm.const_data_ptr<float>() : nullptr,
-              token_normalizer_value, B, T, loss_type, beta, eps_low, eps_high, cispo_cap, zeta,
+              token_normalizer_value, B, T, loss_type, beta, eps_low, eps_high, cispo_cap, zeta, kl_type,
               coef.data_ptr<float>(), rowscale.data_ptr<float>(), loss.data_ptr<float>(), stats.data_ptr<float>());
   return {loss, stats, coef, rowscale};
 }

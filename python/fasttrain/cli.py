@@ -157,11 +157,12 @@ def _run_config(recipe: str, set_: list[str], resume: Optional[Path], out: Optio
     import tomllib
 
     from fasttrain.train import load_config
+    from fasttrain.train.config import saved_run_data
 
     if resume is not None:
         if not (resume / "config.toml").exists():
             raise FileNotFoundError(f"--resume {resume}: no config.toml there (not a fasttrain run folder)")
-        return load_config(tomllib.loads((resume / "config.toml").read_text()), set_)
+        return load_config(saved_run_data(tomllib.loads((resume / "config.toml").read_text())), set_)
     return load_config(recipe, list(set_) + ([f"run.out={json.dumps(out)}"] if out else []))
 
 
@@ -215,13 +216,22 @@ def _launch(nproc: int, recipe: str, set_: list[str], resume: Optional[Path], ou
 
 @app.command()
 def init(name: str = typer.Argument(..., help="folder to create for the task, e.g. my_task"),
-         tools: bool = typer.Option(False, "--tools", help="a starter whose answers may call a tool (tools.py)")) -> None:
-    """Write a starter task (300 arithmetic questions, reward functions, a recipe; --tools: and a tool) to train at once."""
-    from fasttrain.starter import write_starter
+         tools: bool = typer.Option(False, "--tools", help="a starter whose answers may call a tool (tools.py)"),
+         reasoning_gym: Optional[str] = typer.Option(None, "--reasoning-gym", metavar="TASK[,TASK...]",
+                                                     help="a recipe on reasoning-gym's generators, e.g. gcd,basic_arithmetic "
+                                                          "(needs the reasoning-gym extra)")) -> None:
+    """Write a starter task (300 arithmetic questions, reward functions, a recipe; --tools: and a tool;
+    --reasoning-gym: a recipe on reasoning-gym's generators) to train at once."""
+    from fasttrain.starter import write_reasoning_gym_recipe, write_starter
 
     try:
-        files = write_starter(name, tools=tools)
-    except (FileExistsError, ValueError) as e:
+        if reasoning_gym is not None:
+            if tools:
+                raise ValueError("--tools and --reasoning-gym write different starters: choose one")
+            files = write_reasoning_gym_recipe(name, reasoning_gym)
+        else:
+            files = write_starter(name, tools=tools)
+    except (FileExistsError, ValueError, ImportError) as e:
         _fail(str(e))
     for f in files:
         console.print(f"wrote {f}")

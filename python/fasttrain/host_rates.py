@@ -14,6 +14,8 @@ fasttrain's cache folder (host_rates.json), so a plan costs a few seconds only t
   elementwise elements/s of an out-of-place product of two 1024 x 1024 tensors, bf16 and fp32
   sampling    elements/s of one sampling step over fp32 logits [16, 32768] (the rollout's per-token
               work over V: fasttrain.rollout.sampling.draw_tokens at temperature 1)
+              and with top_p 0.9 (sampling_sorted: random-normal logits are flat, so every row is
+              sorted whole for its kept set: top_p's worst case)
   experts     fasttrain.ops.moe_experts itself (the routed experts of a mixture-of-experts layer) at a
               reference layer (hidden 1024, expert width 512, 8 experts, top-2, LoRA r 8 on both
               stacks, bf16 tokens), NF4 experts and 16-bit ones: FLOP/s (expert_pair_flops) of a
@@ -91,6 +93,7 @@ class HostRates:
     measured_at: str                # ISO time (UTC) of the measurement
     clock: str = "wall"             # "wall" or "process_time" (CLOCKS)
     device_kind: str = "cpu"        # "cpu" | "cuda"
+    sampling_sorted: float = 0.0    # elements/s of a top_p draw (its sort); 0: not measured (entries made by hand)
 
     def matmul(self, dtype: str) -> float:
         return self.matmul_bf16 if dtype == "bfloat16" else self.matmul_fp32
@@ -326,6 +329,16 @@ def _sampling_rate(dev: torch.device, clock: Clock, reps: int) -> float:
     return logits.numel() / _median_time(lambda: draw_tokens(logits, 1.0, gens, 16), reps, clock, _sync_for(dev))
 
 
+def _sorted_sampling_rate(dev: torch.device, clock: Clock, reps: int) -> float:
+    """The same draw with top_p 0.9 (Truncation): each row sorted for its kept set."""
+    from fasttrain.rollout.sampling import Truncation, draw_tokens
+    logits = torch.randn(16, 32768, device=dev)
+    gens = [torch.Generator(device=dev).manual_seed(0)]
+    trunc = Truncation(top_p=0.9)
+    return logits.numel() / _median_time(lambda: draw_tokens(logits, 1.0, gens, 16, truncation=trunc), reps, clock,
+                                         _sync_for(dev))
+
+
 def _micro_policy(layers: int, dev: torch.device):
     """A micro Llama in NF4 + LoRA as the trainer builds its policy (hidden 32, vocab 64)."""
     from fasttrain.models.tiny import tiny_llama
@@ -423,7 +436,8 @@ def measure(device="cpu", clock: Clock = time.perf_counter, reps: int = 3) -> Ho
         decode_rows16_fp32=df["rows16"], decode_rows64_fp32=df["rows64"], decode_attention_fp32=df["attention"],
         elementwise_bf16=_elementwise_rate(torch.bfloat16, dev, clock, reps),
         elementwise_fp32=_elementwise_rate(torch.float32, dev, clock, reps),
-        sampling=_sampling_rate(dev, clock, reps), **layers, **moe,
+        sampling=_sampling_rate(dev, clock, reps), sampling_sorted=_sorted_sampling_rate(dev, clock, reps),
+        **layers, **moe,
         measured_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         clock=next((k for k, v in CLOCKS.items() if v is clock), "given"), device_kind=dev.type)
 
@@ -450,9 +464,9 @@ def cache_path() -> Path:
     return cache_dir() / "host_rates.json"
 
 
-# Bumped when a rate's measurement changes (2: sampling by the inverse CDF, not Gumbel-max), so an
-# entry measured the old way is measured again rather than read.
-RATES_VERSION = 2
+# Bumped when a rate's measurement changes (2: sampling by the inverse CDF, not Gumbel-max; 3: the
+# top_p draw's rate), so an entry measured the old way is measured again rather than read.
+RATES_VERSION = 3
 
 
 def _key(dev: torch.device) -> str:

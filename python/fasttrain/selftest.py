@@ -190,9 +190,10 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # ---- fused_logprob ----------------------------------------------------------------------------
-def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=False, seed=0) -> tuple[str, Callable]:
+def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=False, seed=0,
+                  kept=False) -> tuple[str, Callable]:
     name = f"N={N} H={H} V={V} {DT_NAME[dtype]} T={T}{' bias' if bias else ''} chunk={chunk or 'default'}" + \
-           (" g~1/N" if small_grad else "")
+           (" g~1/N" if small_grad else "") + (" kept set" if kept else "")
 
     def run(check: _Check):
         from fasttrain.ops import logprob as lp_mod
@@ -205,6 +206,16 @@ def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=
         t[::7] = -100
         up = torch.randn(N, generator=g, dtype=torch.float64) / (N if small_grad else 1)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
+        delta = None
+        if kept:   # a truncated draw's record: each token's kept set cut at the widest gap among its 20 largest
+            zs = (h.double() @ w.double().T + (0 if b is None else b.double())) / T
+            s, order = zs.sort(-1, descending=True)
+            j = (s[:, :-1] - s[:, 1:])[:, :20].argmax(1)                     # the cut between s[j] and s[j + 1]
+            cut = (s.gather(1, j[:, None]) + s.gather(1, j[:, None] + 1))[:, 0] / 2
+            pick = (torch.rand(N, generator=g) * (j + 1)).long()
+            t = torch.where(t == -100, t, order.gather(1, pick[:, None])[:, 0])
+            delta = zs.gather(1, t.clamp(min=0)[:, None])[:, 0] - cut
+            delta = delta.to(acc).to(dev)
         leaves_k = [_leaf(x, dev) for x in (h, w, b)]
         leaves_r = [_leaf(x, dev, torch.float64) for x in (h, w, b)]
         td = t.to(dev)
@@ -214,7 +225,7 @@ def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=
             lp_mod.set_chunk_bytes(chunk)
             try:
                 hk, wk, bk = leaves_k
-                logp, ent = KERNELS["fused_logprob"](hk, wk, td, T, bias=bk)
+                logp, ent = KERNELS["fused_logprob"](hk, wk, td, T, bias=bk, keep_delta=delta)
                 (logp * up.to(dev, logp.dtype)).sum().backward()
                 return logp, ent
             finally:
@@ -222,7 +233,7 @@ def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=
 
         def ref():
             hr, wr, br = leaves_r
-            logp, ent = R.fused_logprob(hr, wr, td, T, bias=br)
+            logp, ent = R.fused_logprob(hr, wr, td, T, bias=br, keep_delta=delta)
             (logp * up.to(dev)).sum().backward()
             return logp, ent
 
@@ -233,7 +244,11 @@ def _logprob_case(dev, N, H, V, dtype, T=0.9, bias=True, chunk=4096, small_grad=
             hr, wr, br = (x.detach() if x is not None else None for x in leaves_r)
             keep = (td != -100)
             z = hr @ wr.T + (0 if br is None else br)
-            P = torch.softmax(z / T, -1)
+            zk = z / T
+            if delta is not None:   # the kept set's softmax (the reference's own definition)
+                zk = torch.where(zk >= zk.gather(1, torch.where(keep, td, 0)[:, None]) - delta.double()[:, None], zk,
+                                 torch.full_like(zk, -math.inf))
+            P = torch.softmax(zk, -1)
             onehot = torch.zeros_like(P).scatter_(1, torch.where(keep, td, 0)[:, None], 1.0) * keep[:, None]
             P = P * keep[:, None]
             S = (hr.abs() @ wr.abs().T + (0 if br is None else br.abs())).max() / T
@@ -264,7 +279,8 @@ def _logprob_cases(dev, quick: bool):
     if quick:
         return [_logprob_case(dev, 37, 19, 53, torch.float32, chunk=small, seed=1),
                 _logprob_case(dev, 130, 65, 1001, torch.bfloat16, T=1.0, chunk=small, seed=2),
-                _logprob_case(dev, 64, 32, 777, torch.float16, bias=False, chunk=small, small_grad=True, seed=3)]
+                _logprob_case(dev, 64, 32, 777, torch.float16, bias=False, chunk=small, small_grad=True, seed=3),
+                _logprob_case(dev, 130, 65, 1001, torch.float32, chunk=small, seed=4, kept=True)]
     out = []
     shapes = [(1, 7, 5), (37, 19, 53), (130, 65, 1001), (300, 96, 5003)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
@@ -277,14 +293,17 @@ def _logprob_cases(dev, quick: bool):
     out.append(_logprob_case(dev, 300, 96, 5003, torch.bfloat16, chunk=0, seed=40))
     out.append(_logprob_case(dev, 37, 19, 53, torch.float64, chunk=small, seed=41))   # both backends take fp64
     out.append(_logprob_case(dev, 130, 65, 1001, torch.float64, chunk=small, seed=42))
+    out.append(_logprob_case(dev, 130, 65, 1001, torch.float32, chunk=small, seed=43, kept=True))   # top_k/top_p replay
+    out.append(_logprob_case(dev, 37, 19, 53, torch.float64, chunk=small, seed=44, kept=True))
     return out
 
 
 # ---- policy_loss ------------------------------------------------------------------------------
 def _policy_case(dev, B, T, loss, dtype, per_token_adv=False, float_mask=False, beta=0.0, zeta=0.0,
-                 normalizer=False, seed=0) -> tuple[str, Callable]:
+                 normalizer=False, seed=0, kl="k3_ratio") -> tuple[str, Callable]:
     name = (f"B={B} T={T} {loss} {DT_NAME[dtype]} adv={'token' if per_token_adv else 'seq'} "
-            f"mask={'float' if float_mask else 'bool'} beta={beta} zeta={zeta}" + (" normalizer" if normalizer else ""))
+            f"mask={'float' if float_mask else 'bool'} beta={beta}" + (f" kl={kl}" if beta else "")
+            + f" zeta={zeta}" + (" normalizer" if normalizer else ""))
     eps_low, eps_high, cap = 0.2, 0.28, 1.2
 
     def run(check: _Check):
@@ -309,7 +328,7 @@ def _policy_case(dev, B, T, loss, dtype, per_token_adv=False, float_mask=False, 
             old = torch.where(mask, old, torch.full_like(old, float("nan")))  # inactive tokens may hold anything
         norm = float(mask.bool().any(1).sum() if loss == "grpo" else mask.bool().sum()) + 3.0 if normalizer else None
         kw = dict(loss=loss, beta=beta, eps_low=eps_low, eps_high=eps_high, cispo_cap=cap, zeta=zeta,
-                  token_normalizer=norm)
+                  token_normalizer=norm, kl=kl)
         lp_k, lp_r = _leaf(logp, dev), _leaf(logp, dev, torch.float64)
 
         def kern():
@@ -335,11 +354,12 @@ def _policy_case(dev, B, T, loss, dtype, per_token_adv=False, float_mask=False, 
             et = (8 + K) * ua
             terms = R.policy_loss_terms(lp_r.detach(), old.to(dev, torch.float64), adv.to(dev, torch.float64),
                                         mask.to(dev), loss=loss, ref_logp=ref.to(dev, torch.float64), beta=beta,
-                                        eps_low=eps_low, eps_high=eps_high, cispo_cap=cap, zeta=zeta)
+                                        eps_low=eps_low, eps_high=eps_high, cispo_cap=cap, zeta=zeta, kl=kl)
             # Each token's parts before they add up (they may cancel): the REPO-R factor 1 ± ζ·log p as
             # 1 + ζ|log p|, the policy term |A|·factor·(r + 2)(1 + |log p|) (any branch), the KL term
-            # β(e^d + |d| + 1), its gradient |A|·factor·r(1 + cap) + β(1 + e^d); weighted by the mask
-            # and divided by the token's normalizer (GRPO: its row's weight times the sequence count).
+            # β(e^d + |d| + 1), its gradient |A|·factor·r(1 + cap) + β(1 + e^d); k3_ratio's KL term and
+            # gradient (r·k3, −r·d) are both below β·r·(e^d + |d| + 1). Weighted by the mask and divided
+            # by the token's normalizer (GRPO: its row's weight times the sequence count).
             w = terms["weight"]
             lp64 = lp_r.detach()
             d = ref.to(dev, torch.float64) - lp64
@@ -347,8 +367,12 @@ def _policy_case(dev, B, T, loss, dtype, per_token_adv=False, float_mask=False, 
             adv64 = (adv64[:, None].expand(B, T) if adv64.dim() == 1 else adv64).abs()
             fac = 1 + zeta * lp64.clamp(min=-20).abs()
             r64 = terms["ratio"]
-            loss_mag = (adv64 * fac * (r64 + 2) * (1 + lp64.abs()) + beta * (d.exp() + d.abs() + 1)) * w
-            grad_mag = (adv64 * fac * r64 * (1 + cap) + beta * (1 + d.exp())) * w
+            kl_mag = d.exp() + d.abs() + 1
+            kl_grad_mag = 1 + d.exp()
+            if kl == "k3_ratio":
+                kl_mag = kl_grad_mag = r64 * kl_mag
+            loss_mag = (adv64 * fac * (r64 + 2) * (1 + lp64.abs()) + beta * kl_mag) * w
+            grad_mag = (adv64 * fac * r64 * (1 + cap) + beta * kl_grad_mag) * w
             if loss == "grpo":
                 row_w = w.sum(-1, keepdim=True)
                 S = norm if norm is not None else float((row_w > 0).sum())
@@ -360,7 +384,7 @@ def _policy_case(dev, B, T, loss, dtype, per_token_adv=False, float_mask=False, 
             check.close("loss", ok_, orf, sum_f * abs_scale + ua * abs(float(orf)), torch.float32)
             g64 = lp_r.grad
             check.close("d_logp", lp_k.grad, g64, (et + 4 * ua) * grad_mag / per_norm + _rounding(g64, dtype), dtype)
-            mags = {"ratio_mean": r64, "kl_mean": d.exp() + d.abs() + 1, "repo_r_factor_mean": fac}
+            mags = {"ratio_mean": r64, "kl_mean": kl_mag, "repo_r_factor_mean": fac}
             for k in sk:
                 x = mags.get(k)
                 m = 1.0 + (float(torch.where(on, x.abs(), torch.zeros_like(x)).max()) if x is not None else 0.0)
@@ -376,7 +400,8 @@ def _policy_cases(dev, quick: bool):
     if quick:
         return [_policy_case(dev, 6, 37, "cispo", torch.float32, zeta=0.03, seed=1),
                 _policy_case(dev, 6, 37, "dapo", torch.bfloat16, per_token_adv=True, float_mask=True, beta=0.04, seed=2),
-                _policy_case(dev, 6, 37, "grpo", torch.float16, beta=0.04, zeta=0.02, normalizer=True, seed=3)]
+                _policy_case(dev, 6, 37, "grpo", torch.float16, beta=0.04, zeta=0.02, normalizer=True, seed=3),
+                _policy_case(dev, 6, 37, "cispo", torch.float32, beta=0.04, seed=4, kl="k3")]
     out, i = [], 0
     for (B, T) in [(1, 1), (6, 37), (33, 1000)]:
         for loss in ("cispo", "dapo", "grpo"):
@@ -384,7 +409,7 @@ def _policy_cases(dev, quick: bool):
                 i += 1
                 out.append(_policy_case(dev, B, T, loss, dt, per_token_adv=i % 2 == 0, float_mask=i % 3 == 0,
                                         beta=0.04 * (i % 2), zeta=0.03 * (i % 3 == 1), normalizer=i % 4 == 0,
-                                        seed=100 + i))
+                                        seed=100 + i, kl="k3" if i % 4 == 1 else "k3_ratio"))
     return out
 
 

@@ -4,6 +4,7 @@ model's tokens only, and samples.jsonl holds each answer's turns."""
 import json
 
 import pytest
+import torch
 
 from agent_files import tool_specs, write_task
 from fasttrain.train import Trainer, load_config
@@ -74,3 +75,50 @@ def test_the_completions_table_shows_every_turn():
                    {"role": "tool", "name": "add", "content": "5"}, {"role": "assistant", "content": "5"}]]}
     _, rows = completions_table(samples, {"p": "2+3?"})
     assert rows[0][3] == "assistant:  -> add({'a': 2, 'b': 3})\n[tool add] 5\nassistant: 5"
+
+
+def test_dynamic_sampling_with_tool_rollouts(tmp_path, monkeypatch):
+    """rollout.dynamic_sampling with tools: a first round whose answers are all alike (a dead group)
+    is dropped, the second round's group (some answers call a tool) is trained on; the tool counts
+    are every answer's, the conversations of both groups are in samples.jsonl."""
+    import fasttrain.rollout.multi_turn as mt
+    import fasttrain.train.trainer as trainer_mod
+    real = mt.sample_turns
+    seen, updated = [], []
+
+    def scripted(model, prompt_ids, **kw):
+        tok = scripted.tok
+        G = kw["group_size"]
+        n_train = sum(r.group_size == 3 for r in seen)          # the probe samples 2 answers a prompt
+        scripts = [FINAL] * 3 if G == 3 and n_train % 2 == 0 else [CALL + FINAL, BAD + FINAL, FINAL]
+        kw["replay"] = [tok(scripts[b % 3], add_special_tokens=False)["input_ids"] for b in range(len(prompt_ids) * G)]
+        roll = real(model, prompt_ids, **kw)
+        seen.append(roll)
+        return roll
+
+    real_update = trainer_mod.update_policy
+
+    def update(model, params, optimizer, roll, *a, **k):
+        updated.append(roll)
+        return real_update(model, params, optimizer, roll, *a, **k)
+
+    monkeypatch.setattr(mt, "sample_turns", scripted)
+    monkeypatch.setattr(trainer_mod, "update_policy", update)
+    cfg = load_config(_recipe(tmp_path, dynamic_sampling=True, dynamic_max_rounds=2))
+    tr = Trainer(cfg, progress=False)
+    tr._setup()
+    scripted.tok = tr.tokenizer
+    tr.train()
+    run = next((tmp_path / "runs").iterdir())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    train_rolls = [r for r in seen if r.completion_ids.shape[0] == 3]
+    for k, (r, s) in enumerate(zip(rows, samples)):
+        assert r["dynamic_rounds"] == 1 and r["dynamic_groups"] == 2 and r["dynamic_groups_kept"] == 1
+        assert s["kept"] == [False, True] and len(set(s["prompt_ids"])) == 2
+        assert r["tool_calls"] == 2 and r["tool_errors"] == 1                 # over both rounds' answers
+        assert [m["role"] for m in s["conversations"][3]] == ["assistant", "tool", "assistant"]
+        kept_roll = train_rolls[2 * k + 1]
+        assert torch.equal(updated[k].completion_ids, kept_roll.completion_ids)      # the live round trained
+        assert r["tokens"] == int(kept_roll.action_mask.sum())
+        assert r["nonzero_adv_share_before"] == pytest.approx(0.5) and r["nonzero_adv_share"] == 1.0

@@ -5,8 +5,9 @@ reference on the same float32-rounded inputs and against the CPU op, under two s
 
 Bounds: a token's loss and gradient pass through at most 16 float32 roundings (the ratio's
 difference and exp, the REPO-R factor, the clip or cap, the products, the k3 KL's exp, differences and
-weight), each at most u32 of the largest intermediate, which M_t bounds: |A|·(1 + 20ζ)·max(r, c)·(1 +
-|log p|) + β·(e^d + |d| + 1) with d = ref − log p. The sums add at most 8 tokens per thread, 5 warp
+weight, k3_ratio's products by r), each at most u32 of the largest intermediate, which M_t bounds:
+|A|·(1 + 20ζ)·max(r, c)·(1 + |log p|) + β·(e^d + |d| + 1) with d = ref − log p, the KL part times
+max(r, 1) for k3_ratio (its r·k3 and r·d). The sums add at most 8 tokens per thread, 5 warp
 steps and 8 warps in float32 (21 additions; the chunks are added in float64), so a sum's error is at
 most gamma_21·Σ|terms| plus the terms' own; the normaliser is exact (0/1 weights below 2^24).
 """
@@ -24,6 +25,7 @@ from emulator import peer, U, U32, assert_within, emu, sum_bound
 pytestmark = pytest.mark.cuda_emu
 OP = torch.ops.fasttrain  # the CPU ops (their own checks); peer(): what the emulator is compared with
 LOSS = {"cispo": 0, "dapo": 1, "grpo": 2}
+KL = {"k3": 0, "k3_ratio": 1}
 EPS_LOW, EPS_HIGH, CAP, ZETA = 0.2, 0.28, 1.2, 0.02
 
 
@@ -41,28 +43,29 @@ def batch(B, T, seed, per_token):
     return logp, old, adv.double(), mask, ref
 
 
-def token_magnitude(logp, old, adv, ref, beta):
+def token_magnitude(logp, old, adv, ref, beta, kl_type=0):
     r = torch.exp(logp - old)
     a = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)
     d = ref - logp
+    kl_scale = r.clamp(min=1) if kl_type == KL["k3_ratio"] else 1
     return a.abs() * (1 + 20 * ZETA) * torch.maximum(r, torch.full_like(r, CAP)) * (1 + logp.abs()) + beta * (
-        d.exp() + d.abs() + 1)
+        d.exp() + d.abs() + 1) * kl_scale
 
 
 @pytest.mark.parametrize("loss", ["cispo", "dapo", "grpo"])
 @pytest.mark.parametrize("per_token", [False, True])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_policy_loss_kernels_match_the_float64_reference_and_the_cpu_op(loss, per_token, beta, schedule):
+@pytest.mark.parametrize("beta,kl", [(0.0, "k3"), (0.04, "k3"), (0.04, "k3_ratio")])
+def test_policy_loss_kernels_match_the_float64_reference_and_the_cpu_op(loss, per_token, beta, kl, schedule):
     B, T = 3, 2500
     logp, old, adv, mask, ref = batch(B, T, 0, per_token)
-    args = (adv.float(), mask, ref.float(), None, LOSS[loss], beta, EPS_LOW, EPS_HIGH, CAP, ZETA, 0.0)
+    args = (adv.float(), mask, ref.float(), None, LOSS[loss], beta, EPS_LOW, EPS_HIGH, CAP, ZETA, 0.0, KL[kl])
     l_e, s_e, c_e, r_e = emu().policy_loss(logp.float(), old.float(), *args)
     l_c, s_c, c_c, r_c = peer().policy_loss(logp.float(), old.float(), *args)
     lp64 = logp.clone().requires_grad_()
     out64, st64 = R.policy_loss(lp64, old, adv, mask, loss=loss, ref_logp=ref, beta=beta, eps_low=EPS_LOW,
-                                eps_high=EPS_HIGH, cispo_cap=CAP, zeta=ZETA)
+                                eps_high=EPS_HIGH, cispo_cap=CAP, zeta=ZETA, kl=kl)
     out64.backward()
-    m_t = token_magnitude(logp, old, adv, ref, beta) * mask
+    m_t = token_magnitude(logp, old, adv, ref, beta, KL[kl]) * mask
     w = mask.double()
     if loss == "grpo":
         row_w = w.sum(1)
@@ -80,8 +83,9 @@ def test_policy_loss_kernels_match_the_float64_reference_and_the_cpu_op(loss, pe
     loss_bound = float(((sum_bound(21, U32, m_t) + 16 * U32 * m_t) * rowscale[:, None]).sum()) + U32 * abs(out64.item())
     assert_within("loss", l_e, out64, loss_bound)
     assert_within("loss vs peer", l_e, l_c, 2 * loss_bound)
-    # the means: Σ w·x_t / Σ w with every x_t below X = 4 here (r <= e^0.7, k3 <= e^0.5 + 1.5, the
-    # factor <= 1 + 20ζ, flags 0/1), each with its 16 roundings; the count of active tokens is exact
+    # the means: Σ w·x_t / Σ w with every x_t below X = 4 here (r <= e^0.7, k3 <= e^0.5 - 1.5 for
+    # |d| <= 0.5 and r·k3 <= e^0.7·k3 < 0.31, the factor <= 1 + 20ζ, flags 0/1), each with its 16
+    # roundings; the count of active tokens is exact
     X = 4.0
     for i, name in enumerate(R.POLICY_LOSS_STATS):
         want = st64[name].item()

@@ -268,3 +268,14 @@ def test_unsupported_trl_versions_are_an_import_error(version):
 @pytest.mark.parametrize("version", ["1.16.0", "1.16.3", "1.16.1.dev0"])
 def test_supported_trl_versions_pass(version):
     fasttrain_trl.check_trl_version(version)
+
+
+@pytest.mark.parametrize("knobs,warns", [({}, False), ({"top_p": 0.8}, True), ({"top_k": 20}, True)])
+def test_patch_warns_when_trl_truncates_but_scores_the_whole_vocabulary(tmp_path, knobs, warns):
+    import warnings
+    trainer = make_trainer(tmp_path, beta=0.0, num_iterations=1, **knobs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fasttrain_trl.patch(trainer)
+    hit = [w for w in caught if "whole vocabulary" in str(w.message)]
+    assert bool(hit) == warns, [str(w.message) for w in caught]

@@ -9,7 +9,7 @@ with the same LoRA factors (B not 0, so the reference differs from the policy). 
 the advantages, each token's loss gradient dL/d log p (what the token sends back into the model), the clipped
 gradient of every LoRA factor, the gradient norm before clipping, and the factors after the optimizer step.
 
-Settings (`loss.normalize = "trl"`, `loss.kl_bias_correction = true` give TRL's conventions, docs/trl.md):
+Settings (`loss.normalize = "trl"` and `loss.kl = "k3_ratio"`, the default, give TRL's conventions, docs/trl.md):
 CISPO, DAPO and GRPO; beta 0 and 0.08; 1 and 2 passes (TRL num_iterations); 8 answers in micro-batches of 4;
 max gradient norm 0.05 (active: every norm is above it); lr 0.02, so that pass 2's ratios leave the clip range.
 
@@ -49,8 +49,9 @@ from fasttrain.nn import adaptable_model, attach_adapters  # noqa: E402
 from fasttrain.ops.kernels import use_kernels  # noqa: E402
 from fasttrain.rl import gdpo_advantages  # noqa: E402
 from fasttrain.rollout.sampling import Rollout, left_padded  # noqa: E402
-from fasttrain.train.config import LossSection  # noqa: E402
+from fasttrain.train.config import LossSection, OptimSection  # noqa: E402
 from fasttrain.train.distributed import top_entropy_mask  # noqa: E402
+from fasttrain.train.trainer import adamw  # noqa: E402
 
 U32 = 2.0 ** -24
 U16 = 2.0 ** -8
@@ -66,7 +67,7 @@ COMPLETIONS = {"w5 w9 w12": [[20, 31, 44, 9, 60, 71], [22, 8, EOS], [25, 27, 40,
                "w40 w2": [[50, 52, EOS], [61, 9, 14], [70, 72, 11], [80, 13, EOS]]}
 T_MAX = 6
 FP32_GRAD_REL = 2 * 8 * 256 * U32                     # the float32 bound above, relative to a tensor's max
-TRL_CONVENTIONS = dict(normalize="trl", kl_bias_correction=True)
+TRL_CONVENTIONS = dict(normalize="trl", kl="k3_ratio")
 
 
 def even_share(completion_ids, **kwargs):
@@ -116,7 +117,8 @@ class Capture(TrainerCallback):
         self.after.append(self._named(model, lambda p: p.detach().double().clone()))
 
 
-def run_trl(tmp_path, base, init, kind, beta, passes, bf16, micro=MICRO, top=1.0):
+def run_trl(tmp_path, base, init, kind, beta, passes, bf16, micro=MICRO, top=1.0, steps=1, lr=LR):
+    """TRL's `steps` training steps of `passes` optimizer steps each, every step on the same batch."""
     def rollout_func(prompts, trainer):
         seen: dict[str, int] = {}
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
@@ -132,8 +134,8 @@ def run_trl(tmp_path, base, init, kind, beta, passes, bf16, micro=MICRO, top=1.0
     args = GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=bf16, **loss, beta=beta, num_generations=G,
         max_completion_length=T_MAX, temperature=TEMPERATURE, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=len(rows()) // micro, num_iterations=passes, max_steps=passes,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=CLIP,
+        gradient_accumulation_steps=len(rows()) // micro, num_iterations=passes, max_steps=steps * passes,
+        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=CLIP,
         shuffle_dataset=False, seed=0, reward_weights=WEIGHTS, multi_objective_aggregation="normalize_then_sum",
         top_entropy_quantile=top, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True)
     model = copy.deepcopy(base)
@@ -172,12 +174,13 @@ def run_trl(tmp_path, base, init, kind, beta, passes, bf16, micro=MICRO, top=1.0
     trainer._get_per_token_logps_and_entropies = score_and_hook
     trainer.train()
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
-    return {"adv": seen["adv"], "token_grads": by_row(seen["token_grads"], passes), "grads": cap.grads,
-            "after": cap.after, "grad_norm": norms}
+    return {"adv": seen["adv"], "token_grads": by_row(seen["token_grads"], steps * passes), "grads": cap.grads,
+            "after": cap.after, "grad_norm": norms, "log": [h for h in trainer.state.log_history if "loss" in h]}
 
 
 def by_row(records, passes) -> list[torch.Tensor]:
-    """Per pass, dL/d log p [B, T_MAX] in the batch's own order (rows found by their completion tokens)."""
+    """Per pass (optimizer step), dL/d log p [B, T_MAX] in the batch's own order (rows found by their
+    completion tokens)."""
     order = {tuple(c + [PAD] * (T_MAX - len(c))): i for i, (_, c) in enumerate(rows())}
     out = [torch.zeros(len(rows()), T_MAX, dtype=torch.float64) for _ in range(passes)]
     per_pass = len(records) // passes
@@ -205,16 +208,19 @@ def rollout() -> Rollout:
                    finished=torch.ones(len(prompts), dtype=torch.bool), group_size=G)
 
 
-def run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro=MICRO, top=1.0, **loss_settings):
+def run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro=MICRO, top=1.0, steps=1, lr=LR,
+                  **loss_settings):
     """fasttrain's update in `dtype` (float64: with the reference kernels, fasttrain.ops.reference) as its
-    Trainer runs it; top < 1: the loss tokens are the top share of entropy, as loss.token_mask = "top_entropy"."""
+    Trainer runs it, `steps` times on the same batch; top < 1: the loss tokens are the top share of entropy,
+    as loss.token_mask = "top_entropy"."""
     if dtype == torch.float64:
         with use_kernels("reference"):
-            return _run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro, top, **loss_settings)
-    return _run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro, top, **loss_settings)
+            return _run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro, top, steps, lr,
+                                  **loss_settings)
+    return _run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro, top, steps, lr, **loss_settings)
 
 
-def _run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro, top, **loss_settings):
+def _run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro, top, steps, lr, **loss_settings):
     model = copy.deepcopy(base).to(dtype)
     adaptable_model(model, tuple(TARGETS))
     params = attach_adapters(model, r=RANK, alpha=ALPHA, targets=tuple(TARGETS))
@@ -233,9 +239,7 @@ def _run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro, to
     adv = gdpo_advantages(rewards, G, torch.tensor(WEIGHTS), batch_normalize=True)
     cfg = LossSection(kind=kind, beta=beta, eps_low=0.2, eps_high=0.2 if kind == "grpo" else 0.28, cispo_cap=1.2,
                       token_mask="all" if top == 1.0 else "top_entropy", rho=top, passes=passes, **loss_settings)
-    scores = pu.score_batch(model, roll, micro, TEMPERATURE, need_ref=beta > 0, need_old=top < 1.0)
-    loss_mask = roll.action_mask if top == 1.0 else top_entropy_mask(scores.entropy, roll.action_mask, top)
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=False)
+    opt = adamw(params, OptimSection(lr=lr, grad_clip=CLIP, micro_batch=micro))    # the Trainer's optimizer
     grads, after, token_grads = [], [], []
     step = opt.step
 
@@ -256,10 +260,17 @@ def _run_fasttrain(base, init, kind, beta, passes, dtype, monkeypatch, micro, to
         return logp, ent
 
     monkeypatch.setattr(pu, "answer_logprobs", logprobs_and_hook)
-    result = pu.update_policy(model, params, opt, roll, scores, adv, loss_mask, cfg, 0.0, micro, CLIP, TEMPERATURE)
+    norms, stats = [], []
+    for _ in range(steps):
+        scores = pu.score_batch(model, roll, micro, TEMPERATURE, need_ref=beta > 0, need_old=top < 1.0)
+        loss_mask = roll.action_mask if top == 1.0 else top_entropy_mask(scores.entropy, roll.action_mask, top)
+        result = pu.update_policy(model, params, opt, roll, scores, adv, loss_mask, cfg, 0.0, micro, CLIP,
+                                  TEMPERATURE)
+        norms += [s["grad_norm"] for s in result.passes]
+        stats += result.passes
     monkeypatch.undo()
-    return {"adv": adv.double(), "token_grads": by_row(token_grads, passes), "grads": grads, "after": after,
-            "grad_norm": [s["grad_norm"] for s in result.passes], "theta0": {n: init_of(init, n) for n in named}}
+    return {"adv": adv.double(), "token_grads": by_row(token_grads, steps * passes), "grads": grads,
+            "after": after, "grad_norm": norms, "stats": stats, "theta0": {n: init_of(init, n) for n in named}}
 
 
 def init_of(init, name):
@@ -327,13 +338,15 @@ def test_one_update_equals_trls_in_float32(tmp_path, monkeypatch, kind, beta, pa
     trl = run_trl(tmp_path, base, init, kind, beta, passes, bf16=False)
     check_fp32(run_fasttrain(base, init, kind, beta, passes, torch.float32, monkeypatch, **TRL_CONVENTIONS), trl,
                passes)
-    # The recipe's own settings: the same update without KL; with KL, the ratio weighting TRL adds is missing.
-    recipe = run_fasttrain(base, init, kind, beta, passes, torch.float32, monkeypatch)
+    # The recipe's own settings (every token in the loss, KL "k3_ratio" by default): the same update. The old
+    # default, k3 as the loss, lacks the ratio weighting TRL applies: the same update only without KL.
+    check_fp32(run_fasttrain(base, init, kind, beta, passes, torch.float32, monkeypatch), trl, passes)
+    k3 = run_fasttrain(base, init, kind, beta, passes, torch.float32, monkeypatch, kl="k3")
     if beta == 0:
-        check_fp32(recipe, trl, passes)
+        check_fp32(k3, trl, passes)
     else:
         with pytest.raises(AssertionError):
-            check_fp32(recipe, trl, passes)
+            check_fp32(k3, trl, passes)
 
 
 def test_top_entropy_tokens_normalised_and_kl_charged_as_trl_with_normalize_trl(tmp_path, monkeypatch):
@@ -346,7 +359,7 @@ def test_top_entropy_tokens_normalised_and_kl_charged_as_trl_with_normalize_trl(
     check_fp32(run_fasttrain(base, init, "dapo", 0.08, 1, torch.float32, monkeypatch, micro=B, top=0.5,
                              **TRL_CONVENTIONS), trl, 1)
     recipe = run_fasttrain(base, init, "dapo", 0.08, 1, torch.float32, monkeypatch, micro=B, top=0.5,
-                           kl_bias_correction=True)        # normalize = "batch": the top tokens alone count
+                           kl="k3_ratio")        # normalize = "batch": the top tokens alone count
     with pytest.raises(AssertionError):
         check_fp32(recipe, trl, 1)
 

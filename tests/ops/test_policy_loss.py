@@ -1,5 +1,5 @@
-"""fasttrain.ops.policy_loss against fasttrain.ops.reference in float64,
-hand-computed cases that tell the losses apart, invariants (REPO-R identity at zeta=0, no sign flip,
+"""fasttrain.ops.policy_loss against fasttrain.ops.reference in float64 (both KL estimators),
+hand-computed cases that tell the losses and the estimators apart, invariants (REPO-R identity at zeta=0, no sign flip,
 micro-batch accumulation), opcheck and torch.compile."""
 import math
 
@@ -16,12 +16,13 @@ EPS32 = torch.finfo(torch.float32).eps
 
 
 def reference(logp, old, adv, mask, *, loss="cispo", ref=None, beta=0.0, eps_low=0.2, eps_high=0.28, cap=1.2,
-              zeta=0.0, token_normalizer=None):
+              zeta=0.0, token_normalizer=None, kl="k3_ratio"):
     """fasttrain.ops.reference.policy_loss in the dtype of its inputs (float64: the oracle; float32:
     eager float32, the yardstick of the 2x rule). Returns (loss, stats) with one more entry,
     `_loss_abs_scale`: the sum of the tokens' |loss| over the active tokens, what a float32 sum's error
     scales with."""
-    kw = dict(loss=loss, ref_logp=ref, beta=beta, eps_low=eps_low, eps_high=eps_high, cispo_cap=cap, zeta=zeta)
+    kw = dict(loss=loss, ref_logp=ref, beta=beta, eps_low=eps_low, eps_high=eps_high, cispo_cap=cap, zeta=zeta,
+              kl=kl)
     out, stats = R.policy_loss(logp, old, adv, mask, token_normalizer=token_normalizer, **kw)
     terms = R.policy_loss_terms(logp.detach(), old, adv, mask, **kw)
     return out, dict(stats, _loss_abs_scale=terms["loss"].abs().sum() / terms["weight"].sum())
@@ -78,10 +79,11 @@ def assert_derived_close(ours, ref64, eager32, what, scale=None):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("per_token_adv", [False, True])
-@pytest.mark.parametrize("beta,zeta", [(0.0, 0.0), (0.04, 0.0), (0.04, 0.03)])
-def test_matches_float64_reference(loss, per_token_adv, beta, zeta, device):
+@pytest.mark.parametrize("beta,zeta,kl", [(0.0, 0.0, "k3_ratio"), (0.04, 0.0, "k3_ratio"), (0.04, 0.0, "k3"),
+                                         (0.04, 0.03, "k3_ratio"), (0.04, 0.03, "k3")])
+def test_matches_float64_reference(loss, per_token_adv, beta, zeta, kl, device):
     logp, old, adv, mask, ref = make_batch(per_token_adv=per_token_adv, seed=2 * LOSSES.index(loss) + per_token_adv)
-    kw = dict(loss=loss, beta=beta, zeta=zeta)
+    kw = dict(loss=loss, beta=beta, zeta=zeta, kl=kl)
     l64, g64, s64 = run(reference, logp, old, adv, mask, ref, torch.float64, **kw)
     l32, g32, s32 = run(reference, logp, old, adv, mask, ref, torch.float32, **kw)
     lo, go, so = run(ops, logp, old, adv, mask, ref, torch.float32, device, **kw)
@@ -125,11 +127,51 @@ def test_hand_cases_tell_the_losses_apart():
     # k3 KL: ref - logp = 0.5: kl = e^0.5 - 1.5, grad beta (1 - e^0.5), added to the policy term.
     lp = torch.tensor([[-0.7]], requires_grad=True)
     out, s = ops.policy_loss(lp, lp.detach(), torch.tensor([0.0]), torch.ones(1, 1), loss="dapo",
-                             ref_logp=torch.tensor([[-0.2]]), beta=0.1)
+                             ref_logp=torch.tensor([[-0.2]]), beta=0.1, kl="k3")
     out.backward()
     kl = math.exp(0.5) - 1.5
     assert out.item() == pytest.approx(0.1 * kl, rel=1e-5) and s["kl_mean"].item() == pytest.approx(kl, rel=1e-5)
     assert lp.grad.item() == pytest.approx(0.1 * (1 - math.exp(0.5)), rel=1e-5)
+
+
+def test_k3_ratio_hand_values_and_no_clamp():
+    """k3_ratio (the default): loss beta r k3, gradient beta r (logp - ref), kl_mean r k3. r = 1.5, ref -
+    logp = 0.5: k3 = e^0.5 - 1.5; the gradient -0.1 * 1.5 * 0.5 = -0.075 (k3's would be 0.1 (1 - e^0.5)).
+    On-policy (r = 1) the value is k3's but the gradient is still -beta d, not beta (1 - e^d)."""
+    for r, ref in ((1.5, -0.2), (1.0, -0.2), (1.5, -1.5)):
+        lp = torch.tensor([[-0.7]], requires_grad=True)
+        old = torch.tensor([[-0.7 - math.log(r)]])
+        out, s = ops.policy_loss(lp, old, torch.tensor([0.0]), torch.ones(1, 1), loss="dapo",
+                                 ref_logp=torch.tensor([[ref]]), beta=0.1)
+        out.backward()
+        d = ref + 0.7
+        k3 = math.exp(d) - d - 1
+        assert s["kl_mean"].item() == pytest.approx(r * k3, rel=1e-5)
+        assert out.item() == pytest.approx(0.1 * r * k3, rel=1e-5)
+        assert lp.grad.item() == pytest.approx(-0.1 * r * d, rel=1e-5)
+    # Not clamped: d = 4, r = 2 puts r k3 = 2 (e^4 - 5) = 99.2 far above Unsloth's +-10 clamp, and the
+    # token keeps the full pull back to the reference, beta r (logp - ref) = -0.1 * 2 * 4 (a clamp
+    # would give 10 and gradient 0, the most diverged tokens losing their KL term first).
+    lp = torch.tensor([[-5.0]], requires_grad=True)
+    out, s = ops.policy_loss(lp, torch.tensor([[-5.0 - math.log(2.0)]]), torch.tensor([0.0]), torch.ones(1, 1),
+                             loss="cispo", ref_logp=torch.tensor([[-1.0]]), beta=0.1)
+    out.backward()
+    assert s["kl_mean"].item() == pytest.approx(2 * (math.exp(4) - 5), rel=1e-5) and s["kl_mean"].item() > 10
+    assert lp.grad.item() == pytest.approx(-0.8, rel=1e-5)
+
+
+def test_the_kl_is_charged_on_the_mask_tokens_only():
+    """Which tokens pay the KL is the op's mask, the same as the policy term's (the trainer passes the
+    loss mask, or every sampled token with loss.normalize = "trl"): with A = 0, exactly the masked-in
+    tokens get the KL gradient, each beta r (logp - ref) / (active tokens)."""
+    logp, old, _, mask, ref = (t.float().double() if t.is_floating_point() else t for t in make_batch(seed=31))
+    adv = torch.zeros(logp.shape[0], dtype=torch.float64)
+    _, g, _ = run(ops, logp, old, adv, mask, ref, torch.float32, loss="dapo", beta=0.5)
+    want = 0.5 * torch.exp(logp - old) * (logp - ref) / mask.sum()
+    assert g[~mask].abs().max() == 0 and (g[mask] != 0).all()
+    # from the same float32 inputs: the ratio's difference and exp, ref - logp, three products, the
+    # mask weight, 1/N and the backward's two products: 10 roundings of at most EPS32/2 each
+    assert ((g - want).abs()[mask] <= 10 * EPS32 * want.abs()[mask]).all()
 
 
 def test_repo_r_factor_hand_values_and_identity():
@@ -267,6 +309,25 @@ def test_bad_input_errors_name_the_argument():
         ops.policy_loss(lp, lp, torch.zeros(2), m, token_normalizer=0)
     with pytest.raises(ValueError, match="zeta"):
         ops.policy_loss(lp, lp, torch.zeros(2), m, zeta=-1.0)
+    with pytest.raises(ValueError, match="kl"):
+        ops.policy_loss(lp, lp, torch.zeros(2), m, kl="k2")
+    with pytest.raises(RuntimeError, match="kl_type"):
+        torch.ops.fasttrain.policy_loss(lp, lp, torch.zeros(2), m, None, None, 0, 0.1, 0.2, 0.28, 1.2, 0.0, 0.0, 2)
+
+
+def test_the_ops_schema_defaults_to_k3():
+    """kl_type is the schema's last argument with default 0 (k3), so a caller written before it gets
+    what it got then; fasttrain.ops.policy_loss passes it explicitly (default "k3_ratio")."""
+    logp, old, adv, mask, ref = make_batch(B=3, T=9, seed=37)
+    a = [t.float() for t in (logp, old, adv)]
+    no_arg = torch.ops.fasttrain.policy_loss(*a, mask, ref.float(), None, 1, 0.1, 0.2, 0.28, 1.2, 0.0, 0.0)
+    k3 = torch.ops.fasttrain.policy_loss(*a, mask, ref.float(), None, 1, 0.1, 0.2, 0.28, 1.2, 0.0, 0.0, 0)
+    ratio = torch.ops.fasttrain.policy_loss(*a, mask, ref.float(), None, 1, 0.1, 0.2, 0.28, 1.2, 0.0, 0.0, 1)
+    assert all(torch.equal(x, y) for x, y in zip(no_arg, k3))
+    assert not torch.equal(no_arg[2], ratio[2])
+    lp = a[0].clone().requires_grad_()
+    out, _ = ops.policy_loss(lp, a[1], a[2], mask, loss="dapo", ref_logp=ref.float(), beta=0.1)
+    assert torch.equal(out.detach(), ratio[0])
 
 
 def _samples(device="cpu"):
@@ -280,6 +341,9 @@ def _samples(device="cpu"):
                 torch.tensor(20.0, device=device), 1, 0.0, 0.2, 0.28, 1.2, 0.0, 0.0))
     out.append((f(logp).requires_grad_(), f(old), f(adv), mask.to(device), f(ref), None, 2, 0.05, 0.2, 0.28, 1.2,
                 0.01, 0.0))  # bool mask, read by the kernels as it is
+    for loss_type in (0, 2):  # k3_ratio (kl_type 1); the samples above take the schema's default, k3
+        out.append((f(logp).requires_grad_(), f(old), f(adv), f(mask), f(ref), None, loss_type, 0.05, 0.2, 0.28, 1.2,
+                    0.01, 0.0, 1))
     return out
 
 

@@ -32,8 +32,8 @@ def test_quick_selftest_passes_on_cpu(tmp_path, capsys):
     assert "verified by selftest --quick" in selftest.verdict_line("cpu")
 
 
-def _wrong_logprob(h, w, t, temperature=1.0, ignore_index=-100, bias=None):
-    return F.fused_logprob(h, w, t, temperature * 1.001, ignore_index, bias)   # a 0.1% temperature slip
+def _wrong_logprob(h, w, t, temperature=1.0, ignore_index=-100, bias=None, keep_delta=None):
+    return F.fused_logprob(h, w, t, temperature * 1.001, ignore_index, bias, keep_delta)   # a 0.1% temperature slip
 
 
 def _wrong_policy_loss(*args, **kw):

@@ -209,3 +209,34 @@ def test_a_bad_quantize_value_is_a_clear_error():
         load_config({"policy": {"quantize": "int8"}})
     with pytest.raises(ValueError, match=r"policy.quantize 'int8': allowed 'nf4', 'none'"):
         meta_policy(model_config("smollm2-135m"), quantize="int8")
+
+
+def test_top_p_sort_is_counted_in_the_rollouts_memory_and_time(worlds):
+    """top_p without top_k sorts each row: 25 bytes per logit beside the draw's buffer (the sorted float64
+    row, its exps' running sum, one more exp temporary, the dropped-token mask; any other truncation 9: the
+    mask and the largest dropped logit's float64 temporary), and each draw runs at the
+    host's measured top_p rate instead of the plain one: exactly that many more seconds for the prefill's
+    n·V and the decode's (T - 1)·B·V logits."""
+    from dataclasses import replace
+
+    from fasttrain.plan.host_speed import measured_step_time
+    from fasttrain.plan.memory import _decode_step
+    from fasttrain.plan.run_shape import run_shape
+    from test_planned_time import _fake_rates
+
+    m = meta_policy(model_config("qwen2.5-7b"), name="qwen2.5-7b")
+    B, S, V = SHAPE.rows, SHAPE.seq, m.vocab
+    plain, sorted_, cut = (_decode_step(m, Device(), B, S, False, sort, trunc)[0]
+                           for sort, trunc in ((False, False), (True, True), (False, True)))
+    assert sorted_ - plain == B * V * 25 and cut - plain == B * V * 9
+    rates = _fake_rates(clock="given", sampling_sorted=1.5e7)
+    t0, _ = measured_step_time(m, SHAPE, rates, "float32", True, False, measure_shapes=False)
+    t1, _ = measured_step_time(m, SHAPE.with_(sort_draw=True), rates, "float32", True, False, measure_shapes=False)
+    logits = SHAPE.prompts * V + (SHAPE.new_tokens - 1) * B * V
+    assert t1["rollout"] - t0["rollout"] == pytest.approx(logits * (1 / 1.5e7 - 1 / 6e7), rel=1e-9)
+    # the recipe's knobs set the shape: top_p alone sorts, with top_k it is a partial sort of k values
+    from fasttrain.train.config import load_config
+    assert run_shape(load_config("cispo", ["rollout.top_p=0.9"]), 100).sort_draw
+    k = run_shape(load_config("cispo", ["rollout.top_p=0.9", "rollout.top_k=20"]), 100)
+    assert not k.sort_draw and k.truncated_draw and not k.probe_truncated_draw
+    assert replace(SHAPE).sort_draw is False

@@ -1,4 +1,9 @@
+import os
+import sys
+
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # chi_square.py, the distribution tests' shared statistics
 
 
 @pytest.fixture(autouse=True)

@@ -33,7 +33,6 @@ Each case also checks the test can fail: the counts reject the softmax at temper
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -47,8 +46,9 @@ from fasttrain.rollout.families import decoder_for
 from fasttrain.rollout.hybrid_decoder import HybridDecoder
 from fasttrain.rollout.multi_turn import sample_turns
 
+from chi_square import ALPHA, chi2_quantile, chi_square, detectable_tv, ncx2_sf
+
 N_FIRST, N_AFTER_TOOL = 20_000, 10_000
-ALPHA = 1e-4
 T = 0.7
 V = 16                        # a small vocabulary: every token a bin
 PROMPT = [1, 5, 9, 4, 7]
@@ -56,56 +56,10 @@ TURN = [11, 3, 2]             # the model turn the rollout replays, ending in EO
 TOOL = [13, 6, 12, 8]         # the tool result fed after it
 
 
-# ---- chi-square quantiles and power, in float64 from the regularised incomplete gamma ----------
-def chi2_sf(x: float, k: float) -> float:
-    return float(torch.special.gammaincc(torch.tensor(k / 2, dtype=torch.float64),
-                                         torch.tensor(x / 2, dtype=torch.float64)))
-
-
-def chi2_quantile(alpha: float, k: int) -> float:
-    """c with P(chi2_k > c) = alpha (bisection on the survival function)."""
-    lo, hi = 0.0, 10.0 * k + 200.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if chi2_sf(mid, k) > alpha else (lo, mid)
-    return hi
-
-
-def ncx2_sf(x: float, k: int, lam: float) -> float:
-    """P(chi2_k(lam) > x): the Poisson(lam / 2) mixture of central chi-squares with k + 2j degrees."""
-    h = lam / 2
-    if h == 0:
-        return chi2_sf(x, k)
-    terms = int(h + 40 * math.sqrt(h) + 60)
-    return sum(math.exp(-h + j * math.log(h) - math.lgamma(j + 1)) * chi2_sf(x, k + 2 * j) for j in range(terms))
-
-
-def detectable_tv(n: int, k: int, alpha: float = ALPHA, power: float = 0.95) -> float:
-    """The smallest total variation the chi-square test at `alpha` detects with probability `power`."""
-    c = chi2_quantile(alpha, k)
-    lo, hi = 0.0, 1e4
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ncx2_sf(c, k, mid) < power else (lo, mid)
-    return math.sqrt(hi / (4 * n))
-
-
 def test_the_chi_square_helpers_match_tables():
     assert abs(chi2_quantile(0.05, 1) - 3.841459) < 1e-5           # textbook quantiles
     assert abs(chi2_quantile(1e-4, 5) - 25.74483) < 1e-4
     assert abs(ncx2_sf(chi2_quantile(0.05, 1), 1, (1.959964 + 1.644854) ** 2) - 0.95) < 1e-4  # z-test power
-
-
-def chi_square(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic with the bins of expected count < 5 merged; (statistic, degrees of freedom)."""
-    e = p * counts.sum()
-    if bool((counts[e == 0] > 0).any()):
-        return math.inf, max(int((e > 0).sum()) - 1, 1)      # a draw the distribution gives no mass
-    counts, e = counts[e > 0], e[e > 0]
-    small = e < 5
-    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)]) if small.any() else counts
-    exp = torch.cat([e[~small], e[small].sum().reshape(1)]) if small.any() else e
-    return float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1
 
 
 # ---- the policies ---------------------------------------------------------------------------

@@ -250,7 +250,7 @@ def test_draw_tokens_is_the_inverse_cdf_of_the_tempered_softmax():
     logits[:, -7:] = float("-inf")          # the last tokens can't be drawn
     logits[0, 100:] = float("-inf")         # row 0 has 100 possible tokens
     for T in (1.0, 0.7):
-        tok, logp = draw_tokens(logits, T, [torch.Generator().manual_seed(s) for s in seeds], rows)
+        tok, logp, _ = draw_tokens(logits, T, [torch.Generator().manual_seed(s) for s in seeds], rows)
         u = _uniforms([torch.Generator().manual_seed(s) for s in seeds], rows, "cpu")
         ref_lp = torch.log_softmax(logits.double() / T, -1)
         for b in range(logits.shape[0]):
@@ -268,12 +268,12 @@ def test_draw_tokens_is_the_inverse_cdf_of_the_tempered_softmax():
     try:
         sampling._uniforms = lambda gens, r, device: torch.full((r * len(gens),), 1 - 2.0 ** -53,
                                                                dtype=torch.float64)
-        tok, _ = draw_tokens(logits, 1.0, [None] * len(seeds), rows)
+        tok, _, _ = draw_tokens(logits, 1.0, [None] * len(seeds), rows)
     finally:
         sampling._uniforms = old
     assert int(tok[0]) == 99 and (tok[1:] == V - 8).all()
     # greedy: the argmax and its untempered log-softmax
-    tok, logp = draw_tokens(logits, 0.0, [torch.Generator()], logits.shape[0])
+    tok, logp, _ = draw_tokens(logits, 0.0, [torch.Generator()], logits.shape[0])
     assert torch.equal(tok, logits.argmax(-1))
     assert torch.allclose(logp, torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0])
 

@@ -1,11 +1,13 @@
 """Config: recipes load, errors name the key and the allowed values, overrides, round trip."""
 import math
+import re
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from fasttrain.train.config import (ConfigError, config_hash, config_to_toml, list_recipes, load_config,
-                                    load_recipe)
+from fasttrain.train.config import (ConfigError, LossSection, config_hash, config_to_toml, list_recipes,
+                                    load_config, load_recipe, recipe_path, saved_run_data)
 
 LADDER = ["dapo", "cispo", "cispo_repo_r", "cispo_repo_r_filtered", "cispo_repo_r_dora", "dapo_repo_r_dora"]
 
@@ -102,3 +104,59 @@ def test_chat_template_kwargs_take_a_table_of_scalars_and_name_the_key():
         load_config("demo", ["policy.chat_template_kwargs={ x = [1] }"])
     with pytest.raises(ConfigError, match=r"policy.chat_template_kwargs.1x: not a template variable name"):
         load_config("demo", ['policy.chat_template_kwargs={ "1x" = true }'])
+
+
+def test_sampling_knobs_parse_and_bad_values_are_one_line():
+    c = load_config("cispo", ["rollout.top_p=0.95", "rollout.top_k=20", "rollout.min_p=0.05", "probe.top_p=0.9"])
+    assert (c.rollout.top_p, c.rollout.top_k, c.rollout.min_p, c.probe.top_p) == (0.95, 20, 0.05, 0.9)
+    assert (c.probe.top_k, c.probe.min_p, c.rollout.replay_kept_set) == (0, 0.0, True)
+    for bad, msg in (("rollout.top_p=0", r"rollout.top_p: 0.0 is not allowed; allowed: a number in \(0, 1\]"),
+                     ("rollout.top_p=1.5", r"rollout.top_p: 1.5 is not allowed"),
+                     ("rollout.top_k=-1", r"rollout.top_k: -1 is not allowed; allowed: an integer >= 0"),
+                     ("rollout.min_p=1", r"rollout.min_p: 1.0 is not allowed; allowed: a number in \[0, 1\)"),
+                     ("probe.min_p=-0.5", r"probe.min_p: -0.5 is not allowed")):
+        with pytest.raises(ConfigError, match=msg) as e:
+            load_config("cispo", [bad])
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["rollout.repetition_penalty=1.1", "rollout.presence_penalty=0.5",
+                                 "probe.repetition_penalty=1.2"])
+def test_penalties_are_refused_with_the_reason(key):
+    with pytest.raises(ConfigError, match=r"changes the sampled distribution in a way the update does not replay"):
+        load_config("cispo", [key])
+
+
+def test_kl_estimator_default_and_values():
+    assert load_config("demo").loss.kl == "k3_ratio"
+    assert load_config("demo", ["loss.kl=k3"]).loss.kl == "k3"
+    with pytest.raises(ConfigError, match=r"loss.kl: 'k2' is not allowed; allowed values: 'k3_ratio', 'k3'"):
+        load_config("demo", ["loss.kl=k2"])
+    for name in list_recipes():                  # every bundled recipe says which estimator it uses
+        assert re.search(r'^kl = "k3_ratio"', (Path(str(recipe_path(name)))).read_text(), re.M), name
+
+
+@pytest.mark.parametrize("value,kl", [(True, "k3_ratio"), (False, "k3")])
+def test_kl_bias_correction_is_a_deprecated_alias_of_kl(value, kl):
+    with pytest.warns(FutureWarning, match=f'loss.kl_bias_correction is deprecated: write loss.kl = "{kl}"'):
+        c = load_config("demo", [f"loss.kl_bias_correction={str(value).lower()}"])
+    assert c.loss.kl == kl
+    assert "kl_bias_correction" not in config_to_toml(c) and f'kl = "{kl}"' in config_to_toml(c)
+    with pytest.warns(FutureWarning):
+        assert LossSection(kl_bias_correction=value).kl == kl             # the dataclass takes it too
+    other = "k3" if value else "k3_ratio"
+    # one recipe holding both names: they must agree
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="contradicts loss.kl"):
+        load_config({"loss": {"kl_bias_correction": value, "kl": other}})
+    with pytest.warns(FutureWarning):
+        assert load_config({"loss": {"kl_bias_correction": value, "kl": kl}}).loss.kl == kl
+    # an override replaces the recipe's setting under either name (the bundled recipes write loss.kl)
+    assert load_config("demo", [f"loss.kl_bias_correction={str(value).lower()}", f"loss.kl={other}"]).loss.kl == other
+
+
+def test_a_saved_run_without_the_key_trained_with_k3():
+    saved = tomllib.loads(config_to_toml(load_config("demo")))
+    del saved["loss"]["kl"]                                  # config.toml of a run saved before loss.kl
+    assert load_config(saved_run_data(saved)).loss.kl == "k3"
+    saved["loss"]["kl"] = "k3_ratio"
+    assert load_config(saved_run_data(saved)).loss.kl == "k3_ratio"

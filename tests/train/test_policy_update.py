@@ -299,3 +299,55 @@ def test_the_updates_attention_backward_is_fasttrains_and_gives_torchs_gradient(
     for a, b in zip(grads["flash"], grads["fasttrain"]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()) + 1e-9)
     assert any(float(g.abs().max()) > 0 for g in grads["flash"])
+
+
+@pytest.mark.parametrize("kl", ["k3_ratio", "k3"])
+@pytest.mark.parametrize("normalize", ["batch", "trl"])
+def test_the_update_charges_the_chosen_kl_on_the_loss_tokens(tiny, monkeypatch, kl, normalize):
+    """A = 0, so only the KL term acts. In the second pass (off-policy) each token's dL/dlogp is
+    beta r (logp - ref) / N for "k3_ratio" or beta (1 - e^(ref - logp)) / N for "k3", computed inside
+    the loss op, on the loss tokens (normalize "batch", the default; N their count) or on every
+    sampled token (normalize "trl", TRL's convention), and exactly 0 elsewhere."""
+    import fasttrain.train.policy_update as pu
+    model, params, roll = _setup(tiny)
+    B = roll.completion_ids.shape[0]
+    sampled = roll.completion_mask.bool() & roll.action_mask.bool()
+    loss_mask = sampled.clone()
+    loss_mask[:, 1::2] = False                                    # half the answer tokens are loss tokens
+    scores = pu.score_batch(model, roll, B, 1.0, need_ref=True)
+    cfg = LossSection(kind="dapo", beta=0.5, passes=2, kl=kl, normalize=normalize)
+    seen, real = [], pu.answer_logprobs
+
+    def keep_token_grads(*a, **kw):
+        logp, ent = real(*a, **kw)
+        if logp.requires_grad:
+            logp.register_hook(lambda g, lp=logp.detach(): seen.append((lp.double(), g.detach().double())))
+        return logp, ent
+
+    monkeypatch.setattr(pu, "answer_logprobs", keep_token_grads)
+    opt = torch.optim.SGD(params, lr=20.0)                         # pass 1's step makes pass 2 off-policy
+    passes = pu.update_policy(model, params, opt, roll, scores, torch.zeros(B), loss_mask, cfg, 0.0, B, 0.0,
+                              1.0).passes
+    assert len(seen) == 2
+    mask = sampled if normalize == "trl" else loss_mask
+    n = float(mask.sum())
+    # the logged KL (kl_mean, without beta) is the mean of the loss's own KL term over the charged
+    # tokens: r k3 ("k3_ratio") or k3; in pass 1 r = 1 up to the two forwards' rounding
+    for (lp, _), stats in zip(seen, passes):
+        d = scores.ref_logp.double() - lp
+        r = torch.exp(lp - scores.old_logp.double())
+        k3 = d.exp() - d - 1
+        term = r * k3 if kl == "k3_ratio" else k3
+        want = float(term[mask].mean())
+        # n float32 terms (each 10 roundings) summed, then divided: (n + 12) EPS32 of the mean's scale
+        assert abs(stats["kl_mean"] - want) <= (n + 12) * 2.0**-23 * want, (stats["kl_mean"], want)
+    lp, g = seen[1]
+    d = scores.ref_logp.double() - lp
+    r = torch.exp(lp - scores.old_logp.double())
+    assert float((r - 1)[mask].abs().max()) > 1e-3                 # pass 2 is off-policy
+    want = torch.where(mask, 0.5 * (-r * d if kl == "k3_ratio" else 1 - d.exp()) / n, torch.zeros_like(d))
+    assert (g[~mask] == 0).all()
+    # float32 from the same float32 inputs: 10 roundings of the result, and k3's 1 - e^d loses up to
+    # 2 ulp of e^d (the exp's error) to cancellation
+    bound = 10 * 2.0**-23 * (want.abs() + 0.5 * d.exp() / n)
+    assert ((g - want).abs() <= bound).all(), float((g - want).abs().max())

@@ -59,3 +59,36 @@ def test_resume_refuses_settings_that_make_another_run(tiny, tiny_recipe):
     more.train()
     assert [r["step"] for r in _metrics(tr.dir)] == [1, 2, 3]
     assert [p["step"] for p in more.probes] == [0, 2, 3]
+
+
+@pytest.mark.parametrize("old_loss", ['kl_bias_correction = false', ''], ids=["explicit-false", "no-key"])
+def test_resume_of_an_old_run_keeps_its_k3_estimator(tiny, tiny_recipe, old_loss):
+    """A run saved before loss.kl (config.toml with kl_bias_correction = false, or older, with neither
+    key) trained with k3: --resume keeps k3, refuses to switch it, and rewrites config.toml with kl."""
+    from fasttrain.train.config import config_to_toml
+    cfg = load_config(tiny_recipe(tiny, **{"run.steps": 1, "probe.every": 0}))
+    run = tiny / "old-run"
+    run.mkdir()
+    text = config_to_toml(cfg)
+    assert 'kl = "k3_ratio"' in text
+    (run / "config.toml").write_text(text.replace('kl = "k3_ratio"', old_loss))
+    with pytest.warns(FutureWarning) if old_loss else _no_warning():
+        tr = Trainer.resume(run, ["run.steps=2"], progress=False)
+    assert tr.cfg.loss.kl == "k3"
+    with pytest.raises(ConfigError, match=r"loss.kl \('k3' -> 'k3_ratio'\) cannot change"):
+        Trainer.resume(run, ["loss.kl=k3_ratio"], progress=False)
+    tr.train()
+    assert 'kl = "k3"' in (run / "config.toml").read_text()
+    assert Trainer.resume(run, ["run.steps=3"], progress=False).cfg.loss.kl == "k3"
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def ctx():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            yield
+    return ctx()

@@ -57,14 +57,38 @@ __global__ void __launch_bounds__(kThreads) logprob_init_kernel(acc_t* ref, acc_
   }
 }
 
+// One CTA per token: the kept set's absolute cut, cut[n] = kept_cut((h_n . W[t_n] + b[t_n]) / T,
+// delta[n]) (core/math.h), one dot product a token before the chunk loop (the replay stays one pass).
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads) logprob_cut_kernel(const scalar_t* __restrict__ hidden,
+                                   const scalar_t* __restrict__ weight, const scalar_t* __restrict__ bias,
+                                   const int64_t* __restrict__ targets, const acc_t* __restrict__ delta, int64_t V,
+                                   int64_t H, acc_t inv_temp, int64_t ignore_index, acc_t* cut) {
+  FT_SHARED(acc_t, smem, [kThreads / 32]);
+  const int64_t n = blockIdx.x, t = targets[n];
+  if (t == ignore_index || t < 0 || t >= V) {
+    if (threadIdx.x == 0) cut[n] = acc_t(-INFINITY);
+    return;
+  }
+  acc_t dot = 0;
+  for (int64_t h = threadIdx.x; h < H; h += kThreads)
+    dot += static_cast<acc_t>(hidden[n * H + h]) * static_cast<acc_t>(weight[t * H + h]);
+  dot = block_reduce<acc_t, false>(dot, smem);
+  if (threadIdx.x == 0) {
+    if (bias) dot += static_cast<acc_t>(bias[t]);
+    cut[n] = fm::kept_cut(dot * inv_temp, delta[n]);
+  }
+}
+
 // One CTA per token of the block: the fused statistics pass over that token's chunk of logits.
-// p may be null (no hidden gradient wanted): then p~ is not written.
+// p may be null (no hidden gradient wanted): then p~ is not written. cut may be null (the whole
+// vocabulary); else an entry outside the token's kept set (fm::kept) weighs 0.
 template <typename scalar_t, typename gemm_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) logprob_stats_kernel(const acc_t* __restrict__ z, int64_t ldz, gemm_t* __restrict__ p,
                                      int64_t ldp, const scalar_t* __restrict__ bias,
                                      const int64_t* __restrict__ targets, int64_t n0, int64_t v0, int64_t cs,
                                      acc_t inv_temp, int64_t ignore_index, acc_t* ref, acc_t* s_, acc_t* u_,
-                                     acc_t* zt, acc_t* acc, int64_t H) {
+                                     acc_t* zt, acc_t* acc, int64_t H, const acc_t* __restrict__ cut) {
   FT_SHARED(acc_t, smem, [kThreads / 32]);
   const int64_t i = blockIdx.x, n = n0 + i;
   const int64_t t = targets[n];
@@ -85,12 +109,14 @@ __global__ void __launch_bounds__(kThreads) logprob_stats_kernel(const acc_t* __
   fm::LseState<acc_t> st{ref[n], s_[n], u_[n]};
   const acc_t alpha = fm::lse_rebase(st, fm::lse_next_ref(st.ref, m));
   const acc_t r = st.ref;
+  const acc_t c = cut != nullptr ? cut[n] : acc_t(-INFINITY);
   acc_t sc = 0, uc = 0;
   for (int64_t j = threadIdx.x; j < cs; j += kThreads) {
     acc_t v = zr[j];
     if (bias) v += static_cast<acc_t>(bias[v0 + j]);
     v *= inv_temp;
-    const acc_t d = fm::lse_delta(v, r);  // floored: a -inf logit adds 0, never NaN
+    // floored: a -inf logit adds 0, never NaN; so does an entry outside the kept set
+    const acc_t d = fm::kept(v, c, v0 + j == t) ? fm::lse_delta(v, r) : acc_t(fm::kLseDeltaFloor);
     const acc_t w = fm::ft_exp(d);
     if (pr != nullptr) pr[j] = static_cast<gemm_t>(w);
     sc += w;
@@ -114,7 +140,7 @@ template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) logprob_finalize_kernel(const acc_t* ref, const acc_t* s_, const acc_t* u_, const acc_t* zt,
                                         const int64_t* targets, const scalar_t* __restrict__ weight, int64_t V,
                                         int64_t H, acc_t inv_temp, int64_t ignore_index, acc_t* logp, acc_t* ent,
-                                        acc_t* stats, int64_t N, acc_t* grad_vec) {
+                                        acc_t* stats, int64_t N, acc_t* grad_vec, const acc_t* cut) {
   const int64_t n = blockIdx.x;
   const int64_t t = targets[n];
   const bool ignored = t == ignore_index;
@@ -123,10 +149,12 @@ __global__ void __launch_bounds__(kThreads) logprob_finalize_kernel(const acc_t*
   if (threadIdx.x == 0) {
     if (ignored) {
       logp[n] = ent[n] = stats[n] = stats[N + n] = acc_t(0);
+      if (cut != nullptr) stats[2 * N + n] = acc_t(0);
     } else {
       const acc_t log_s = fm::ft_log(st.s);
       stats[n] = st.ref;
       stats[N + n] = log_s;
+      if (cut != nullptr) stats[2 * N + n] = cut[n];
       logp[n] = fm::lse_logprob(zt[n], st.ref, log_s);  // NaN for an invalid target (graph capture only)
       ent[n] = fm::lse_entropy(st);
     }
@@ -143,12 +171,13 @@ __global__ void __launch_bounds__(kThreads) logprob_finalize_kernel(const acc_t*
 
 // D[i, j] = g_n (1[v == t] - exp(z - lse)) / T for one token block x vocabulary chunk, written as the
 // dW GEMM's operand type; with a bias, column sums go to its gradient (one atomic per 64 rows).
+// kept_rows: stats has the kept sets' cuts as a third row (p is 0 outside each token's set).
 template <typename scalar_t, typename gemm_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) logprob_dlogit_kernel(const acc_t* __restrict__ z, gemm_t* __restrict__ d,
                                       const scalar_t* __restrict__ bias, const acc_t* __restrict__ g,
                                       const acc_t* __restrict__ stats, int64_t N, const int64_t* __restrict__ targets,
                                       int64_t n0, int64_t nb, int64_t v0, int64_t cs, acc_t inv_temp,
-                                      int64_t ignore_index, acc_t* grad_bias) {
+                                      int64_t ignore_index, acc_t* grad_bias, bool kept_rows) {
   const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= cs) return;
   const int64_t i0 = (int64_t)blockIdx.y * 64, i1 = min(nb, i0 + 64);
@@ -159,7 +188,8 @@ __global__ void __launch_bounds__(kThreads) logprob_dlogit_kernel(const acc_t* _
     acc_t dv = 0;
     if (t != ignore_index) {
       const acc_t zz = (z[i * cs + j] + b) * inv_temp;
-      dv = fm::logprob_dlogit(g[n], v0 + j == t, fm::softmax_prob(zz, stats[n], stats[N + n]), inv_temp);
+      const acc_t c = kept_rows ? stats[2 * N + n] : acc_t(-INFINITY);
+      dv = fm::logprob_dlogit(g[n], v0 + j == t, fm::kept_prob(zz, stats[n], stats[N + n], c, v0 + j == t), inv_temp);
     }
     d[i * cs + j] = static_cast<gemm_t>(dv);
     colsum += dv;
@@ -205,12 +235,13 @@ inline void check_targets(Device& dev, const char* op, const int64_t* targets, i
 }
 
 // hidden [N, H], weight [V, H], bias [V] or null, of dtype dt; targets [N] -> logp, ent [N],
-// stats [2, N] and (when compute_grad) grad_vec [N, H], zeroed by the caller, in the accumulation
-// dtype (float64 for float64, else float32).
+// stats [2, N] ([3, N] with keep_delta: the cuts) and (when compute_grad) grad_vec [N, H], zeroed by
+// the caller, in the accumulation dtype (float64 for float64, else float32). keep_delta [N] in the
+// accumulation dtype, or null: the kept sets (core/math.h kept_cut).
 inline void forward(Device& dev, const char* op, at::ScalarType dt, const void* hidden, const void* weight,
                     const int64_t* targets, const void* bias, int64_t N, int64_t H, int64_t V, double temperature,
                     int64_t ignore_index, bool compute_grad, int64_t chunk_bytes, void* logp_, void* ent_,
-                    void* stats_, void* grad_vec_) {
+                    void* stats_, void* grad_vec_, const void* keep_delta = nullptr) {
   check_targets(dev, op, targets, N, V, ignore_index);
   if (N == 0) return;
   const at::ScalarType acc_dt = acc_type_of(dt), gemm_dt = gemm_type_of(dt);
@@ -234,6 +265,12 @@ inline void forward(Device& dev, const char* op, at::ScalarType dt, const void* 
     const scalar_t* bp = static_cast<const scalar_t*>(bias);
     acc_t* gv = want_pw ? static_cast<acc_t*>(grad_vec_) : nullptr;
     launch(logprob_init_kernel<acc_t>, (unsigned)((N + 255) / 256), 256, 0, dev.stream(), ref, s, u, zt, N);
+    acc_t* cut = nullptr;
+    if (keep_delta != nullptr) {
+      cut = dev.scratch_of<acc_t>(N);
+      launch(logprob_cut_kernel<scalar_t, acc_t>, (unsigned)N, kThreads, 0, dev.stream(), hp, wp, bp, targets,
+             static_cast<const acc_t*>(keep_delta), V, H, inv_temp, ignore_index, cut);
+    }
     for (int64_t n0 = 0; n0 < N; n0 += Nb) {
       const int64_t nb = std::min(Nb, N - n0);
       for (int64_t v0 = 0; v0 < V; v0 += C) {
@@ -242,7 +279,7 @@ inline void forward(Device& dev, const char* op, at::ScalarType dt, const void* 
         gemm(dev, {true, false, cs, nb, H, wp + v0 * H, H, hp + n0 * H, H, 0.0, zp, cs, dt, acc_dt});
         launch(logprob_stats_kernel<scalar_t, gemm_t, acc_t>, (unsigned)nb, kThreads, 0, dev.stream(),
                static_cast<const acc_t*>(zp), cs, pp, cs, bp, targets, n0, v0, cs, inv_temp, ignore_index, ref, s, u,
-               zt, gv ? gv + n0 * H : nullptr, H);
+               zt, gv ? gv + n0 * H : nullptr, H, static_cast<const acc_t*>(cut));
         if (gv) {
           const gemm_t* wc = reinterpret_cast<const gemm_t*>(wp + v0 * H);  // same type unless fp16
           if (wbuf != nullptr) {
@@ -257,16 +294,16 @@ inline void forward(Device& dev, const char* op, at::ScalarType dt, const void* 
     launch(logprob_finalize_kernel<scalar_t, acc_t>, (unsigned)N, kThreads, 0, dev.stream(),
            static_cast<const acc_t*>(ref), static_cast<const acc_t*>(s), static_cast<const acc_t*>(u),
            static_cast<const acc_t*>(zt), targets, wp, V, H, inv_temp, ignore_index, static_cast<acc_t*>(logp_),
-           static_cast<acc_t*>(ent_), static_cast<acc_t*>(stats_), N, gv);
+           static_cast<acc_t*>(ent_), static_cast<acc_t*>(stats_), N, gv, static_cast<const acc_t*>(cut));
   });
 }
 
-// grad_logp [N] and stats [2, N] in the accumulation dtype -> grad_weight [V, H] (dtype dt) and
-// grad_bias [V] (accumulation dtype, zeroed by the caller; it stays 0 without a bias).
+// grad_logp [N] and stats [2, N] ([3, N]: kept_rows) in the accumulation dtype -> grad_weight [V, H]
+// (dtype dt) and grad_bias [V] (accumulation dtype, zeroed by the caller; it stays 0 without a bias).
 inline void backward_weight(Device& dev, const char* op, at::ScalarType dt, const void* grad_logp, const void* hidden,
                             const void* weight, const int64_t* targets, const void* bias, const void* stats, int64_t N,
                             int64_t H, int64_t V, double temperature, int64_t ignore_index, int64_t chunk_bytes,
-                            void* grad_weight, void* grad_bias_) {
+                            void* grad_weight, void* grad_bias_, bool kept_rows = false) {
   check_targets(dev, op, targets, N, V, ignore_index);
   if (N == 0 || H == 0) {  // no token, or nothing for dW's rows to hold; the bias gradient still counts
     dev.fill(grad_weight, dt, 0.0, V * H);
@@ -301,7 +338,7 @@ inline void backward_weight(Device& dev, const char* op, at::ScalarType dt, cons
         launch(logprob_dlogit_kernel<scalar_t, gemm_t, acc_t>, grid, kThreads, 0, dev.stream(),
                static_cast<const acc_t*>(zp), dp, bp, static_cast<const acc_t*>(grad_logp),
                static_cast<const acc_t*>(stats), N, targets, n0, nb, v0, cs, inv_temp, ignore_index,
-               static_cast<acc_t*>(grad_bias_));
+               static_cast<acc_t*>(grad_bias_), kept_rows);
         // dW_c[cs, H] (+)= D[nb, cs]^T . h[nb, H]  ==  col-major dW_c^T = h^T . D
         gemm(dev, {false, true, H, cs, nb, hgp + n0 * H, H, dp, cs, n0 == 0 ? 0.0 : 1.0, dwp, H, gemm_dt, acc_dt});
       }

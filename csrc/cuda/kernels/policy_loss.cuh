@@ -12,7 +12,7 @@ namespace fm = fasttrain::math;
 constexpr int kThreads = 256;
 constexpr int64_t kChunk = 2048;  // tokens per CTA (8 per thread)
 
-template <typename scalar_t, bool kCispo, bool kKl, bool kAdvPerToken>
+template <typename scalar_t, bool kCispo, bool kKl, bool kKlRatio, bool kAdvPerToken>
 __global__ void __launch_bounds__(kThreads) policy_chunk_kernel(const scalar_t* __restrict__ lp, const scalar_t* __restrict__ old,
                                     const float* __restrict__ adv, const float* __restrict__ mask,
                                     const uint8_t* __restrict__ mask_bool, const scalar_t* __restrict__ ref,
@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kThreads) policy_chunk_kernel(const scalar_t* 
     const float w = mask_bool != nullptr ? (mask_bool[i] != 0 ? 1.0f : 0.0f) : mask[i];
     const float A = kAdvPerToken ? adv[i] : adv_row;
     const float r = kKl ? static_cast<float>(ref[i]) : 0.0f;
-    const fm::PolicyToken tk = fm::policy_token<kCispo, kKl>(static_cast<float>(lp[i]), static_cast<float>(old[i]), A,
+    const fm::PolicyToken tk = fm::policy_token<kCispo, kKl, kKlRatio>(static_cast<float>(lp[i]), static_cast<float>(old[i]), A,
                                                              r, beta, eps_low, eps_high, cap, zeta);
     const bool on = w != 0.0f;
     const bool nz = on && (A != 0.0f);
@@ -139,11 +139,13 @@ __global__ void __launch_bounds__(kThreads) policy_backward_kernel(const float* 
 // ---- launch sequences --------------------------------------------------------------------------
 // The forward: logp, old (and ref, used when non-null and beta != 0) [B, T] of dtype dt; adv fp32 [B]
 // or [B, T]; one of mask (fp32) and mask_bool (bytes 0/1) [B, T]; norm_tensor fp32 [1] or null (then
-// norm_value). -> coef [B, T], rowscale [B], loss [], stats [kPolicyStats], all fp32.
+// norm_value); kl_type fm::kKlK3 or fm::kKlK3Ratio. -> coef [B, T], rowscale [B], loss [], stats
+// [kPolicyStats], all fp32.
 inline void forward(Device& dev, at::ScalarType dt, const void* logp, const void* old_logp, const float* adv,
                     bool adv_per_token, const float* mask, const uint8_t* mask_bool, const void* ref,
                     const float* norm_tensor, double norm_value, int64_t B, int64_t T, int64_t loss_type, double beta,
-                    double eps_low, double eps_high, double cispo_cap, double zeta, float* coef, float* rowscale,
+                    double eps_low, double eps_high, double cispo_cap, double zeta, int64_t kl_type, float* coef,
+                    float* rowscale,
                     float* loss, float* stats) {
   const bool has_kl = ref != nullptr && beta != 0.0;
   const int64_t nc = std::max<int64_t>((T + kChunk - 1) / kChunk, 1);
@@ -161,12 +163,19 @@ inline void forward(Device& dev, at::ScalarType dt, const void* logp, const void
                coef, partial, T, nc, static_cast<float>(beta), el, eh, static_cast<float>(cispo_cap),
                static_cast<float>(zeta));
       };
-      // One kernel per (CISPO or not, KL or not, per-token advantages or per-row), picked flag by flag.
+      // One kernel per (CISPO or not, KL none / k3 / k3_ratio, per-token advantages or per-row), picked
+      // flag by flag; the ratio flag without KL is never instantiated.
+      // (std::decay_t: GCC names a flag captured by a nested generic lambda as a reference type.)
       with_flag(loss_type == fm::kCispo, [&](auto cispo) {
         with_flag(has_kl, [&](auto kl) {
-          with_flag(adv_per_token, [&](auto per_token) {
-            run(policy_chunk_kernel<scalar_t, decltype(cispo)::value, decltype(kl)::value,
-                                    decltype(per_token)::value>);
+          with_flag(has_kl && kl_type == fm::kKlK3Ratio, [&](auto ratio) {
+            constexpr bool kC = std::decay_t<decltype(cispo)>::value, kK = std::decay_t<decltype(kl)>::value,
+                           kR = std::decay_t<decltype(ratio)>::value;
+            if constexpr (kK || !kR) {
+              with_flag(adv_per_token, [&](auto per_token) {
+                run(policy_chunk_kernel<scalar_t, kC, kK, kR, std::decay_t<decltype(per_token)>::value>);
+              });
+            }
           });
         });
       });

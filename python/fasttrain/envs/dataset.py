@@ -24,8 +24,8 @@ rows have a `reward_model` dict and no `ground_truth` column, `ground_truth` is 
 Each reward function is one GDPO channel named after the function (its priority comes from
 `advantages.priorities`, default 1.0). It is called as TRL calls it:
 `f(prompts=..., completions=..., completion_ids=..., **columns)`, where a prompt is the dataset's
-value, a completion is the answer text (or `[{"role": "assistant", "content": text}]` when the
-prompt is a list of messages) and completion_ids are the sampled token ids up to and including
+value, a completion is the answer text as TRL decodes it (special tokens skipped, whitespace
+kept; or `[{"role": "assistant", "content": text}]` when the prompt is a list of messages) and completion_ids are the sampled token ids up to and including
 EOS. TRL's trainer-only hooks (`trainer_state`, `log_metric`, `log_extra`) are not passed: give
 such functions `**kwargs`. Functions run in the environment's worker pool with a deadline and a
 memory limit, `worker_memory_mb` (see fasttrain.envs.reward_functions and .worker_pool).
@@ -169,6 +169,9 @@ class DatasetEnvironment:
 
     data_slices = ("train",)
     answer_format = ""
+    # Reward functions get each answer as TRL's GRPOTrainer passes it: the completion decoded with its
+    # special tokens skipped, whitespace kept (fasttrain.train.answers.sample_answers).
+    decoded_answers = True
 
     def __init__(self, dataset: str = "", rewards: Sequence[str] = (), probe_dataset: str = "",
                  probe_rows: int = 0, system_prompt: str = "", reward_timeout: float = 30.0, core: str = "",

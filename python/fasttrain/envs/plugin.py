@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from .protocol import Channel, Environment, Prompt, Score, check_score, invalid_score
 
-BUILTINS = ("signal-a", "signal-b", "dataset")
+BUILTINS = ("signal-a", "signal-b", "dataset", "reasoning-gym")
 log = logging.getLogger("fasttrain.envs")
 
 
@@ -147,6 +147,9 @@ def load_env(spec: str, **kwargs: Any) -> Environment:
     if spec == "dataset":
         from .dataset import DatasetEnvironment
         return DatasetEnvironment(**kwargs)
+    if spec == "reasoning-gym":
+        from .reasoning_gym import ReasoningGymEnvironment
+        return ReasoningGymEnvironment(**kwargs)
     if spec in BUILTINS:
         from .signal_env import SignalEnvironment
         return SignalEnvironment(spec[-1], **kwargs)

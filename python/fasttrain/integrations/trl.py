@@ -26,12 +26,16 @@ What it is not. fasttrain's entropy carries no gradient, so when TRL's entropy b
 old-policy and reference passes still use fasttrain's); MoE models asking for the router loss and FSDP2
 (DTensor) lm_heads also keep TRL's head. Models whose logits TRL rescales or softcaps
 (`final_logit_softcapping`, `logit_scale`, `logits_scaling`, ...) and LoRA on the lm_head itself are
-refused by `patch`, with the reason. Generation (`fused_lm_head=False`) is never touched.
+refused by `patch`, with the reason. Generation (`fused_lm_head=False`) is never touched. With
+TRL's own `top_p < 1` or `top_k > 0`, `patch` warns: TRL samples from the truncated distribution but
+scores (and trains on) the whole vocabulary, and this patch keeps TRL's scoring as it is (fasttrain's
+own trainer records each token's kept set and scores on it: `rollout.top_p`, docs/design.md).
 """
 from __future__ import annotations
 
 import functools
 import types
+import warnings
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -88,7 +92,20 @@ def patch(trainer: GRPOTrainer) -> GRPOTrainer:
         raise TypeError(f"patch(trainer): expected a trl.GRPOTrainer, got {type(trainer).__name__}")
     for model, entropy_needs_grad in _scored_models(trainer):
         _install(model, temperature=float(trainer.temperature), entropy_needs_grad=entropy_needs_grad)
+    _warn_truncation(trainer)
     return trainer
+
+
+def _warn_truncation(trainer) -> None:
+    args = getattr(trainer, "args", None)
+    top_p = getattr(trainer, "top_p", getattr(args, "top_p", 1.0))
+    top_k = getattr(trainer, "top_k", getattr(args, "top_k", 0))
+    if (top_p is not None and top_p < 1.0) or (top_k is not None and top_k > 0):
+        warnings.warn(f"TRL samples with top_p={top_p}, top_k={top_k} but scores every token on the whole "
+                      "vocabulary: the importance ratio then measures the kept probability mass, not the policy's "
+                      "change, and the gradient, entropy and KL are those of another distribution than the one "
+                      "sampled from. fasttrain's own trainer (rollout.top_p / top_k / min_p) records each token's "
+                      "kept set and trains on it.", UserWarning, stacklevel=3)
 
 
 def unpatch(trainer: GRPOTrainer) -> GRPOTrainer:

@@ -7,6 +7,13 @@ For token n with logits z_n = (hidden_n . weight^T + bias) / temperature:
     entropy[n] = -sum_v p_nv log p_nv   (detached: no gradient flows through it)
 Tokens whose target equals `ignore_index` give 0 and no gradient.
 
+keep_delta (optional, [N] like targets): the kept set of a truncated draw (top_k / top_p / min_p),
+recorded by the sampler as delta_n = z_n[target] - z_cut >= 0 in temperature-scaled logits (+inf:
+the whole vocabulary). The op then scores q_n = softmax(z_n) restricted to
+K_n = {v : z_nv >= z_n[target] - delta_n} (ties at the cut kept, the target always in) and
+renormalised: logp = log q(target), entropy = H(q), and the gradients those of log q, in the same
+one pass over the vocabulary (the cut comes from one dot product h_n . W[target] before the chunks).
+
 The vocabulary is streamed in chunks with an online log-sum-exp (core/math.h), so memory beyond
 inputs and outputs is a bounded scratch (`chunk_bytes`, default 8 MiB on CPU), not N x V. When
 hidden requires grad, the forward also forms the per-token gradient vector
@@ -82,15 +89,17 @@ def fused_logprob(
     temperature: float = 1.0,
     ignore_index: int = -100,
     bias: torch.Tensor | None = None,
+    keep_delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log p(target) and entropy under softmax(hidden . weight^T / temperature).
 
     hidden [N, H] and weight [V, H] (and bias [V]) in bf16, fp16 or fp32 (fp64 for checks);
     targets [N] int64. Returns (logp [N], entropy [N]) in fp32 (fp64 for fp64 inputs); entropy is
     detached. Leading dimensions of hidden/targets ([B, T, H] / [B, T]) are flattened and restored.
+    keep_delta: targets' shape, float: score each token on its kept set (see the module docstring).
     """
     if _use_reference():
-        return _reference.fused_logprob(hidden, weight, targets, temperature, ignore_index, bias)
+        return _reference.fused_logprob(hidden, weight, targets, temperature, ignore_index, bias, keep_delta)
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fused_logprob: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -99,28 +108,33 @@ def fused_logprob(
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"fused_logprob: targets must have shape {tuple(hidden.shape[:-1])} (hidden's leading "
                          f"dims), got {tuple(targets.shape)}")
+    if keep_delta is not None:
+        if not isinstance(keep_delta, torch.Tensor) or keep_delta.shape != targets.shape:
+            raise ValueError(f"fused_logprob: keep_delta must be a tensor of targets' shape {tuple(targets.shape)}")
+        keep_delta = keep_delta.reshape(-1).to(_acc_dtype(hidden.dtype))
     lead = hidden.shape[:-1]
     h2 = hidden.reshape(targets.numel(), hidden.shape[-1])  # not -1: hidden may be [N, 0]
     t1 = targets.reshape(-1)
     compute_grad = torch.is_grad_enabled() and hidden.requires_grad
     logp, entropy = _FusedLogprob(h2, weight, t1, bias, float(temperature), int(ignore_index), compute_grad,
-                                  _CHUNK_BYTES)
+                                  _CHUNK_BYTES, keep_delta)
     return logp.view(lead), entropy.view(lead)
 
 
-def _FusedLogprob(hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes):
+def _FusedLogprob(hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes,
+                  keep_delta=None):
     logp, entropy, _stats, _gv = _ops.fused_logprob_forward(hidden, weight, targets, bias, temperature,
-                                                          ignore_index, compute_grad, chunk_bytes)
+                                                          ignore_index, compute_grad, chunk_bytes, keep_delta)
     return logp, entropy
 
 
 @torch.library.register_fake("fasttrain::fused_logprob_forward")
-def _(hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes):
+def _(hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes, keep_delta=None):
     n, h = hidden.shape
     acc = _acc_dtype(hidden.dtype)
     vec = hidden.new_empty((n, h) if compute_grad else (0, h), dtype=acc)
     return (hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc),
-            hidden.new_empty((2, n), dtype=acc), vec)
+            hidden.new_empty((2 if keep_delta is None else 3, n), dtype=acc), vec)
 
 
 @torch.library.register_fake("fasttrain::fused_logprob_backward_weight")
@@ -130,7 +144,7 @@ def _(grad_logp, hidden, weight, targets, bias, stats, temperature, ignore_index
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes = inputs
+    hidden, weight, targets, bias, temperature, ignore_index, compute_grad, chunk_bytes = inputs[:8]
     logp, entropy, stats, grad_vec = output
     ctx.mark_non_differentiable(entropy, stats, grad_vec)
     ctx.hidden_dtype = hidden.dtype
@@ -159,7 +173,8 @@ def _backward(ctx, grad_logp, grad_entropy, grad_stats, grad_vec_out):
             d_weight = gw
         if bias is not None and ctx.needs_input_grad[3]:
             d_bias = gb.to(bias.dtype)
-    return d_hidden, d_weight, None, d_bias, None, None, None, None
+    # one gradient per input the op was called with (the dispatcher leaves out keep_delta when it is None)
+    return (d_hidden, d_weight, None, d_bias) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 torch.library.register_autograd("fasttrain::fused_logprob_forward", _backward, setup_context=_setup_context)

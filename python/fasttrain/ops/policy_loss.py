@@ -1,4 +1,4 @@
-"""Fused policy loss: CISPO, DAPO or GRPO with k3 KL, REPO-R advantage rescaling and a token mask.
+"""Fused policy loss: CISPO, DAPO or GRPO with a KL term, REPO-R advantage rescaling and a token mask.
 
 Per token (the recipe in docs/design.md), with r = exp(logp - old_logp):
   A'    = A * (1 - zeta * log p) if A > 0, A * (1 + zeta * log p) if A < 0   (REPO-R; log p detached,
@@ -6,7 +6,11 @@ Per token (the recipe in docs/design.md), with r = exp(logp - old_logp):
   CISPO   -sg(min(r, cispo_cap)) * A' * logp                       (MiniMax-M1, 2025)
   DAPO    -min(r A', clip(r, 1 - eps_low, 1 + eps_high) A')         (Yu et al. 2025, clip-higher)
   GRPO    as DAPO with eps_high = eps_low, per-sequence mean, then mean over sequences
-  KL      beta * (exp(ref - logp) - (ref - logp) - 1)              (k3, Schulman 2020)
+  KL      kl = "k3_ratio" (the default): beta * r * k3, r differentiable   (DeepSeek-V3.2 §3.1)
+          kl = "k3":                     beta * k3, k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman 2020)
+          The first's gradient, beta * r * (logp - ref), is the unbiased estimate of the gradient of
+          KL(pi || pi_ref) over tokens sampled from pi_old; the second's is the forward KL's on-policy and
+          neither KL's off-policy (docs/recipes.md derives both). Neither is clamped.
 Aggregation (CISPO, DAPO): sum over active tokens of mask * loss / normalizer, normalizer = the
 active tokens of this batch, or `token_normalizer` (the whole batch's count, so micro-batches
 accumulate to the big batch's gradient). GRPO: `token_normalizer` replaces the number of sequences.
@@ -26,9 +30,12 @@ from fasttrain.ops.kernels import use_reference as _use_reference
 _load()
 _ops = torch.ops.fasttrain
 
-__all__ = ["policy_loss", "POLICY_LOSS_STATS", "POLICY_LOSSES"]
+__all__ = ["policy_loss", "POLICY_LOSS_STATS", "POLICY_LOSSES", "POLICY_KLS"]
 
 POLICY_LOSSES = {"cispo": 0, "dapo": 1, "grpo": 2}
+# The op's kl_type (core/math.h PolicyKlKind). The op's own schema defaults to 0 (k3), what it
+# computed before the choice existed; this function defaults to "k3_ratio".
+POLICY_KLS = {"k3": 0, "k3_ratio": 1}
 # Order of the op's stats vector (core/math.h PolicyStat).
 POLICY_LOSS_STATS = ("ratio_mean", "clip_low_frac", "clip_high_frac", "cap_frac", "kl_mean",
                      "repo_r_factor_mean", "active_tokens")
@@ -38,13 +45,16 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 loss: str = "cispo", ref_logp: torch.Tensor | None = None, beta: float = 0.0,
                 eps_low: float = 0.2, eps_high: float = 0.28, cispo_cap: float = 1.2, zeta: float = 0.0,
-                token_normalizer: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                token_normalizer: float | torch.Tensor | None = None,
+                kl: str = "k3_ratio") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss of a batch and its statistics.
 
     logp [B, T] (requires grad), old_logp [B, T], ref_logp [B, T] or None, mask [B, T] bool or float
     (float values weight the tokens), advantages [B], [B, 1] or [B, T]. Returns (loss fp32 [],
     stats: dict of fp32 [] tensors named in POLICY_LOSS_STATS); stats are over this batch's active tokens
-    (KL without beta; the REPO-R factor over tokens with A != 0) and carry no gradient.
+    (kl_mean: the KL term the loss holds, without beta: r * k3 for "k3_ratio", k3 for "k3"; the REPO-R
+    factor over tokens with A != 0) and carry no gradient. `kl`: the estimator, used when ref_logp is
+    given and beta != 0. The KL is charged on the tokens of `mask`, the same as the policy term.
     """
     # This wrapper's cost is the op's fixed cost at small batches (15k tokens: the kernel is tens of
     # microseconds): it converts only what does not already fit, and the gradient is the op's C++
@@ -52,10 +62,13 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if _use_reference():
         return _reference.policy_loss(logp, old_logp, advantages, mask, loss=loss, ref_logp=ref_logp, beta=beta,
                                       eps_low=eps_low, eps_high=eps_high, cispo_cap=cispo_cap, zeta=zeta,
-                                      token_normalizer=token_normalizer)
+                                      token_normalizer=token_normalizer, kl=kl)
     loss_type = POLICY_LOSSES.get(loss)
     if loss_type is None:
         raise ValueError(f"policy_loss: loss must be one of {sorted(POLICY_LOSSES)}, got {loss!r}")
+    kl_type = POLICY_KLS.get(kl)
+    if kl_type is None:
+        raise ValueError(f"policy_loss: kl must be one of {sorted(POLICY_KLS)}, got {kl!r}")
     for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp)):
         if t is None and name == "ref_logp":
             continue
@@ -98,7 +111,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             raise ValueError(f"policy_loss: token_normalizer must be > 0, got {token_normalizer}")
         norm_value = float(token_normalizer)
     out, stats, _, _ = _policy_loss(logp, old_logp, advantages, mask, ref_logp, norm_tensor, loss_type, float(beta),
-                                    float(eps_low), float(eps_high), float(cispo_cap), float(zeta), norm_value)
+                                    float(eps_low), float(eps_high), float(cispo_cap), float(zeta), norm_value,
+                                    kl_type)
     return out, dict(zip(POLICY_LOSS_STATS, stats.unbind()))  # views: one op, no copies; stats has no grad
 
 
@@ -107,7 +121,7 @@ _policy_loss = _ops.policy_loss.default
 
 @torch.library.register_fake("fasttrain::policy_loss")
 def _(logp, old_logp, advantages, mask, ref_logp, token_normalizer, loss_type, beta, eps_low, eps_high, cispo_cap,
-      zeta, token_normalizer_value):
+      zeta, token_normalizer_value, kl_type=0):
     B = logp.shape[0]
     f32 = dict(dtype=torch.float32)
     return (logp.new_empty((), **f32), logp.new_empty((len(POLICY_LOSS_STATS),), **f32),

@@ -39,6 +39,7 @@ NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098144
               0.7229568362236023, 1.0)
 ABSMAX_BLOCKSIZE = 256  # blocksize of the double-quantized absmax (bitsandbytes')
 POLICY_LOSSES = ("cispo", "dapo", "grpo")
+POLICY_KLS = ("k3", "k3_ratio")
 POLICY_LOSS_STATS = ("ratio_mean", "clip_low_frac", "clip_high_frac", "cap_frac", "kl_mean",
                      "repo_r_factor_mean", "active_tokens")
 
@@ -168,11 +169,14 @@ def nf4_dequantize(packed: torch.Tensor, state, dtype: torch.dtype | None = None
 
 # ---- fused_logprob -----------------------------------------------------------------------------
 def fused_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                  ignore_index: int = -100, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  ignore_index: int = -100, bias: torch.Tensor | None = None,
+                  keep_delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and entropy of softmax((hidden·weightᵀ + bias) / temperature) from the full logits.
 
     Returns (logp, entropy) in float32 (float64 for float64 hidden), entropy detached; tokens whose
-    target is ignore_index give 0 and no gradient. Leading dims of hidden/targets are kept."""
+    target is ignore_index give 0 and no gradient. Leading dims of hidden/targets are kept.
+    keep_delta (targets' shape): the softmax restricted to each token's kept set
+    {v : z_v >= z_target - delta} plus the target, renormalised (+inf: the whole vocabulary)."""
     if hidden.dim() < 2:
         raise ValueError(f"fused_logprob: hidden must be [N, H] (or [..., H]), got shape {tuple(hidden.shape)}")
     if targets.shape != hidden.shape[:-1]:
@@ -193,7 +197,14 @@ def fused_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     z = h.to(acc) @ weight.to(acc).T
     if bias is not None:
         z = z + bias.to(acc)
-    ls = torch.log_softmax(z / temperature, dim=-1)
+    z = z / temperature
+    if keep_delta is not None:
+        d = keep_delta.reshape(-1).to(acc)
+        zt = z.gather(1, torch.where(keep, t, 0)[:, None])[:, 0]
+        cut = torch.where(torch.isinf(d) & (d > 0), torch.full_like(zt, -float("inf")), zt - d)
+        onehot = torch.zeros_like(z, dtype=torch.bool).scatter_(1, torch.where(keep, t, 0)[:, None], True)
+        z = torch.where((z >= cut.detach()[:, None]) | onehot, z, torch.full_like(z, -float("inf")))
+    ls = torch.log_softmax(z, dim=-1)
     zero = torch.zeros((), dtype=acc, device=h.device)
     logp = torch.where(keep, ls.gather(1, torch.where(keep, t, 0)[:, None]).squeeze(1), zero)
     with torch.no_grad():
@@ -204,12 +215,15 @@ def fused_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 
 # ---- policy_loss -------------------------------------------------------------------------------
 def policy_loss_terms(logp, old_logp, advantages, mask, *, loss="cispo", ref_logp=None, beta=0.0, eps_low=0.2,
-                      eps_high=0.28, cispo_cap=1.2, zeta=0.0) -> dict[str, torch.Tensor]:
+                      eps_high=0.28, cispo_cap=1.2, zeta=0.0, kl="k3_ratio") -> dict[str, torch.Tensor]:
     """Per-token parts of the policy loss [B, T] in the compute dtype: `loss` (mask-weighted, 0 on
-    inactive tokens, differentiable in logp), and detached `ratio`, `kl`, `factor`, `clip_low`,
-    `clip_high`, `capped`, `weight` (the mask as numbers), `nonzero_adv`."""
+    inactive tokens, differentiable in logp), and detached `ratio`, `kl` (the KL term without beta:
+    r * k3 for kl="k3_ratio", k3 for "k3"), `factor`, `clip_low`, `clip_high`, `capped`, `weight`
+    (the mask as numbers), `nonzero_adv`. The KL's gradient is autograd's, through r and k3."""
     if loss not in POLICY_LOSSES:
         raise ValueError(f"policy_loss: loss must be one of {sorted(POLICY_LOSSES)}, got {loss!r}")
+    if kl not in POLICY_KLS:
+        raise ValueError(f"policy_loss: kl must be one of {sorted(POLICY_KLS)}, got {kl!r}")
     ct = _acc(logp.dtype, old_logp.dtype, *(() if ref_logp is None else (ref_logp.dtype,)))
     lp = logp.to(ct)
     w = mask.detach().to(ct)
@@ -237,22 +251,25 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, loss="cispo", ref_log
         hi = 1 + (eps_low if loss == "grpo" else eps_high)
         per = -torch.minimum(r * a, torch.clamp(r, 1 - eps_low, hi) * a)
         clip_low, clip_high, capped = ((a < 0) & (rd < 1 - eps_low)).to(ct), ((a > 0) & (rd > hi)).to(ct), no
-    kl = no
+    kl_term = no
     if ref_logp is not None and beta != 0.0:
         d = torch.where(on, ref_logp.detach().to(ct), lp.detach()) - lp
         kl_t = torch.exp(d) - d - 1
+        if kl == "k3_ratio":
+            kl_t = r * kl_t                                      # r in the graph: the gradient -r d
         per = per + beta * kl_t
-        kl = kl_t.detach()
+        kl_term = kl_t.detach()
     per = torch.where(on, per * w, zero)
-    return {"loss": per, "ratio": rd, "kl": kl, "factor": factor, "clip_low": clip_low, "clip_high": clip_high,
+    return {"loss": per, "ratio": rd, "kl": kl_term, "factor": factor, "clip_low": clip_low, "clip_high": clip_high,
             "capped": capped, "weight": torch.where(on, w, zero), "nonzero_adv": (on & (adv != 0)).to(ct)}
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 loss: str = "cispo", ref_logp: torch.Tensor | None = None, beta: float = 0.0,
                 eps_low: float = 0.2, eps_high: float = 0.28, cispo_cap: float = 1.2, zeta: float = 0.0,
-                token_normalizer: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO / DAPO / GRPO loss with k3 KL and REPO-R, as fasttrain.ops.policy_loss: (loss [], stats).
+                token_normalizer: float | torch.Tensor | None = None,
+                kl: str = "k3_ratio") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO / DAPO / GRPO loss with a KL (k3_ratio or k3) and REPO-R, as fasttrain.ops.policy_loss: (loss [], stats).
 
     Loss and stats in float32 (float64 when an input is float64); the gradient reaches logp only."""
     if logp.dim() != 2:
@@ -265,7 +282,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if token_normalizer is not None and not isinstance(token_normalizer, torch.Tensor) and not token_normalizer > 0:
         raise ValueError(f"policy_loss: token_normalizer must be > 0, got {token_normalizer}")
     p = policy_loss_terms(logp, old_logp, advantages, mask, loss=loss, ref_logp=ref_logp, beta=beta,
-                          eps_low=eps_low, eps_high=eps_high, cispo_cap=cispo_cap, zeta=zeta)
+                          eps_low=eps_low, eps_high=eps_high, cispo_cap=cispo_cap, zeta=zeta, kl=kl)
     per, w = p["loss"], p["weight"]
     ct = per.dtype
     norm = None

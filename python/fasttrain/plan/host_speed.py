@@ -127,7 +127,8 @@ def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: 
     rollout += L * n * P * (_elementwise(m, not dense_rollout) + rep) / ew
     chunks = -(-n // s.prefill_prompts)                     # prefill chunks: each pays the per-call costs
     rollout += chunks * ((0 if dense_rollout else dequant) + L * r.forward_layer + r.forward_call)
-    rollout += 2.0 * n * H * V / r.rows_matmul(compute_dtype, n) + n * V / r.sampling
+    draw = r.sampling_sorted if s.sort_draw and r.sampling_sorted > 0 else r.sampling   # top_p's sort
+    rollout += 2.0 * n * H * V / r.rows_matmul(compute_dtype, n) + n * V / draw
     weights = (m.linear_params * cb if dense_rollout else nf4_bytes) + V * H * m.w + m.resident.get("moe_router", 0)
     kv_col = L * 2 * m.kv_heads * m.head_dim * m.w            # bytes of one cache column of one row
     if measure_shapes:
@@ -141,7 +142,7 @@ def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: 
         attn = _attn(m, B * keys) / decode_attn
         rollout += max(arith, reads) + attn + (0 if dense_rollout else dequant)
         rollout += moe_speed.decode_seconds(m, B, er) if moe else 0.0
-        rollout += B * V / r.sampling + L * r.decode_layer + r.decode_call
+        rollout += B * V / draw + L * r.decode_layer + r.decode_call
         rollout += L * B * (_elementwise(m, not dense_rollout) + 2.0 * kd) / ew
     # one shared-prefix pass over the batch: each micro-batch runs its distinct prompts once
     fwd_arith = fwd_ew = fwd_attn = fwd_moe = train_moe = 0.0

@@ -421,7 +421,8 @@ def _logprob_head(m: ModelShape, dev: Device, n_tok: int, grad: bool) -> int:
     return b + _logprob_scratch(m, dev, n_tok, grad)
 
 
-def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: int, T: int, dense: bool) -> dict:
+def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: int, T: int, dense: bool,
+             sort: bool = False, truncated: bool = False) -> dict:
     """One wave of a rollout of n_all prompts: n prompts' G answers decoded at once, prefilled c
     prompts at a time, the earlier waves' outputs kept (the trainer joins the waves at the end)."""
     w, L, H, V, D = m.w, m.layers, m.hidden, m.vocab, m.head_dim
@@ -441,7 +442,7 @@ def _rollout(m: ModelShape, dev: Device, n_all: int, n: int, c: int, G: int, P: 
     prefill = small + masks + c * P * H * w + 2 * n * S * rot * w + n * H * w + \
         lay.prefill_layer_peak(m, c, P, _live_output_bytes(m, dev), dense) + c * V * (w + 4) + \
         _upcast(m, dev, c, dense, head=True)
-    sampling, step = _decode_step(m, dev, B, S, dense)
+    sampling, step = _decode_step(m, dev, B, S, dense, sort, truncated)
     decode = rope_b + sampling + step
     # the re-merge of the dense copy before sampling: one projection's merged weight in fp32 (fp64);
     # packed (fasttrain.nn.rollout_weights.packable), also its group's plain scratch and the new
@@ -486,7 +487,8 @@ def _group_sizes(m: ModelShape) -> list[int]:
     return [(qd + 2 * kd) * H, 2 * I * H, H * qd, H * I]
 
 
-def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tuple[int, int]:
+def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool, sort: bool = False,
+                 truncated: bool = False) -> tuple[int, int]:
     """(sampling buffers, a layer's locals) of one decode step of B rows over S cache columns."""
     w = m.w
     c = _compute_bytes(m, dev)
@@ -496,6 +498,11 @@ def _decode_step(m: ModelShape, dev: Device, B: int, S: int, dense: bool) -> tup
     # tempered logits, then their exps' running sum, in place) beside the logits in dtype; at the
     # next step's head, the last logits and the new ones
     sampling = B * V * (8 + 2 * w)
+    # top_p's sort (fasttrain.rollout.sampling.kept_cut): the sorted float64 row, its exps' running
+    # sum and one more exp beside the draw's buffer; the sort's int64 indices before that; the mask
+    # of dropped tokens (one byte each). Any truncation after the cut: that mask and a float64
+    # temporary (the largest dropped logit), 9 bytes a logit, under the sort's 25
+    sampling += B * V * (24 + 1) if sort else (B * V * 9 if truncated else 0)
     # a layer's locals: attention's fp32 scores [B, heads, S], or a hybrid's Gated DeltaNet step
     step = B * 4 * H * w + lay.decode_mlp(m, B) + max(B * m.heads * S * 4, lay.decode_locals(m, B))
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
@@ -613,14 +620,15 @@ def rollout_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict:
     s.prefill_prompts at a time."""
     base = resident_base(m, s, dev)
     return {**base, **_rollout(m, dev, s.prompts, s.wave_prompts, s.prefill_prompts, s.group, s.prompt_tokens,
-                               s.new_tokens, base["rollout_weights"] > 0)}
+                               s.new_tokens, base["rollout_weights"] > 0, s.sort_draw, s.truncated_draw)}
 
 
 def probe_phase(m: ModelShape, s: RunShape, dev: Device = Device()) -> dict:
     """{part: bytes} at the probe's peak (the rollout's formula with the probe's shape and waves)."""
     base = resident_base(m, s, dev)
     return {**base, **_rollout(m, dev, s.probe_prompts, s.probe_wave_prompts, s.probe_prefill_prompts,
-                               s.probe_samples, s.prompt_tokens, s.probe_new_tokens, base["rollout_weights"] > 0)}
+                               s.probe_samples, s.prompt_tokens, s.probe_new_tokens, base["rollout_weights"] > 0,
+                               s.probe_sort_draw, s.probe_truncated_draw)}
 
 
 def _batch_bytes(s: RunShape) -> int:

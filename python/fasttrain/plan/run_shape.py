@@ -43,6 +43,13 @@ class RunShape:
     prefill_chunk: int = 0
     probe_wave: int = 0
     probe_prefill_chunk: int = 0
+    # rollout.top_p < 1 with no top_k: the draw sorts each row's logits (fasttrain.rollout.sampling
+    # kept_cut), in time and memory; any truncation: the dropped-token mask and the largest dropped
+    # logit's float64 temporary (top_k's partial sort of k values is small)
+    sort_draw: bool = False
+    probe_sort_draw: bool = False
+    truncated_draw: bool = False
+    probe_truncated_draw: bool = False
 
     @property
     def rows(self) -> int:
@@ -91,4 +98,14 @@ def run_shape(cfg, prompt_tokens: int) -> RunShape:
         probe_samples=cfg.probe.samples, probe_new_tokens=cfg.probe.max_new_tokens or r.max_new_tokens,
         probe_every=cfg.probe.every, rollout_weights=getattr(r, "base_weights", "auto"),
         wave=getattr(r, "wave_prompts", 0), prefill_chunk=getattr(r, "prefill_prompts", 0),
-        probe_wave=getattr(cfg.probe, "wave_prompts", 0), probe_prefill_chunk=getattr(cfg.probe, "prefill_prompts", 0))
+        probe_wave=getattr(cfg.probe, "wave_prompts", 0), probe_prefill_chunk=getattr(cfg.probe, "prefill_prompts", 0),
+        sort_draw=_sorts(r), probe_sort_draw=_sorts(cfg.probe), truncated_draw=_truncates(r),
+        probe_truncated_draw=_truncates(cfg.probe))
+
+
+def _sorts(section) -> bool:
+    return getattr(section, "top_p", 1.0) < 1.0 and getattr(section, "top_k", 0) == 0
+
+
+def _truncates(section) -> bool:
+    return getattr(section, "top_p", 1.0) < 1.0 or getattr(section, "top_k", 0) > 0 or getattr(section, "min_p", 0.0) > 0

@@ -2,6 +2,6 @@
 behaviour log-probs)."""
 
 from .decoder import LlamaFamilyDecoder
-from .sampling import Rollout, sample
+from .sampling import Rollout, Truncation, sample
 
-__all__ = ["LlamaFamilyDecoder", "Rollout", "sample"]
+__all__ = ["LlamaFamilyDecoder", "Rollout", "Truncation", "sample"]

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .families import decoder_for
-from .sampling import Rollout, _check, _default_pad, draw_tokens, left_padded
+from .sampling import Rollout, Truncation, _check, _default_pad, draw_tokens, left_padded
 
 # end_of_turn(rows, turn_ids, room) -> one entry per row: context token ids to append, or None
 EndOfTurn = Callable[[list[int], list[list[int]], list[int]], list["list[int] | None"]]
@@ -51,7 +51,7 @@ def _fits(row: int, context: list[int], room: int) -> bool:
 def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int,
                  temperature: float, eos_token_ids: Sequence[int] | int, seed: int | Sequence[int],
                  end_of_turn: EndOfTurn, pad_token_id: int | None = None, weights=None,
-                 replay: Sequence[Sequence[int]] | None = None) -> Rollout:
+                 replay: Sequence[Sequence[int]] | None = None, truncation: Truncation | None = None) -> Rollout:
     """Multi-turn answers (module docstring). A model turn ends at one of `eos_token_ids` (needed:
     a turn must end). `end_of_turn` is called once per step with the rows whose turn ended there
     and that have room left; a context turn longer than its row's room is an error (the caller
@@ -59,7 +59,10 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
 
     replay: per row, the token ids its model turns emit, in order, instead of sampled ones (a row
     whose list runs out samples again); their log-probs are still the model's. It drives the same
-    model turns through this rollout and another trainer's loop, for comparisons and tests."""
+    model turns through this rollout and another trainer's loop, for comparisons and tests; a replayed
+    token's kept set is the whole vocabulary (it was not drawn from a truncated set).
+    truncation: top_k / top_p / min_p as in fasttrain.rollout.sampling.sample (Rollout.keep_delta:
+    +inf on context tokens)."""
     dec = decoder_for(model, weights)
     if not hasattr(dec, "step_rows"):           # the per-row step with held tokens (both families have it)
         raise ValueError(f"sample_turns: multi-turn answers (tools) need a decoder with a per-row step; "
@@ -100,6 +103,8 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
     prompt_len = key_valid.sum(1)                                            # [B] positions start here
     tokens = torch.full((B, M), pad, dtype=torch.long, device=device)
     logps = torch.zeros((B, M), dtype=torch.float32, device=device)
+    truncated = truncation is not None and truncation.active(vocab) and temperature > 0
+    deltas = torch.full((B, M), float("inf"), device=device) if truncated else None
     action = torch.zeros((B, M), dtype=torch.bool, device=device)
     n = torch.zeros(B, dtype=torch.long, device=device)                     # completion tokens so far
     turn_start = torch.zeros(B, dtype=torch.long, device=device)
@@ -117,14 +122,20 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
         return h
 
     while bool(live.any()):
-        tok, tok_logp = draw_tokens(logits, temperature, gens, per_gen, work)
+        tok, tok_logp, delta = draw_tokens(logits, temperature, gens, per_gen, work, truncation)
         if replay is not None:
+            drawn = tok
             tok = _replayed(tok, replay, action.sum(1).tolist())
             logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
-            tok_logp = logp.gather(1, tok[:, None])[:, 0]
+            tok_logp = torch.where(tok == drawn, tok_logp, logp.gather(1, tok[:, None])[:, 0]) \
+                if delta is not None else logp.gather(1, tok[:, None])[:, 0]
+            if delta is not None:
+                delta = torch.where(tok == drawn, delta, float("inf"))
         b = rows_all[live]
         tokens[b, n[b]] = tok[b]
         logps[b, n[b]] = tok_logp[b]
+        if deltas is not None and delta is not None:
+            deltas[b, n[b]] = delta[b]
         action[b, n[b]] = True
         ended = live & torch.isin(tok, eos_t)
         full = live & (n + 1 >= M)
@@ -171,4 +182,5 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
         completion_ids=completion_ids, completion_mask=completion_mask,
         action_mask=action[:, :T].contiguous(), lengths=n.clone(), prompt_index=rows_all // G,
         logprobs=logps[:, :T].contiguous(), finished=torch.isin(last, eos_t) & act_last & (n > 0),
-        group_size=G, routing=dec.routing_record(G, T) if hasattr(dec, "routing_record") else None)
+        group_size=G, routing=dec.routing_record(G, T) if hasattr(dec, "routing_record") else None,
+        keep_delta=None if deltas is None else deltas[:, :T].contiguous())

@@ -13,10 +13,26 @@ draws B·V exponentials a step, and ATen's CPU exponential_ with a generator run
 about 17 ns each: 42 ms of a 146 ms SmolLM2 decode step at 48 rows (vocabulary 49,152) on a
 2-core Xeon. The inverse CDF draws B uniforms and makes three vectorised passes over [B, V]
 (5 ms there), and the same distribution exactly up to float64 rounding of the sums.
+
+Truncated sampling (`Truncation`: top_k, top_p, min_p with transformers' meanings, applied in its
+order temperature, top_k, top_p, min_p): each filter keeps a prefix of the logits sorted in
+descending order, and a prefix of a prefix is a prefix, so the kept set is {v : z_v >= z_cut} for one
+cut per row. Ties at the cut are all kept (transformers splits tied logits arbitrarily at the top_p
+boundary by its sort order; a set that depends on a sort's tie order cannot be recorded by one
+number). The draw zeroes the weights below the cut, so the token and its log-prob are those of the
+kept set's renormalised softmax, and the row records delta = z_token - c > 0 with c midway between
+the smallest kept logit and the largest dropped one (fp32, rounded up), from which the update
+rebuilds the set relative to its own logit of the token (fasttrain.ops.fused_logprob's keep_delta):
+the midpoint leaves half the gap for the two forwards' rounding (a cut at the boundary logit itself
+would drop that token whenever the update's rounding puts it a hair lower). top_p alone reads the
+1024 largest logits (a partial sort) and sorts a row whole only where they hold less than top_p of
+its mass (one host sync a step to ask); on the 2-core EPYC, one thread, [16, 32768] float64: the
+whole sort 41 ms, topk(1024) 6 ms, the plain draw about 2 ms.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -57,6 +73,10 @@ class Rollout:
     # Mixture-of-experts policies: the experts each MoE layer chose for every forwarded token
     # [B, P+T, L_moe, k] (fasttrain.rollout.moe_decoder), replayed by the update; None otherwise.
     routing: Tensor | None = None
+    # Truncated sampling (top_k / top_p / min_p): each sampled token's kept set as delta = z_token -
+    # z_cut >= 0 in temperature-scaled logits [B, T] fp32 (+inf off the action mask), replayed by the
+    # scoring and the update (fasttrain.ops.fused_logprob keep_delta); None when untruncated.
+    keep_delta: Tensor | None = None
 
     def completion_texts(self, tokenizer, skip_special_tokens: bool = True) -> list[str]:
         """Decoded completions (masked tokens only)."""
@@ -64,6 +84,85 @@ class Rollout:
         for ids, n in zip(self.completion_ids.tolist(), self.lengths.tolist()):
             out.append(tokenizer.decode(ids[:n], skip_special_tokens=skip_special_tokens))
         return out
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """transformers' truncation knobs: top_k (0: off) keeps the k largest logits (ties at the k-th
+    kept), top_p (1: off) the smallest prefix by descending logit whose probability reaches top_p
+    (over what top_k kept), min_p (0: off) the tokens whose probability is at least min_p times the
+    largest. Applied after the temperature, in that order."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        problem = truncation_problem(self.top_k, self.top_p, self.min_p)
+        if problem:
+            raise ValueError(problem)
+
+    def active(self, vocab: int | None = None) -> bool:
+        return self.top_p < 1.0 or self.min_p > 0.0 or (self.top_k > 0 and (vocab is None or self.top_k < vocab))
+
+
+def truncation_problem(top_k, top_p, min_p) -> str | None:
+    """One line naming the first bad knob, or None (shared by the config's check)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        return f"top_k must be an int >= 0 (0: off), got {top_k!r}"
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        return f"top_p must be in (0, 1] (1: off), got {top_p!r}"
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not (0.0 <= min_p < 1.0):
+        return f"min_p must be in [0, 1) (0: off), got {min_p!r}"
+    return None
+
+
+TOP_P_LIST = 1024     # top_p's partial sort: the largest logits taken first (kept_cut)
+
+
+def _top_p_cut(vals: Tensor, e: Tensor, total: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """(top_p's cut [B, 1], rows whose every listed value is kept [B, 1] bool) from descending logits
+    vals [B, n] (a prefix of the row's sorted logits), their weights e = exp(vals - max) (overwritten)
+    and the row's total weight: transformers keeps a token while the mass above it is < top_p (the
+    first token always)."""
+    above = e.cumsum(-1).sub_(e)                                       # mass strictly above each
+    count = (above < top_p * total).sum(-1, keepdim=True)
+    return vals.gather(1, count.clamp(min=1) - 1), count >= vals.shape[1]
+
+
+def kept_cut(d: Tensor, m: Tensor, trunc: Truncation) -> Tensor:
+    """The cut z_cut [B, 1] of the kept set {v : d_v >= z_cut} of tempered logits d [B, V] (float64,
+    row max m [B, 1]). top_p reads a sorted prefix of the row: top_k's k values when top_k is on (ties
+    at the k-th value that topk leaves out come after every listed value, so they change no listed
+    value's mass above it, only the total), else the TOP_P_LIST largest, and the whole sorted row only
+    where those do not reach top_p. A cut inside the list is exact: every value above a listed one
+    is listed too."""
+    V = d.shape[1]
+    cut = torch.full_like(m, -float("inf"))
+    k = trunc.top_k if 0 < trunc.top_k < V else 0
+    if k:
+        vals = d.topk(k, dim=-1, sorted=True).values                  # [B, k] descending
+        cut = vals[:, -1:]
+    if trunc.top_p < 1.0:
+        if k:
+            e = (vals - m).exp_()
+            tied_out = (d == cut).sum(-1, keepdim=True) - (vals == cut).sum(-1, keepdim=True)
+            total = e.sum(-1, keepdim=True) + tied_out * (cut - m).exp()
+            cut = torch.maximum(cut, _top_p_cut(vals, e, total, trunc.top_p)[0])
+        else:
+            # the TOP_P_LIST largest first (a partial sort): where they reach top_p the cut is among
+            # them; only the other rows are sorted whole
+            total = (d - m).exp_().sum(-1, keepdim=True)
+            vals = d.topk(min(V, TOP_P_LIST), dim=-1, sorted=True).values
+            cut_p, whole = _top_p_cut(vals, (vals - m).exp_(), total, trunc.top_p)
+            if vals.shape[1] < V and bool(whole.any()):
+                rows = whole[:, 0].nonzero()[:, 0]
+                vs = d[rows].sort(dim=-1, descending=True).values      # [b, V]: top_p's sort
+                cut_p[rows] = _top_p_cut(vs, (vs - m[rows]).exp_(), total[rows], trunc.top_p)[0]
+            cut = torch.maximum(cut, cut_p)
+    if trunc.min_p > 0.0:
+        cut = torch.maximum(cut, m + math.log(trunc.min_p))
+    return cut
 
 
 def _check(prompt_ids, group_size, max_new_tokens, temperature, vocab):
@@ -96,11 +195,14 @@ def _uniforms(gens: list, rows: int, device) -> Tensor:
 
 
 def draw_tokens(logits: Tensor, temperature: float, gens: list, rows: int,
-                work: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                work: Tensor | None = None, truncation: Truncation | None = None
+                ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One token per row of `logits` [B, V] (any float dtype: the draw takes their values in float64)
-    from softmax(logits / temperature), and its log-prob.
+    from softmax(logits / temperature), truncated when `truncation` is active, and its log-prob.
 
-    Returns (tokens [B] long, log-probs [B] fp32). Rows [i·rows, (i+1)·rows) draw their uniforms from
+    Returns (tokens [B] long, log-probs [B] fp32, keep_delta [B] fp32 or None): with a truncation,
+    the log-prob is that of the kept set's renormalised softmax and keep_delta the token's kept set
+    (the module docstring); None when untruncated or greedy. Rows [i·rows, (i+1)·rows) draw their uniforms from
     gens[i], in row order, so each group's draws do not depend on which other groups share the batch.
     temperature 0 is greedy (the log-prob is then that of the untempered fp32 softmax). work: a
     float64 [B, V] buffer to draw in (a rollout passes the same one every step: a fresh 19 MB buffer
@@ -115,11 +217,21 @@ def draw_tokens(logits: Tensor, temperature: float, gens: list, rows: int,
     if temperature <= 0:
         logp = torch.log_softmax(logits.float(), dim=-1)
         tok = logp.argmax(-1)
-        return tok, logp.gather(1, tok[:, None])[:, 0]
+        return tok, logp.gather(1, tok[:, None])[:, 0], None
     d = logits.double() if work is None else work.copy_(logits)   # [B, V] float64: the one large buffer
     if temperature != 1.0:
         d.div_(temperature)
     m = d.amax(-1, keepdim=True)
+    cut = None
+    if truncation is not None and truncation.active(d.shape[1]):
+        cut = kept_cut(d, m, truncation)
+        drop = d < cut
+        # the recorded cut: midway to the largest dropped logit, so that another forward's rounding
+        # (the update's) moves no token across it; nothing dropped: the whole vocabulary
+        below = torch.where(drop, d, -float("inf")).amax(-1, keepdim=True)
+        cut = torch.where(below > -float("inf"), (cut + below) / 2, below)
+        d.masked_fill_(drop, -float("inf"))                # weight 0: never drawn, not in the sum
+        del drop
     c = d.sub_(m).exp_().cumsum_(-1)                       # in d's storage: no second [B, V] buffer
     total = c[:, -1:]
     u = _uniforms(gens, rows, d.device)
@@ -133,7 +245,12 @@ def draw_tokens(logits: Tensor, temperature: float, gens: list, rows: int,
     if temperature != 1.0:
         z = z / temperature
     picked = (z - m - total.log())[:, 0]
-    return tok, picked.float()
+    if cut is None:
+        return tok, picked.float(), None
+    delta = (z - cut)[:, 0]                                # +inf where nothing was dropped
+    d32 = delta.float()
+    d32 = torch.where(d32.double() < delta, torch.nextafter(d32, torch.full_like(d32, float("inf"))), d32)
+    return tok, picked.float(), d32
 
 
 def left_padded(prompt_ids: Sequence[Sequence[int]], P: int, pad: int, device) -> tuple[Tensor, Tensor]:
@@ -153,7 +270,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
            temperature: float = 1.0, eos_token_ids: Sequence[int] | int | None, seed: int | Sequence[int],
            pad_token_id: int | None = None, stop_strings: Sequence[str] = (),
            token_text: Callable[[int], str] | None = None, weights=None, compile: bool | str = False,
-           prefill_chunk: int = 0) -> Rollout:
+           prefill_chunk: int = 0, truncation: Truncation | None = None) -> Rollout:
     """Sample `group_size` completions of at most `max_new_tokens` for each prompt.
 
     eos_token_ids: ids that end a row (included in its completion); [] or None never stops
@@ -162,8 +279,9 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     token's text and is required with stop_strings. Matching is on text, not token ids, since
     BPE splits a string differently by context (SmolLM2: "</signal>" is 3 tokens, "</signal>."
     ends in the token ">."). The computation runs in the model's parameter dtype; the draw in
-    float64 (`draw_tokens`), the log-probs returned in fp32. Plain temperature sampling: no top-k/top-p (the behaviour policy is exactly
-    the model's). weights: dense rollout weights (fasttrain.nn.RolloutWeights, refreshed by the
+    float64 (`draw_tokens`), the log-probs returned in fp32. truncation: top_k / top_p / min_p
+    (`Truncation`); the behaviour log-probs are then the kept sets' and the rollout records each
+    token's set (Rollout.keep_delta). weights: dense rollout weights (fasttrain.nn.RolloutWeights, refreshed by the
     caller after each optimizer step) used in place of the NF4 projections; None runs the modules.
     compile: run the decode step through torch.compile (fasttrain.rollout.compiled_decode; the
     compiled step is kept per model, its first call per batch shape compiles); True is inductor,
@@ -234,6 +352,8 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     key_valid[:, :P] = valid.repeat_interleave(G, 0)
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    truncated = truncation is not None and truncation.active(vocab) and temperature > 0
+    deltas = torch.full((B, max_new_tokens), float("inf"), device=device) if truncated else None
     live = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stopped = torch.zeros(B, dtype=torch.bool, device=device)
@@ -242,10 +362,12 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     piece: dict[int, str] = {}
     steps = 0
     for t in range(max_new_tokens):
-        tok, tok_logp = draw_tokens(logits, temperature, gens, rows, work)
+        tok, tok_logp, delta = draw_tokens(logits, temperature, gens, rows, work, truncation)
         active = ~done
         tokens[:, t] = torch.where(active, tok, pad)
         logps[:, t] = torch.where(active, tok_logp, 0.0)
+        if deltas is not None and delta is not None:
+            deltas[:, t] = torch.where(active, delta, float("inf"))
         live[:, t] = active
         if eos_t.numel():
             done = done | (active & torch.isin(tok, eos_t))
@@ -295,4 +417,5 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
         prompt_len=P, completion_ids=completion_ids, completion_mask=completion_mask, action_mask=completion_mask,
         lengths=lengths, prompt_index=torch.arange(B, device=device) // G,
         logprobs=logps[:, :T].contiguous(), finished=finished, group_size=G,
+        keep_delta=None if deltas is None else deltas[:, :T].contiguous(),
         routing=dec.routing_record(G, T) if hasattr(dec, "routing_record") else None)

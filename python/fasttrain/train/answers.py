@@ -66,15 +66,18 @@ def answer_token_ids(roll) -> list[list[int]]:
 def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_size: int,
                    max_new_tokens: int, temperature: float, seed: int | Sequence[int], answer_prefix: str = "",
                    stop_strings: Sequence[str] = (), weights=None, compile_decode: bool = False,
-                   tool_settings: dict | None = None, prefill_chunk: int = 0):
+                   tool_settings: dict | None = None, prefill_chunk: int = 0, truncation=None):
     """(rollout, answer texts [B]); rows grouped by prompt (row b answers prompts[b // G]).
-    Each answer text is `answer_prefix` + the decoded completion, cut at the end of the turn;
+    Each answer text is `answer_prefix` + the decoded completion (special tokens skipped), cut at
+    the end of the turn and stripped (fasttrain.models.extract_answer), or left as decoded for an
+    environment with `decoded_answers = True` (TRL's reward-function text, the dataset environment);
     a row stops at EOS or once its text contains one of `stop_strings`. `weights`: dense rollout
     weights (fasttrain.nn.RolloutWeights), re-merged here if the adapters changed since the last
     call; `compile_decode`: the decode step through torch.compile; `prefill_chunk`: prompts
     prefilled at once (0: all). An environment with tools
     (`env.tool_workers`) gets multi-turn answers (fasttrain.train.tool_rollout) with
-    `tool_settings` (max_tool_calls); the rollout then carries the conversations."""
+    `tool_settings` (max_tool_calls); the rollout then carries the conversations. `truncation`:
+    top_k / top_p / min_p (fasttrain.rollout.sampling.Truncation, or None: plain temperature)."""
     from fasttrain.models import extract_answer
     from fasttrain.rollout import sample
 
@@ -95,21 +98,30 @@ def sample_answers(model, tokenizer, env, prompts: Sequence[Prompt], *, group_si
             return sample_tool_answers(model, tokenizer, env, prompts, group_size=group_size,
                                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                        eos_token_ids=eos_ids(model, tokenizer), weights=weights,
-                                       **(tool_settings or {}))
+                                       truncation=truncation, **(tool_settings or {}))
         roll = sample(model, prompt_token_ids(tokenizer, env, prompts, answer_prefix), group_size=group_size,
                       max_new_tokens=max_new_tokens, temperature=temperature,
                       eos_token_ids=eos_ids(model, tokenizer), seed=seed, stop_strings=stop_strings,
                       token_text=lambda i: tokenizer.decode([i]), weights=weights, compile=compile_decode,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, truncation=truncation)
     finally:
         if cfg is not None:
             cfg.use_cache = use_cache
         model.train(was)
     ids = roll.completion_ids.cpu()
     mask = roll.completion_mask.cpu().bool()
-    texts = [extract_answer(answer_prefix + tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True))
-             for b in range(ids.shape[0])]
-    return roll, texts
+    decoded = [answer_prefix + tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(ids.shape[0])]
+    if getattr(env, "decoded_answers", False):      # TRL's reward functions get the decoded text as it is
+        return roll, decoded
+    return roll, [extract_answer(t) for t in decoded]
+
+
+def truncation_of(section):
+    """The sampler's Truncation from a config section's top_k, top_p and min_p (rollout or probe),
+    or None when they are all off."""
+    from fasttrain.rollout.sampling import Truncation
+    t = Truncation(section.top_k, section.top_p, section.min_p)
+    return t if t.active() else None
 
 
 def join_rollouts(parts: Sequence, pad_id: int):
@@ -128,6 +140,8 @@ def join_rollouts(parts: Sequence, pad_id: int):
         return torch.nn.functional.pad(x, (left, right), value=value)
 
     ids, att, comp, cmask, amask, logp, offset, index = [], [], [], [], [], [], 0, []
+    kept = any(r.keep_delta is not None for r in parts)
+    deltas = []
     for r in parts:
         left, right = P - r.prompt_len, T - r.completion_ids.shape[1]
         ids.append(pad(r.input_ids, left, right, pad_id))
@@ -136,6 +150,9 @@ def join_rollouts(parts: Sequence, pad_id: int):
         cmask.append(pad(r.completion_mask, 0, right, False))
         amask.append(pad(r.action_mask, 0, right, False))
         logp.append(pad(r.logprobs, 0, right, 0.0))
+        if kept:   # +inf: the whole vocabulary (an untruncated chunk, the padding)
+            d = r.keep_delta if r.keep_delta is not None else torch.full_like(r.logprobs, float("inf"))
+            deltas.append(pad(d, 0, right, float("inf")))
         index.append(r.prompt_index + offset)
         offset += r.completion_ids.shape[0] // G
     attention_mask = torch.cat(att)
@@ -148,7 +165,7 @@ def join_rollouts(parts: Sequence, pad_id: int):
                                   else [c for r in parts for c in r.conversations]),
                    tool_stats=(None if parts[0].tool_stats is None
                                else {k: sum(r.tool_stats[k] for r in parts) for k in parts[0].tool_stats}),
-                   routing=join_routing(parts, P, T))
+                   routing=join_routing(parts, P, T), keep_delta=torch.cat(deltas) if kept else None)
 
 
 def has_slice(env, name: str) -> bool:

@@ -15,6 +15,7 @@ import math
 import re
 import tomllib
 import typing
+import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, Literal
 
 __all__ = ["ConfigError", "Config", "load_config", "load_recipe", "recipe_path", "list_recipes",
            "apply_overrides", "config_to_toml", "config_hash", "SEED_PRIORITIES", "RESUME_CHANGEABLE",
-           "resume_changes"]
+           "resume_changes", "saved_run_data"]
 
 
 class ConfigError(ValueError):
@@ -107,9 +108,23 @@ class EnvSection:
     tools: tuple[str, ...] = ()             # "module:function" or "path/file.py:function"
     environment: str = ""                   # "module:Class" with reset(**row), tools as methods
     tool_timeout: float = 10.0              # seconds per tool call; past it the call is an error
+    # name = "reasoning-gym" (fasttrain.envs.reasoning_gym): reasoning-gym's generators, each a
+    # table of its weight and its own config's settings: [env.generators.gcd] weight = 1.0
+    generators: dict[str, dict[str, Any]] = field(default_factory=dict)
+    train_rows: int = 1000                  # train rows over the mixture (probe: env.probe_rows, 0 = 100)
+    data_seed: int = 0                      # the generators' rows are a pure function of this seed
+    curriculum: bool = False                # reasoning-gym's curricula, the level moved by ...
+    curriculum_window: int = 8              # ... the mean score of this many steps' answers:
+    curriculum_upper: float = 0.75          # up one level at or above this
+    curriculum_lower: float = 0.25          # down one level below this
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for fasttrain.envs.load_env(name, ...)."""
+        if self.name == "reasoning-gym":
+            return {"generators": {k: dict(v) for k, v in self.generators.items()}, "train_rows": self.train_rows,
+                    "probe_rows": self.probe_rows, "data_seed": self.data_seed, "curriculum": self.curriculum,
+                    "curriculum_window": self.curriculum_window, "curriculum_upper": self.curriculum_upper,
+                    "curriculum_lower": self.curriculum_lower}
         if self.name != "dataset":
             return {}
         return {"dataset": self.dataset, "rewards": list(self.rewards), "probe_dataset": self.probe_dataset,
@@ -125,6 +140,15 @@ class RolloutSection:
     group_size: int = 12                    # answers per prompt (G)
     max_new_tokens: int = 128
     temperature: float = 1.0
+    # Truncated sampling with TRL's / transformers' names and meanings, applied in transformers'
+    # order (temperature, top_k, top_p, min_p); each sampled token's kept set is recorded and the
+    # update scores it on that set (fasttrain.rollout.sampling). Off: top_k 0, top_p 1, min_p 0.
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    # false: score and train on the whole vocabulary while sampling from the kept set (TRL's way; for
+    # comparisons: the importance ratio then measures the kept mass)
+    replay_kept_set: bool = True
     # Text prefilled at the start of every answer (e.g. "<signal>"): part of the prompt, not
     # trained on, prepended to the answer the verifier scores. Also used by the probe and filter.
     answer_prefix: str = ""
@@ -153,6 +177,11 @@ class RolloutSection:
     # fit the device with every answer at max_new_tokens (fasttrain.plan.picks).
     wave_prompts: int = 0
     prefill_prompts: int = 0
+    # DAPO's dynamic sampling (fasttrain.train.dynamic_sampling): groups whose answers all get a
+    # zero advantage are dropped and more prompts are sampled, up to dynamic_max_rounds extra
+    # generation rounds per step; past that the step trains on what it has.
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 3
 
 
 @dataclass(frozen=True)
@@ -169,7 +198,7 @@ class AdvantagesSection:
 @dataclass(frozen=True)
 class LossSection:
     kind: Literal["cispo", "dapo", "grpo"] = "cispo"
-    beta: float = 0.08                      # KL(k3) weight to the base model (adapters off)
+    beta: float = 0.08                      # weight of the KL term to the base model (adapters off)
     eps_low: float = 0.2
     eps_high: float = 0.28
     cispo_cap: float = 1.2
@@ -187,9 +216,19 @@ class LossSection:
     # denominator and pays the KL term, the entropy mask only zeroes the policy term, and GRPO's row
     # means are averaged per micro-batch, then over the micro-batches.
     normalize: Literal["batch", "trl"] = "batch"
-    # KL weighted by the (differentiable) ratio r = exp(log p - old log p): beta * r * k3, TRL 1.16's
-    # use_bias_correction_kl (its default), the unbiased reverse-KL gradient; false: beta * k3.
-    kl_bias_correction: bool = False
+    # The KL estimator, computed inside the loss op (docs/recipes.md derives both), with k3 =
+    # e^(ref - log p) - (ref - log p) - 1. "k3_ratio": beta * r * k3, the ratio r = exp(log p - old log p)
+    # kept in the graph; its gradient is the unbiased estimate of grad KL(pi || pi_ref), on- and
+    # off-policy (DeepSeek-V3.2 §3.1; TRL's use_bias_correction_kl, its default). "k3": beta * k3 as
+    # the loss: the forward KL's gradient on-policy, neither KL's off-policy (the older recipe's).
+    kl: Literal["k3_ratio", "k3"] = "k3_ratio"
+    # Deprecated name of `kl`: true is "k3_ratio", false "k3". Not a field: it sets `kl` (with a
+    # FutureWarning) and is never written to a run's config.toml.
+    kl_bias_correction: dataclasses.InitVar[bool | None] = None
+
+    def __post_init__(self, kl_bias_correction: bool | None) -> None:
+        if kl_bias_correction is not None:
+            object.__setattr__(self, "kl", _kl_from_alias(kl_bias_correction))
 
 
 @dataclass(frozen=True)
@@ -210,6 +249,9 @@ class ProbeSection:
     prompts: int = 50                       # first N of the environment's frozen probe prompts
     samples: int = 1                        # answers per probe prompt
     temperature: float = 1.0
+    top_k: int = 0                          # truncation of the probe's draw, as rollout.top_k ...
+    top_p: float = 1.0
+    min_p: float = 0.0
     max_new_tokens: int = 0                 # 0 = rollout.max_new_tokens
     seed: int = 1234                        # the same seed at every probe: scores compare policies
     wave_prompts: int = 0                   # as rollout.wave_prompts, for the probe (0: the plan's pick)
@@ -273,11 +315,22 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "rollout.max_new_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "rollout.max_prompt_tokens": (lambda v: v >= 0, "an integer >= 0 (0: the model's context minus max_new_tokens)"),
     "rollout.temperature": (lambda v: v > 0, "a number > 0"),
+    "rollout.top_k": (lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)"),
+    "rollout.min_p": (lambda v: 0 <= v < 1, "a number in [0, 1) (0: off)"),
+    "probe.top_k": (lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "probe.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)"),
+    "probe.min_p": (lambda v: 0 <= v < 1, "a number in [0, 1) (0: off)"),
     "rollout.stop_strings": (lambda v: all(len(x) > 0 for x in v), "a list of non-empty strings"),
     "env.probe_rows": (lambda v: v >= 0, "an integer >= 0"),
     "env.reward_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
     "env.worker_memory_mb": (lambda v: v == 0 or 64 <= v < math.inf, "0 (a quarter of the host's memory) or a number of MB >= 64"),
     "env.tool_timeout": (lambda v: 0 < v < math.inf, "a number of seconds > 0"),
+    "env.train_rows": (lambda v: v >= 1, "an integer >= 1"),
+    "env.curriculum_window": (lambda v: v >= 1, "an integer >= 1"),
+    "env.curriculum_upper": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "env.curriculum_lower": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "rollout.dynamic_max_rounds": (lambda v: v >= 0, "an integer >= 0"),
     "rollout.max_tool_calls": (lambda v: v >= 0, "an integer >= 0 (0: no limit but max_new_tokens)"),
     "rollout.wave_prompts": (lambda v: v >= 0, "an integer >= 0 (0: the plan picks)"),
     "rollout.prefill_prompts": (lambda v: v >= 0, "an integer >= 0 (0: the plan picks)"),
@@ -357,6 +410,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return tuple(value)
     if origin is dict and typing.get_args(tp)[1] == TemplateValue:
         return _template_kwargs(key, value)
+    if origin is dict and typing.get_args(tp)[1] == dict[str, Any]:
+        return _generator_tables(key, value)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: {value!r} is not a table of name = number")
@@ -385,6 +440,51 @@ def _template_kwargs(key: str, value: Any) -> dict[str, TemplateValue]:
     return {str(k): v for k, v in value.items()}
 
 
+def _generator_tables(key: str, value: Any) -> dict[str, dict[str, Any]]:
+    """env.generators: a table of generator name -> table of TOML scalars or lists of them."""
+    allowed = "a table of generator name = { weight = 1.0, setting = value, ... }"
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {allowed}")
+    for name, table in value.items():
+        for k, v in table.items():
+            if not (isinstance(v, (bool, int, float, str)) or
+                    (isinstance(v, list) and all(isinstance(x, (bool, int, float, str)) for x in v))):
+                raise ConfigError(f"{key}.{name}.{k}: {v!r} is not allowed; allowed: a number, string, "
+                                  "true/false or a list of those")
+    return {str(n): dict(t) for n, t in value.items()}
+
+
+def _kl_from_alias(value: Any) -> str:
+    """loss.kl of the deprecated loss.kl_bias_correction (said once per place, as a FutureWarning)."""
+    kl = "k3_ratio" if _coerce("loss.kl_bias_correction", value, bool) else "k3"
+    warnings.warn(f"loss.kl_bias_correction is deprecated: write loss.kl = {json.dumps(kl)} "
+                  f"(kl_bias_correction = {_literal_text(value)} means that)", FutureWarning, stacklevel=3)
+    return kl
+
+
+def _loss_alias(given: dict[str, Any]) -> dict[str, Any]:
+    """[loss] with kl_bias_correction replaced by the kl it names; both given must agree."""
+    if "kl_bias_correction" not in given:
+        return given
+    given = dict(given)
+    kl = _kl_from_alias(given.pop("kl_bias_correction"))
+    if "kl" in given and given["kl"] != kl:
+        raise ConfigError(f"loss.kl_bias_correction (deprecated) names loss.kl = {json.dumps(kl)}, which "
+                          f"contradicts loss.kl = {given['kl']!r}; keep loss.kl alone")
+    given["kl"] = kl
+    return given
+
+
+def saved_run_data(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run folder's config.toml (parsed) as the run trained: a run saved before loss.kl existed
+    holds neither loss.kl nor loss.kl_bias_correction and trained with "k3" (config.toml holds every
+    key), so resuming it keeps k3 instead of taking today's default."""
+    loss = saved.get("loss")
+    if isinstance(loss, dict) and "kl" not in loss and "kl_bias_correction" not in loss:
+        return {**saved, "loss": {**loss, "kl": "k3"}}
+    return saved
+
+
 def _build(data: dict[str, Any]) -> Config:
     hints = typing.get_type_hints(Config)
     sections = {}
@@ -396,10 +496,17 @@ def _build(data: dict[str, Any]) -> Config:
             raise ConfigError(f"[{sec_name}] must be a table, got {sec_val!r}")
     for f in dataclasses.fields(Config):
         cls = hints[f.name]
-        sec_hints = typing.get_type_hints(cls)
+        sec_hints = {k: t for k, t in typing.get_type_hints(cls).items()
+                     if not isinstance(t, dataclasses.InitVar)}        # aliases: handled before
         given = data.get(f.name, {})
+        if f.name == "loss":
+            given = _loss_alias(given)
         kwargs = {}
         for k, v in given.items():
+            if k in _UNREPLAYED_KNOBS and f.name in ("rollout", "probe"):
+                raise ConfigError(f"{f.name}.{k} is not supported: it changes the sampled distribution in a way "
+                                  "the update does not replay (the update would train on another distribution "
+                                  "than the one each token was drawn from); use top_k, top_p or min_p")
             if k not in sec_hints:
                 raise ConfigError(f"unknown key '{f.name}.{k}'; allowed keys in [{f.name}]: "
                                   + ", ".join(sec_hints))
@@ -412,14 +519,29 @@ def _build(data: dict[str, Any]) -> Config:
         sections[f.name] = cls(**kwargs)
     cfg = Config(**sections)
     if cfg.env.name != "dataset":
-        used = [k for k in _DATASET_KEYS if getattr(cfg.env, k) != getattr(EnvSection, k)]
+        used = [k for k in _DATASET_KEYS if getattr(cfg.env, k) != getattr(EnvSection, k)
+                and not (cfg.env.name == "reasoning-gym" and k == "probe_rows")]
         if used:
             raise ConfigError(f"env.{used[0]} is read only with env.name = \"dataset\" "
                               f"(env.name is {cfg.env.name!r})")
+    if cfg.env.name != "reasoning-gym":
+        used = [k for k in _RG_KEYS if getattr(cfg.env, k) != EnvSection.__dataclass_fields__[k].default
+                and k != "generators"] + (["generators"] if cfg.env.generators else [])
+        if used:
+            raise ConfigError(f"env.{used[0]} is read only with env.name = \"reasoning-gym\" "
+                              f"(env.name is {cfg.env.name!r})")
+    elif cfg.env.curriculum_lower >= cfg.env.curriculum_upper:
+        raise ConfigError(f"env.curriculum_lower ({cfg.env.curriculum_lower}) must be below env.curriculum_upper "
+                          f"({cfg.env.curriculum_upper})")
     if cfg.loss.zeta_min > cfg.loss.zeta_max:
         raise ConfigError(f"loss.zeta_min ({cfg.loss.zeta_min}) must be <= loss.zeta_max ({cfg.loss.zeta_max})")
     return cfg
 
+
+_RG_KEYS = ("generators", "train_rows", "data_seed", "curriculum", "curriculum_window", "curriculum_upper",
+            "curriculum_lower")
+# Sampling knobs of TRL / transformers that fasttrain refuses by name, with the reason.
+_UNREPLAYED_KNOBS = ("repetition_penalty", "presence_penalty")
 
 _DATASET_KEYS = ("dataset", "rewards", "probe_dataset", "probe_rows", "system_prompt", "reward_timeout", "core",
                  "worker_memory_mb", "tools", "environment", "tool_timeout")
@@ -483,6 +605,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             table[key] = sub
         elif len(parts) == 2:
             table[key] = value
+            if sec == "loss" and key in ("kl", "kl_bias_correction"):   # one setting, two names: the later wins
+                table.pop("kl_bias_correction" if key == "kl" else "kl", None)
         else:
             raise ConfigError(f"override {item!r}: too many dots")
     return out

@@ -11,7 +11,8 @@ __all__ = ["load_run_env"]
 def load_run_env(cfg: Config) -> Environment:
     from fasttrain.envs.dataset import DatasetError
     from fasttrain.envs.reward_functions import RewardSpecError
+    from fasttrain.envs.reasoning_gym import ReasoningGymError
     try:
         return load_env(cfg.env.name, **cfg.env.load_kwargs())
-    except (DatasetError, RewardSpecError) as e:
+    except (DatasetError, RewardSpecError, ReasoningGymError) as e:
         raise ConfigError(str(e)) from None

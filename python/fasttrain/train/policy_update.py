@@ -9,8 +9,9 @@ is the gradient of the one-batch loss.
 
 Two settings give TRL GRPOTrainer's conventions instead of the recipe's (docs/trl.md lists them):
 `loss.normalize = "trl"` (every sampled token in the denominator and under the KL term, the entropy
-mask zeroing only the policy term; GRPO's row means averaged per micro-batch, then over micro-batches)
-and `loss.kl_bias_correction` (the KL term weighted by the differentiable ratio, beta * r * k3).
+mask zeroing only the policy term; GRPO's row means averaged per micro-batch, then over micro-batches).
+The KL estimator (`loss.kl`: "k3_ratio", beta * r * k3 with the ratio in the graph, TRL's default too;
+or "k3") is computed inside the loss op, in the same pass as the policy term.
 """
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ import torch
 
 from fasttrain.train.config import LossSection
 
-__all__ = ["answer_logprobs", "BatchScores", "score_batch", "update_policy", "UpdateResult", "NonFiniteLoss",
-           "ratio_weighted_kl"]
+__all__ = ["answer_logprobs", "BatchScores", "score_batch", "update_policy", "UpdateResult", "NonFiniteLoss"]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -43,7 +43,7 @@ def _decoder(model):
 
 def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completion_ids, completion_mask,
                     temperature: float, shared_prefix: bool = True, position_ids=None, prompt_index=None,
-                    routing=None, packed: bool = True):
+                    routing=None, packed: bool = True, keep_delta=None):
     """log p and entropy [B, T] of the answer tokens (zeros where completion_mask is 0).
 
     `shared_prefix`: run each distinct prompt once and let its answers attend to its keys and
@@ -55,7 +55,10 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
     experts' rollout record of these rows (fasttrain.rollout.moe_routing.ReplayRouting), replayed by
     the shared-prefix forward; None routes by the model's own router. `packed`: the shared-prefix
     forward runs only the answers' real tokens through the layers (fasttrain.train.answer_packing;
-    same values and gradients as the padded layout); False forces the padded layout [B, T-1]."""
+    same values and gradients as the padded layout); False forces the padded layout [B, T-1].
+    `keep_delta` [B, T]: a truncated rollout's kept sets (Rollout.keep_delta): each token is scored
+    on the softmax restricted to the set it was drawn from, renormalised (log-prob, entropy and
+    gradient; fasttrain.ops.fused_logprob); None scores on the whole vocabulary."""
     from fasttrain.ops import fused_logprob
     from fasttrain.train.prefix_forward import shared_prefix_selected
 
@@ -74,7 +77,8 @@ def answer_logprobs(model, input_ids, attention_mask, prompt_len: int, completio
         h = hidden[:, prompt_len - 1: prompt_len - 1 + T][m]          # [B, T, H] predicts answer token t
     lm = model.lm_head
     logp_sel, ent_sel = fused_logprob(h, lm.weight, completion_ids[m], temperature,
-                                      bias=getattr(lm, "bias", None))
+                                      bias=getattr(lm, "bias", None),
+                                      keep_delta=None if keep_delta is None else keep_delta[m])
     logp = torch.zeros(m.shape, dtype=logp_sel.dtype, device=h.device).masked_scatter(m, logp_sel)
     ent = torch.zeros(m.shape, dtype=ent_sel.dtype, device=h.device).masked_scatter(m, ent_sel.detach())
     return logp, ent
@@ -95,8 +99,13 @@ class UpdateResult:
 
 
 def _rollout_args(roll, sl):
-    """The rollout's own tensors for rows `sl`, as answer_logprobs takes them."""
-    return dict(position_ids=roll.position_ids[sl], prompt_index=roll.prompt_index[sl])
+    """The rollout's own tensors for rows `sl`, as answer_logprobs takes them. The kept sets go to
+    every scoring of the rollout: the old and updated policy's log-probs and the reference's, so the
+    KL term compares the policy and the reference restricted to the same set, the one each token was
+    drawn from (zero when they agree)."""
+    delta = getattr(roll, "keep_delta", None)
+    return dict(position_ids=roll.position_ids[sl], prompt_index=roll.prompt_index[sl],
+                keep_delta=None if delta is None else delta[sl])
 
 
 def _replay(roll, sl, replay: bool, aux: bool = False):
@@ -140,24 +149,6 @@ def score_batch(model, roll, micro_batch: int, temperature: float, need_ref: boo
     model.train(was)
     return BatchScores(torch.cat(olds) if need_old else None, torch.cat(ents) if need_old else None,
                        torch.cat(refs) if need_ref else None)
-
-
-def ratio_weighted_kl(logp, old_logp, ref_logp, mask, per_sequence: bool, normalizer):
-    """(sum of r * k3 over the mask / normalizer, mean k3) with r = exp(log p - old log p) kept in the
-    graph: TRL 1.16's bias-corrected KL (use_bias_correction_kl), whose gradient is the reverse KL's
-    unbiased estimate. per_sequence: GRPO's aggregation (each row's mean over its tokens, summed)."""
-    ct = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    w = mask.to(ct)
-    lp = logp.to(ct)
-    d = torch.where(mask.bool(), ref_logp.detach().to(ct), lp.detach()) - lp
-    k3 = torch.exp(d) - d - 1
-    r = torch.exp(lp - torch.where(mask.bool(), old_logp.detach().to(ct), lp.detach()))
-    per = r * k3 * w
-    if per_sequence:
-        total = (per.sum(-1) / w.sum(-1).clamp(min=1)).sum()
-    else:
-        total = per.sum()
-    return total / normalizer.to(ct), ((k3.detach() * w).sum() / w.sum().clamp(min=1)).float()
 
 
 def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, roll,
@@ -225,14 +216,10 @@ def update_policy(model, params: list[torch.nn.Parameter], optimizer: torch.opti
             norm = torch.full_like(normalizer, float((sl.stop - sl.start) * n_chunks)) \
                 if trl and loss_cfg.kind == "grpo" else normalizer
             ref = None if scores.ref_logp is None else scores.ref_logp[sl]
-            ratio_kl = loss_cfg.kl_bias_correction and ref is not None and loss_cfg.beta != 0
             loss, stats = policy_loss(
-                logp, old, op_adv[sl], m, loss=loss_cfg.kind, ref_logp=None if ratio_kl else ref,
-                beta=0.0 if ratio_kl else loss_cfg.beta, eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high,
-                cispo_cap=loss_cfg.cispo_cap, zeta=zeta, token_normalizer=norm)
-            if ratio_kl:
-                kl_loss, stats["kl_mean"] = ratio_weighted_kl(logp, old, ref, m, loss_cfg.kind == "grpo", norm)
-                loss = loss + loss_cfg.beta * kl_loss
+                logp, old, op_adv[sl], m, loss=loss_cfg.kind, ref_logp=ref, beta=loss_cfg.beta,
+                eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high, cispo_cap=loss_cfg.cispo_cap, zeta=zeta,
+                token_normalizer=norm, kl=loss_cfg.kl)
             if aux is not None:
                 aux_v = replay.aux_loss(*aux)
                 share = (sl.stop - sl.start) / (B * distributed.world_size())

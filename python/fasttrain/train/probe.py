@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from fasttrain.envs import Prompt
 from fasttrain.train import distributed
 from fasttrain.train.answers import (answer_token_ids, group_seeds, has_slice, join_rollouts, sample_answers,
-                                    score_answers, tool_settings)
+                                    score_answers, tool_settings, truncation_of)
 from fasttrain.train.config import Config
 
 __all__ = ["run_probe", "select_shipped"]
@@ -48,6 +48,7 @@ def run_probe(model, tokenizer, env, prompts: Sequence[Prompt], cfg: Config, ste
                                       temperature=cfg.probe.temperature, seed=seeds[a - lo:a - lo + n],
                                       answer_prefix=cfg.rollout.answer_prefix, stop_strings=cfg.rollout.stop_strings,
                                       weights=weights, prefill_chunk=prefill_chunk,
+                                      truncation=truncation_of(cfg.probe),
                                       tool_settings={**tool_settings(cfg), "first_slot": (a - lo) * G})
             parts.append(part)
             texts += tx

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fasttrain.train.answers import answer_token_ids, sample_answers, score_answers, tool_settings
+from fasttrain.train.answers import answer_token_ids, sample_answers, score_answers, tool_settings, truncation_of
 from fasttrain.train.config import Config
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device
@@ -41,7 +41,8 @@ def filter_prompts(cfg: Config, out: str | Path | None = None, env=None, progres
                                      max_new_tokens=cfg.rollout.max_new_tokens,
                                      temperature=cfg.rollout.temperature, seed=cfg.run.seed * 7919 + i,
                                      answer_prefix=cfg.rollout.answer_prefix,
-                                     stop_strings=cfg.rollout.stop_strings, tool_settings=tool_settings(cfg))
+                                     stop_strings=cfg.rollout.stop_strings, tool_settings=tool_settings(cfg),
+                                     truncation=truncation_of(cfg.rollout))
         rep = [p for p in part for _ in range(k)]
         scores = score_answers(env, rep, texts, cfg.env.train_slice, record=False,
                                completion_ids=answer_token_ids(roll), conversations=roll.conversations)

@@ -105,7 +105,8 @@ def tool_prompts(tokenizer, env, messages: Sequence[list], template_kwargs: dict
 
 def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_new_tokens: int,
                         temperature: float, seed, eos_token_ids: Sequence[int], max_tool_calls: int = 0,
-                        template_kwargs: dict | None = None, weights=None, replay=None, first_slot: int = 0):
+                        template_kwargs: dict | None = None, weights=None, replay=None, first_slot: int = 0,
+                        truncation=None):
     """(rollout with .conversations and .tool_stats, answer texts [B]) for an environment with
     `tool_workers` and `chat_messages` (fasttrain.envs.dataset). The answer text is the last
     assistant message's content, cut at its end of turn. `replay`: fasttrain.rollout.multi_turn's
@@ -141,7 +142,8 @@ def sample_tool_answers(model, tokenizer, env, prompts, *, group_size: int, max_
     turns = ToolTurns(tokenizer, workers, template, [p for p in prompt_ids for _ in range(G)], max_tool_calls,
                       template_kwargs, first_slot)
     roll = sample_turns(model, prompt_ids, group_size=G, max_new_tokens=max_new_tokens, temperature=temperature,
-                        eos_token_ids=eos_token_ids, seed=seed, end_of_turn=turns, weights=weights, replay=replay)
+                        eos_token_ids=eos_token_ids, seed=seed, end_of_turn=turns, weights=weights, replay=replay,
+                        truncation=truncation)
     turns.finish(roll)
     roll = dataclasses.replace(roll, conversations=turns.conversations, tool_stats=turns.stats())
     texts = [extract_answer(next((m["content"] for m in reversed(c) if m["role"] == "assistant"), ""))

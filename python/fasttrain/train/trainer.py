@@ -16,6 +16,7 @@ writes the run folder.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -35,11 +36,11 @@ from fasttrain.ops.logprob import logprob_pack_cache
 from fasttrain.rl.masks import token_stats
 from fasttrain.train import distributed
 from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, join_rollouts, sample_answers,
-                                     score_answers, tool_settings)
+                                     score_answers, tool_settings, truncation_of)
 from fasttrain.train.checkpoint import (check_family, load_checkpoint, newest_checkpoint_name, pick_checkpoint,
                                         rng_state, save_checkpoint, set_rng_state)
 from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
-                                    resume_changes)
+                                    resume_changes, saved_run_data)
 from fasttrain.train.environment import load_run_env
 from fasttrain.train.policy import build_policy, pick_device, rollout_weights, set_checkpointing
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
@@ -69,6 +70,13 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**62)
 
 
+def adamw(params, o) -> torch.optim.Optimizer:
+    """The run's optimizer: AdamW with optim's lr, betas, eps and weight decay (the differential tests
+    against TRL build theirs here too, so a changed convention shows there)."""
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay, foreach=False)
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, *, progress: bool = True,
                  env=None, console=None):
@@ -89,6 +97,8 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         self._check_channels()
         self.train_prompts = self._train_prompts()
+        self._train_version = getattr(self.env, "train_version", None)   # a curriculum's level moves it
+        self.prompt_cursor = 0                     # dynamic sampling's place in the prompt stream
         self.probe_prompts = self.env.prompts("probe")[: cfg.probe.prompts]
         # rows left out by env.skip_bad_rows, with the reason (export.json and report.md count them)
         self.skipped_rows: list[str] = list(getattr(self.env, "skipped_rows", []))
@@ -166,8 +176,7 @@ class Trainer:
         distributed.broadcast_parameters(self.params)          # every rank starts from rank 0's adapters
         self.rollout_weights = rollout_weights(cfg, self.model)
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, foreach=False)
+        self.optimizer = adamw(self.params, o)
         from fasttrain.rl.repo_r import Thermostat
         L = cfg.loss
         self.thermostat = Thermostat(zeta_min=L.zeta_min, zeta_max=L.zeta_max, warmup=L.thermostat_warmup)
@@ -273,21 +282,42 @@ class Trainer:
         t = time.perf_counter()
         distributed.collective_seconds(reset=True)
         torch.manual_seed(step_seed(cfg.run.seed, step, 1))
-        prompts = self._prompts_for_step(step)
-        lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
+        if getattr(self.env, "train_version", None) != self._train_version:     # a curriculum moved a level
+            self.train_prompts = self._train_prompts()
+            self._train_version = self.env.train_version
         self._oom_retries = 0
-        # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
-        with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
-            roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
-        times["rollout"] = time.perf_counter() - t
+        dyn = None
+        if R.dynamic_sampling:              # rounds of sampling and scoring (fasttrain.train.dynamic_sampling)
+            from fasttrain.train.dynamic_sampling import dynamic_step, kept_advantages
+            dyn = dynamic_step(self, step)
+            roll, prompts, texts, scores, turns = dyn["roll"], dyn["prompts"], dyn["texts"], dyn["scores"], dyn["turns"]
+            times["rollout"] = dyn["rollout_seconds"]
+            times["verify"] = time.perf_counter() - t - times["rollout"]
+        else:
+            prompts = self._prompts_for_step(step)
+            lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
+            # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
+            with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
+                roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
+            times["rollout"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self._mid_step = True           # from here on the step changes state (environment, adapters)
+            scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
+                                                    roll.conversations)       # whole step, every rank
+            times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._mid_step = True               # from here on the step changes state (environment, adapters)
-        scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
-                                                roll.conversations)       # whole step, every rank
-        times["verify"] = time.perf_counter() - t
-        t = time.perf_counter()
-        adv, adv_info = self._advantages(scores)
-        adv = adv[lo * R.group_size:hi * R.group_size].to(self.device)
+        if dyn is None:
+            adv, adv_info = self._advantages(scores)
+            adv = adv[lo * R.group_size:hi * R.group_size].to(self.device)
+        else:                               # the kept groups: the live ones standardised over the batch
+            adv, adv_info = kept_advantages(self, dyn["kept_scores"], dyn["live"])
+            k = dyn["groups_per_rank"] * R.group_size
+            adv = adv[distributed.rank() * k:(distributed.rank() + 1) * k].to(self.device)
+            adv_info.update(dyn["info"])
+            if adv_info["dynamic_cap_reached"]:
+                self._warn(step, f"dynamic sampling: {adv_info['dynamic_rounds']} extra round(s) (rollout."
+                                 f"dynamic_max_rounds = {R.dynamic_max_rounds}) left step {step} with "
+                                 f"{sum(dyn['live'])} live group(s) of {R.prompts_per_step}; it trains on those")
         times["advantages"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -330,7 +360,8 @@ class Trainer:
         n_tok, n_loss = int(n_tok), int(n_loss)
         mean_entropy = ent_sum / max(1, n_tok)
         # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy, over every
-        # rank's tokens), the one value the loss used; 0 without a reference (beta = 0)
+        # rank's tokens; r = 1 there up to two forwards' rounding, so "k3_ratio"'s r * k3 is k3), the
+        # value the loss used; 0 without a reference (beta = 0)
         kl = passes[0].get("kl_mean", math.nan) if passes else math.nan
         if batch.ref_logp is None:
             kl = 0.0
@@ -360,7 +391,7 @@ class Trainer:
             **gap,
             **{k: v for k, v in (passes[0] if passes else {}).items() if k.startswith("moe_")},   # MoE routing
             "tokens": n_tok, "loss_tokens": n_loss,
-            "mean_length": n_tok / len(scores), "skipped": skipped,
+            "mean_length": n_tok / (len(scores) if dyn is None else len(dyn["kept_scores"])), "skipped": skipped,
             "lr": self.optimizer.param_groups[0]["lr"],
             # out-of-memory retries of this step, and the sizes the phases now run with
             "oom_retries": self._oom_retries, "rollout_chunk_prompts": self.sizes["rollout"] or len(prompts),
@@ -379,7 +410,12 @@ class Trainer:
                    "reasons": [s.reason for s in scores]}
         if turns is not None:
             samples["conversations"] = turns               # each answer's turns (assistant, tool, ...)
-        self._check_share(step, adv_info["nonzero_adv_share"])
+        if dyn is not None:
+            samples["kept"] = dyn["kept"]                  # per group: trained on (dynamic sampling)
+        end_step = getattr(self.env, "end_step", None)     # a curriculum sees every answer's score
+        if callable(end_step):
+            row.update(end_step([p for p in prompts for _ in range(R.group_size)], scores))
+        self._check_share(step, adv_info.get("nonzero_adv_share_before", adv_info["nonzero_adv_share"]))
         return row, samples
 
     @staticmethod
@@ -396,11 +432,12 @@ class Trainer:
         return {"rollout_logprob_gap": total / n, "rollout_logprob_gap_max": top}
 
     # ---- out of memory ------------------------------------------------------------------------
-    def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None):
+    def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None, key=None):
         """This rank's answers, sampled `per_chunk` prompts at a time (each group's generator is
-        seeded by its place in the step, so chunks draw the answers of one batch)."""
+        seeded by its place in the step, so chunks draw the answers of one batch; `key`: the
+        seed key, default (run.seed, step))."""
         R, mine = self.cfg.rollout, prompts[lo:hi]
-        seeds = group_seeds([self.cfg.run.seed, step], lo, hi)
+        seeds = group_seeds(key or [self.cfg.run.seed, step], lo, hi)
         n = per_chunk or len(mine)
         parts, texts = [], []
         for a in range(0, len(mine), n):
@@ -409,11 +446,15 @@ class Trainer:
                                       seed=seeds[a:a + n], answer_prefix=R.answer_prefix,
                                       stop_strings=R.stop_strings, weights=self.rollout_weights,
                                       compile_decode=R.compile, prefill_chunk=self.prefill["rollout"],
+                                      truncation=truncation_of(R),
                                       tool_settings={**tool_settings(self.cfg), "first_slot": a * R.group_size})
             parts.append(roll)
             texts += tx
         pad = getattr(self.model.config, "pad_token_id", None)
-        return join_rollouts(parts, pad if isinstance(pad, int) else 0), texts
+        roll = join_rollouts(parts, pad if isinstance(pad, int) else 0)
+        if not R.replay_kept_set and roll.keep_delta is not None:   # score on the whole vocabulary, as TRL does
+            roll = dataclasses.replace(roll, keep_delta=None)
+        return roll, texts
 
     def _undo_update(self):
         """A function that puts the adapters and AdamW back as they are now (before an update
@@ -554,6 +595,7 @@ class Trainer:
         return {"run_id": self.run_id, **self._family(), "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
                 "warnings": self.warnings, "zeta_log": self.zeta_log, "sizes": self.sizes,
+                "prompt_cursor": self.prompt_cursor,
                 # the environment's counters and state (plug-in wrapper, dataset rewards), if any
                 "env": self.env.state_dict() if callable(getattr(self.env, "state_dict", None)) else None}
 
@@ -608,7 +650,7 @@ class Trainer:
         if not cfg_file.exists():
             raise FileNotFoundError(f"--resume {run_dir}: no config.toml there (not a fasttrain run folder)")
         import tomllib
-        saved = tomllib.loads(cfg_file.read_text())
+        saved = saved_run_data(tomllib.loads(cfg_file.read_text()))
         cfg = load_config(saved, overrides)
         changes = resume_changes(load_config(saved), cfg)                # refuses what may not change
         ckpt, notes = pick_checkpoint(run_dir / "checkpoints", from_step)   # before the model loads
@@ -630,6 +672,7 @@ class Trainer:
         self.warnings = list(meta["warnings"])
         self.zeta_log = list(meta["zeta_log"])
         self.sizes.update(meta.get("sizes", {}))
+        self.prompt_cursor = int(meta.get("prompt_cursor", 0))
         set_rng_state(meta["rng"])
         for note in getattr(self, "_resume_notes", []):
             self._warn(self.step, f"{note}; resuming from {ckpt.name}")
