@@ -131,6 +131,23 @@ def test_cli_command(tmp_path):
     assert res.exit_code == 0 and "kernels on cpu" in res.output
 
 
+def test_one_parser_behind_both_entry_points(capsys):
+    """`fasttrain selftest` and `python -m fasttrain.selftest` (tools/gpu_check.sh) are the one Typer
+    command: the CLI registers fasttrain.selftest.command's, and `python -m` parses its flags."""
+    import subprocess
+    import sys
+
+    from fasttrain.cli import app
+    from fasttrain.selftest import command
+    assert [c.callback for c in app.registered_commands if c.name == "selftest"] == [command.selftest]
+    assert command.main(["--device", "cpu", "--op", "no_such_op"]) == 2          # refused before any case runs
+    assert "unknown --op no_such_op" in capsys.readouterr().err
+    res = subprocess.run([sys.executable, "-m", "fasttrain.selftest", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert all(flag in res.stdout for flag in ("--device", "--quick", "--json", "--op"))
+
+
 @pytest.mark.parametrize("face,wrong", [
     ("rms_norm", lambda x, w, eps: F.rms_norm(x, w, eps + 1e-2)),                    # eps slipped
     ("silu_mul", lambda gu: F.silu_mul(gu * (1 + 2.0 ** -6))),                      # inputs off by 1.6%
