@@ -61,9 +61,11 @@ def run(device: str | None = None, quick: bool = False, json_path: Path | None =
     return 0
 
 
-def selftest(device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when visible, else cpu)"),
+def selftest(device: Optional[str] = typer.Option(None, "--device",
+                                                  help="cpu or cuda (default: cuda when visible, else cpu)"),
              quick: bool = typer.Option(False, "--quick", help="a few cases per op (seconds)"),
-             json_out: Optional[Path] = typer.Option(None, "--json", help="write the report (device, versions, every row) here"),
+             json_out: Optional[Path] = typer.Option(None, "--json",
+                                                     help="write the report (device, versions, every row) here"),
              op: list[str] = typer.Option([], "--op", help="only this op (repeatable)")) -> None:
     """Check every compiled kernel against the float64 reference on this device; exit 1 on any failure."""
     raise typer.Exit(run(device, quick, json_out, op))
