@@ -36,12 +36,12 @@ KINDS = ("layer", "cycle", "private")
 # own layer and any layer of a lower rank; two layers of one rank are siblings that import neither
 # each other. The longest matching prefix places a module. docs/design.md states the same table.
 LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
-    (0, "core", ("fasttrain", "fasttrain.host", "fasttrain.extras", "fasttrain._native", "fasttrain._C",
-                 "fasttrain._C_cuda", "fasttrain._C_emu")),
+    (0, "core", ("fasttrain", "fasttrain.host", "fasttrain.extras", "fasttrain.safe_json", "fasttrain._native",
+                 "fasttrain._C", "fasttrain._C_cuda", "fasttrain._C_emu")),
     (1, "ops", ("fasttrain.ops",)),
     (2, "nn", ("fasttrain.nn",)),
     (3, "models", ("fasttrain.models",)),
-    (4, "selftest", ("fasttrain.selftest", "fasttrain.selftest_gated_delta", "fasttrain.selftest_moe")),
+    (4, "selftest", ("fasttrain.selftest",)),
     (5, "rl", ("fasttrain.rl",)),
     (5, "envs", ("fasttrain.envs",)),
     (6, "tasks", ("fasttrain.tasks", "fasttrain.starter", "fasttrain.recipes")),

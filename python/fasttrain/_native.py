@@ -63,6 +63,14 @@ def load():
     return _C
 
 
+def library_files() -> list:
+    """The files of the loaded compiled modules (fasttrain._C, then fasttrain._C_cuda when loaded), as
+    pathlib.Path; empty before load()."""
+    from pathlib import Path
+
+    return [Path(mod.__file__) for mod in (_C, _C_CUDA) if mod is not None]
+
+
 def build_info() -> dict:
     """The extension's build: version, torch_version, the CPU variants it holds and the one that
     runs (cpu_variant), the compiled backends, CUDA archs and PTX ("" without the CUDA module)."""

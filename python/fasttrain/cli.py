@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fasttrain.selftest.command import selftest as selftest_command
+
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="fasttrain: fast RL post-training for LMs.")
 console = Console()
 
@@ -48,7 +50,7 @@ def info() -> None:
     console.print(f"CPU kernels: {bi['cpu_variant']} variant (compiled: {bi['cpu_variants'].replace(',', ', ')}; "
                   f"ATen dispatches at {torch.backends.cpu.get_cpu_capability()})")
     from fasttrain.ops.kernels import kernels
-    from fasttrain.selftest import verdict_line, verdict_path
+    from fasttrain.selftest.cache import verdict_line, verdict_path
     for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         console.print(verdict_line(dev))
     console.print(f"selftest verdicts: {verdict_path()}  ops run now: {kernels()}")
@@ -61,17 +63,8 @@ def info() -> None:
     console.print(table)
 
 
-@app.command()
-def selftest(device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when visible)"),
-             quick: bool = typer.Option(False, "--quick", help="a few cases per op (seconds)"),
-             json_out: Optional[Path] = typer.Option(None, "--json", help="write the report (device, versions, rows)"),
-             op: list[str] = typer.Option([], "--op", help="only this op (repeatable)")) -> None:
-    """Check every compiled kernel against the float64 reference on this device; exit 1 on any failure."""
-    from fasttrain.selftest import main as selftest_main
-
-    argv = (["--device", device] if device else []) + (["--quick"] if quick else []) + \
-        (["--json", str(json_out)] if json_out else []) + [x for o in op for x in ("--op", o)]
-    raise typer.Exit(selftest_main(argv))
+# `fasttrain selftest`: the command of fasttrain.selftest.command (also `python -m fasttrain.selftest`)
+app.command(name="selftest")(selftest_command)
 
 
 SET_HELP = "Override a recipe key: --set section.key=value (repeatable), e.g. --set loss.kind=dapo"

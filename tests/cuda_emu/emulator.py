@@ -8,7 +8,7 @@ calls the CUDA kernels and their launch sequences on CPU tensors exactly as the 
 FASTTRAIN_EMU_LIB=path loads another build of the module (`make test-emu-asan` points it at the
 sanitized one). The tests compare the emulator with a peer: the CPU ops, or with
 FASTTRAIN_EMU_PEER=cuda the CUDA ops on a GPU, given the same inputs (tools/gpu_check.sh). Bounds
-shared by the tests (unit roundoffs, the sum of roundings) are at the bottom.
+shared by the tests (unit roundoffs, the sum of roundings) come from fasttrain.selftest.bounds.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import sys
 
 import pytest
 import torch
+
+from fasttrain.selftest.bounds import U, sum_bound  # noqa: F401  (the tests take them from here)
 
 # Ops whose CUDA kernels the emulator runs under the same schema (the NF4 linear's decode path and
 # DoRA norm kernel have their own entry points, defined by the module itself).
@@ -32,8 +34,7 @@ TWO_SCHEDULES = ("forward", "seeded")
 # The block cap of every grid-stride launch in these tests (8 x 65,535 on a GPU): with 2 blocks, a
 # kernel over more than 2 x its block size of items runs its grid-stride loop at least twice.
 GRID_CAP = 2
-U32, U64 = 2.0**-24, 2.0**-53
-U = {torch.float32: U32, torch.float64: U64, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+U32, U64 = U[torch.float32], U[torch.float64]
 
 _state: dict = {}
 
@@ -107,13 +108,6 @@ def use_schedule(name: str):
         yield
     finally:
         m.set_schedule(0, 1)
-
-
-def sum_bound(n_terms: int, u: float, magnitude):
-    """Worst rounding error of a sum of n_terms products accumulated in precision u, as a fraction of
-    the sum of the terms' absolute values (magnitude): gamma_n = n·u / (1 - n·u) (Higham, 3.1)."""
-    nu = n_terms * u
-    return nu / (1 - nu) * magnitude
 
 
 def assert_within(name: str, got: torch.Tensor, want: torch.Tensor, tol):

@@ -6,7 +6,7 @@ warps), one of 40 (a partial second warp: idle threads), and head dims of 1,056 
 of 1,024 threads: the row and column loops run a second, partial trip). Five tokens with checkpoint_every = 4
 leave a partial span in the backward.
 
-Bounds (the selftest's derivation, fasttrain/selftest_gated_delta.py): the recurrence is
+Bounds (the selftest's derivation, fasttrain/selftest/cases/gated_delta.py): the recurrence is
 non-expansive, so an error made anywhere is carried without growth and the kernel's error is at most
 the sum of its roundings, L = T(Dk + 4) + Dk of them, each at most u of S_max (the largest state
 column norm the inputs allow) or O_max = scale·‖q‖·S_max for the outputs: tol = 2·e_plain + 4·L·u·M,

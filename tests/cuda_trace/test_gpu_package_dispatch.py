@@ -71,9 +71,10 @@ def test_the_callers_dtypes_reach_a_chunked_form_on_cuda(packages, monkeypatch):
 
 def _fla_selftest(monkeypatch, tmp_path):
     from fasttrain import selftest
+    from fasttrain.selftest import harness
     from fasttrain.ops.gated_delta import set_gated_delta_backend
     monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(selftest, "KERNELS", dict(selftest._kernel_faces()))
+    monkeypatch.setattr(harness, "KERNELS", dict(harness.kernel_faces()))
     prev = set_gated_delta_backend("fla")            # here the stand-in computes, in float32
     try:
         return selftest.run_selftest("cpu", quick=True, ops=["gated_delta_rule"])

@@ -6,23 +6,23 @@ import pytest
 import torch
 
 import fasttrain.ops as F
-from fasttrain import selftest
+from fasttrain.selftest import harness
 from fasttrain.ops.moe_experts import ExpertStack
-from fasttrain.selftest_moe import moe_cases, moe_inputs
+from fasttrain.selftest.cases.moe import moe_cases, moe_inputs
 
 
 def _rows(face, only: str = ""):
-    selftest.KERNELS["moe_experts"] = face
+    harness.KERNELS["moe_experts"] = face
     try:
         out = []
         for name, run, _impl in moe_cases(torch.device("cpu"), quick=True):
             if only not in name:
                 continue
-            check = selftest._Check()
+            check = harness.Check()
             out.append(check.row("moe_experts", name, *run(check)))
         return out
     finally:
-        selftest.KERNELS.pop("moe_experts", None)
+        harness.KERNELS.pop("moe_experts", None)
 
 
 def test_selftest_rows_pass_and_fail_for_a_one_percent_slip():

@@ -10,8 +10,8 @@ import importlib
 import pytest
 import torch
 
-from fasttrain import selftest
-from fasttrain.selftest_moe import _case, moe_inputs
+from fasttrain.selftest import harness
+from fasttrain.selftest.cases.moe import moe_case, moe_inputs
 
 M = importlib.import_module("fasttrain.ops.moe_experts")  # the module (fasttrain.ops.moe_experts is the face)
 _ops = torch.ops.fasttrain
@@ -28,9 +28,9 @@ def test_kernel_matches_the_float64_reference(shape, monkeypatch):
     calls = []
     kernel = M._moe_experts_kernel
     monkeypatch.setattr(M, "_moe_experts_kernel", lambda *a: calls.append(1) or kernel(*a))
-    name, run = _case(torch.device("cpu"), shape["N"], shape["H"], shape["I"], shape["E"], shape["k"], shape["r"],
+    name, run = moe_case(torch.device("cpu"), shape["N"], shape["H"], shape["I"], shape["E"], shape["k"], shape["r"],
                       shape["dtype"], shape["nf4"])
-    check = selftest._Check()
+    check = harness.Check()
     row = check.row("moe_experts", name, *run(check))
     assert calls, "the face did not run the kernel on CPU tensors"
     assert row.passed, row

@@ -24,14 +24,15 @@ import torch.nn.functional as F
 
 import fasttrain.ops as ops
 import fasttrain.ops.attention as A
-from fasttrain.selftest import attention_grad_bounds
+from fasttrain.selftest import bounds
+from fasttrain.selftest.bounds import attention_grad_bounds
 
-U32 = 2.0 ** -24
-UB = 2.0 ** -8
+U32 = bounds.U[torch.float32]
+UB = bounds.U[torch.bfloat16]
 
 
 def gamma(n: int, u: float = U32) -> float:
-    return n * u / (1 - n * u)
+    return bounds.gamma(n, u)
 
 
 def _mask(n, M, L, seed, shape="full"):

@@ -13,8 +13,8 @@ import torch
 
 from fasttrain.ops import decode_attention, decode_attention_backend, reference
 from fasttrain.ops.kernels import use_kernels
+from fasttrain.selftest.bounds import U
 
-U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float64: 2.0 ** -53}
 
 
 def _case(B, H, G, D, S, S_max, dtype, seed=0):

@@ -22,8 +22,8 @@ import torch
 
 from fasttrain.ops import add_rms_norm_, decode_fused_backend, reference, rms_norm, rotary_cache_write_, silu_mul
 from fasttrain.ops.kernels import use_kernels
+from fasttrain.selftest.bounds import U
 
-U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TINY = 2.0 ** -126 * 8      # an absolute floor at float32's normal range (values here are O(1))
 ETA = {dt: torch.finfo(dt).smallest_normal * torch.finfo(dt).eps / 2 for dt in DTYPES}   # half a subnormal step

@@ -1,6 +1,6 @@
 """fasttrain.ops.gated_delta_rule / gated_delta_step / causal_conv1d against their definitions in
 fasttrain.ops.reference, in float64 (so the only differences are float64 roundings, bounded by
-the derivation in fasttrain/selftest_gated_delta.py with u = 2^-53), plus the properties the
+the derivation in fasttrain/selftest/cases/gated_delta.py with u = 2^-53), plus the properties the
 rollout and the update rely on: any chunk size gives the same result, a sequence split anywhere
 and continued from the carried state equals the whole, the one-token step repeated equals the
 sequence, and the initial state receives the gradient the one-token recurrence gives it."""
@@ -309,11 +309,11 @@ def test_shape_errors_name_the_argument():
 def test_a_selftest_case_run_on_its_own_checks_the_real_kernels(monkeypatch):
     """A case built and run outside run_selftest (as the CUDA test below does) finds the faces
     under test itself: KERNELS empty must not be a KeyError."""
-    from fasttrain import selftest
-    from fasttrain.selftest_gated_delta import gated_delta_cases
-    monkeypatch.setattr(selftest, "KERNELS", {})
+    from fasttrain.selftest import harness
+    from fasttrain.selftest.cases.gated_delta import gated_delta_cases
+    monkeypatch.setattr(harness, "KERNELS", {})
     case = gated_delta_cases(torch.device("cpu"), quick=True)[0]
-    chk = selftest._Check()
+    chk = harness.Check()
     case[1](chk)
     assert chk.row("gated_delta_rule", case[0], 0, 0).passed and case[2].startswith("gated_delta_rule:")
 
@@ -322,7 +322,7 @@ def test_the_selftest_has_rows_at_the_27b_heads_past_one_warp_and_for_held_rows(
     """Qwen3.5-27B's delta-rule heads (16 q/k heads of 128 serving 48 value heads of 128, q/k/g in
     float32 as the callers pass them), a head dim of 96 (three 32-lane warps), unequal head dims,
     and the decoder's in-place step with held rows, in the full selftest and the quick one."""
-    from fasttrain.selftest_gated_delta import gated_delta_cases
+    from fasttrain.selftest.cases.gated_delta import gated_delta_cases
     full = [c[0] for c in gated_delta_cases(torch.device("cpu"), quick=False)]
     quick = [c[0] for c in gated_delta_cases(torch.device("cpu"), quick=True)]
     big = "Hk=16 Hv=48 Dk=128 Dv=128"
@@ -332,21 +332,21 @@ def test_the_selftest_has_rows_at_the_27b_heads_past_one_warp_and_for_held_rows(
     assert any("Dk=96 Dv=96" in n and not n.startswith(("step", "in-place")) for n in full)
     assert any(n.startswith("in-place step, rows held") and "Dk=96" in n for n in full)
     assert any("Dk=128 Dv=64" in n for n in full) and any("Dk=64 Dv=128" in n for n in full)
-    from fasttrain import selftest
+    from fasttrain.selftest import harness
     for name, run, impl in gated_delta_cases(torch.device("cpu"), quick=False):
         if "Dk=96" in name or "Dk=128 Dv=64" in name or "Dk=64 Dv=128" in name:   # (the 27B rows: the quick run)
-            chk = selftest._Check()
+            chk = harness.Check()
             run(chk)
             assert chk.row("gated_delta_rule", name, 0, 0, impl).passed, name
 
 
 @pytest.mark.cuda
 def test_cuda_path_matches_the_float64_reference():
-    from fasttrain.selftest_gated_delta import gated_delta_cases
-    from fasttrain import selftest
+    from fasttrain.selftest.cases.gated_delta import gated_delta_cases
+    from fasttrain.selftest import harness
     from fasttrain.ops.kernels import fused_only
     for name, run, impl in gated_delta_cases(torch.device("cuda"), quick=False):
-        chk = selftest._Check()
+        chk = harness.Check()
         with fused_only():
             run(chk)
         row = chk.row("gated_delta_rule", name, 0, 0, impl)

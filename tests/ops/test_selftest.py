@@ -8,12 +8,13 @@ import torch
 
 import fasttrain.ops as F
 from fasttrain import selftest
+from fasttrain.selftest import harness
 
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(selftest, "KERNELS", dict(selftest._kernel_faces()))
+    monkeypatch.setattr(harness, "KERNELS", dict(harness.kernel_faces()))
 
 
 def test_quick_selftest_passes_on_cpu(tmp_path, capsys):
@@ -83,7 +84,7 @@ def _wrong_masked_attention(q, k, v, mask, scale):
                                       ("decode_attention", _wrong_decode_attention),
                                       ("masked_attention", _wrong_masked_attention)])
 def test_a_wrong_kernel_fails(op, wrong, tmp_path, monkeypatch):
-    monkeypatch.setitem(selftest.KERNELS, op, wrong)
+    monkeypatch.setitem(harness.KERNELS, op, wrong)
     out = tmp_path / "st.json"
     assert selftest.main(["--device", "cpu", "--quick", "--op", op, "--json", str(out)]) == 1
     rep = json.loads(out.read_text())
@@ -95,7 +96,7 @@ def test_a_wrong_kernel_fails(op, wrong, tmp_path, monkeypatch):
 def test_a_raising_kernel_fails_its_case_and_the_rest_still_run(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setitem(selftest.KERNELS, "nf4_dora_norm", boom)
+    monkeypatch.setitem(harness.KERNELS, "nf4_dora_norm", boom)
     rep = selftest.run_selftest("cpu", quick=True, ops=["nf4_dora_norm", "nf4_quantize"])
     bad = [r for r in rep["rows"] if not r["passed"]]
     assert [r["op"] for r in bad] == ["nf4_dora_norm"] and "illegal memory access" in bad[0]["detail"]
@@ -105,16 +106,16 @@ def test_a_raising_kernel_fails_its_case_and_the_rest_still_run(monkeypatch):
 def test_selftest_checks_the_kernels_even_when_the_reference_is_chosen(monkeypatch):
     """FASTTRAIN_KERNELS=reference must not turn the selftest into reference-against-reference."""
     monkeypatch.setenv("FASTTRAIN_KERNELS", "reference")
-    monkeypatch.setitem(selftest.KERNELS, "nf4_dora_norm", _wrong_dora_norm)
+    monkeypatch.setitem(harness.KERNELS, "nf4_dora_norm", _wrong_dora_norm)
     rep = selftest.run_selftest("cpu", quick=True, ops=["nf4_dora_norm"])
     assert not rep["passed"]
 
 
 def test_output_dtype_is_checked():
-    chk = selftest._Check()
+    chk = harness.Check()
     chk.close("y", torch.zeros(3, dtype=torch.float32), torch.zeros(3, dtype=torch.float64), 0.0, torch.float64)
     assert not chk.row("op", "case", 0.0, 0.0).passed
-    chk = selftest._Check()
+    chk = harness.Check()
     chk.close("y", torch.tensor([float("nan")]), torch.tensor([1.0], dtype=torch.float64), 1e9)
     assert not chk.row("op", "case", 0.0, 0.0).passed
 
@@ -130,12 +131,29 @@ def test_cli_command(tmp_path):
     assert res.exit_code == 0 and "kernels on cpu" in res.output
 
 
+def test_one_parser_behind_both_entry_points(capsys):
+    """`fasttrain selftest` and `python -m fasttrain.selftest` (tools/gpu_check.sh) are the one Typer
+    command: the CLI registers fasttrain.selftest.command's, and `python -m` parses its flags."""
+    import subprocess
+    import sys
+
+    from fasttrain.cli import app
+    from fasttrain.selftest import command
+    assert [c.callback for c in app.registered_commands if c.name == "selftest"] == [command.selftest]
+    assert command.main(["--device", "cpu", "--op", "no_such_op"]) == 2          # refused before any case runs
+    assert "unknown --op no_such_op" in capsys.readouterr().err
+    res = subprocess.run([sys.executable, "-m", "fasttrain.selftest", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert all(flag in res.stdout for flag in ("--device", "--quick", "--json", "--op"))
+
+
 @pytest.mark.parametrize("face,wrong", [
     ("rms_norm", lambda x, w, eps: F.rms_norm(x, w, eps + 1e-2)),                    # eps slipped
     ("silu_mul", lambda gu: F.silu_mul(gu * (1 + 2.0 ** -6))),                      # inputs off by 1.6%
     ("rotary_cache_write_", lambda qkv, c, s, kc, vc, col, n: F.rotary_cache_write_(qkv, s, c, kc, vc, col, n))])
 def test_a_wrong_decode_fused_kernel_fails(face, wrong, tmp_path):
-    selftest.KERNELS[face] = wrong          # the fixture gives each test its own KERNELS
+    harness.KERNELS[face] = wrong          # the fixture gives each test its own KERNELS
     out = tmp_path / "st.json"
     assert selftest.main(["--device", "cpu", "--quick", "--op", "decode_fused", "--json", str(out)]) == 1
     rep = json.loads(out.read_text())

@@ -199,7 +199,7 @@ def test_the_cuda_kernels_allocations_are_the_planned_bytes(monkeypatch, dtype, 
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "cuda_emu"))
     from emulator import emu
 
-    from fasttrain.selftest_moe import moe_inputs
+    from fasttrain.selftest.cases.moe import moe_inputs
     N, H, I, E, k = 5, 64, 32, 4, 2
     x, idx, w, gu, dn, gul, dnl, dy = moe_inputs(N, H, I, E, k, r, dtype, True, seed=3)
     rest = (gu.qweight, gu.absmax_fp32().contiguous(), dn.qweight, dn.absmax_fp32().contiguous(), 64, I,

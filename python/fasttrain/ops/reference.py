@@ -444,6 +444,9 @@ def _expert_weights(stack, dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([nf4_decode_weight(stack.qweight[e], stack.expert_state(e), dtype) for e in range(stack.E)])
 
 
+expert_weights = _expert_weights   # the public name (the selftest's bound reads it)
+
+
 def moe_experts(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: torch.Tensor, gate_up, down,
                 gate_up_lora=None, down_lora=None, scale: float = 1.0) -> torch.Tensor:
     """y_n = Σ_j w_nj · D_e(silu(G_e x_n) ⊙ U_e x_n), e = expert_index[n, j], each projection plus

@@ -22,7 +22,7 @@ SELFTEST_DEVICES = ("cuda",)
 
 
 def run_quick_selftest(device: torch.device) -> dict[str, Any]:
-    from fasttrain.selftest import run_selftest
+    from fasttrain.selftest.runner import run_selftest
     return run_selftest(device, quick=True)
 
 
@@ -46,7 +46,7 @@ def check_kernels(device: torch.device | str, run_dir: Path, console=None, write
     report = run_quick_selftest(device)
     if write:
         write_json(run_dir / "selftest.json", report)
-    from fasttrain.selftest import record_verdict
+    from fasttrain.selftest.cache import record_verdict
     record_verdict(report)
     if report["passed"]:
         if console is not None:

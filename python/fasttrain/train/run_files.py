@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time
@@ -10,19 +9,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
+from fasttrain.safe_json import json_safe
+
 __all__ = ["write_text", "write_json", "read_jsonl", "CorruptRunFile", "append_jsonl", "truncate_jsonl", "new_run_id",
            "json_safe"]
-
-
-def json_safe(obj: Any) -> Any:
-    """Non-finite floats become strings ("nan", "inf", "-inf") so the JSON stays standard."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -3,7 +3,7 @@ forward and backward, NF4 and 16-bit stacks, through its face in fasttrain.ops a
 fasttrain.ops.reference in float64 on the same (rounded) inputs; tests/moe reuses the inputs and
 bounds.
 
-Tolerances (derived; the selftest module's header states the conventions u_d, u_a). Every output
+Tolerances (derived; fasttrain.selftest.bounds states the conventions u_d, u_a). Every output
 is a chain of sums of products, so its first-order rounding error is at most (L + c)·u times the
 chain's magnitude M, the same chain with every factor replaced by its absolute value. With
 yg, yu = |x|·(|W_e| + s|B_e|·|A_e|)ᵀ (the gate and up halves) and g, u, a = silu(g)·u the float64
@@ -32,9 +32,10 @@ from typing import Callable
 
 import torch
 
-from fasttrain.selftest import DT_NAME, U, _Check, _gen, _leaf, _timed, _u_acc
+from fasttrain.selftest.bounds import DT_NAME, U, u_acc
+from fasttrain.selftest.harness import Check, gen, kernel, leaf, timed
 
-__all__ = ["moe_inputs", "moe_magnitudes", "moe_cases", "moe_tolerance", "kernel_roundings"]
+__all__ = ["moe_inputs", "moe_magnitudes", "moe_cases", "moe_tolerance", "kernel_roundings", "moe_case"]
 
 
 def moe_inputs(N: int, H: int, I: int, E: int, k: int, r: int, dtype: torch.dtype, nf4: bool, seed: int = 0):
@@ -42,7 +43,7 @@ def moe_inputs(N: int, H: int, I: int, E: int, k: int, r: int, dtype: torch.dtyp
     x, weights and LoRA factors rounded to `dtype` where they are stored in it (LoRA fp32 masters,
     float64 for a float64 case); every expert has tokens except the last (an empty expert)."""
     from fasttrain.ops.moe_experts import ExpertStack
-    g = _gen(seed)
+    g = gen(seed)
     x = torch.randn(N, H, generator=g, dtype=torch.float64).to(dtype)
     idx = torch.stack([torch.randperm(max(E - 1, k), generator=g)[:k] for _ in range(N)])
     w = torch.rand(N, k, generator=g, dtype=torch.float64).softmax(-1)
@@ -69,7 +70,7 @@ def _abs_stack(stack):
     """The stack as a 16-bit-style float64 stack of absolute values (NF4 decoded exactly)."""
     from fasttrain.ops import reference as R
     from fasttrain.ops.moe_experts import ExpertStack
-    w = R._expert_weights(stack, torch.float64).abs()
+    w = R.expert_weights(stack, torch.float64).abs()
     return ExpertStack(stack.E, stack.out_features, stack.in_features, torch.float64, weight=w)
 
 
@@ -108,7 +109,7 @@ def moe_tolerance(magnitude: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype
     """The elementwise bound of the module header (N: the tokens a parameter's gradient sums;
     `roundings`: c, 16 where the CPU kernel's GEMMs run in bf16)."""
     L = H + 2 * I + 2 * r + k + N + 8
-    u_a, u_d = _u_acc(dtype), U[dtype]
+    u_a, u_d = u_acc(dtype), U[dtype]
     u_c = u_d if dtype in (torch.bfloat16, torch.float16) else u_a
     return ((L + 8) * u_a + roundings * u_c) * magnitude + u_d * ref.abs()
 
@@ -117,25 +118,24 @@ def kernel_roundings(dev, dtype: torch.dtype) -> int:
     """c of the module header for the kernel that runs on `dev`: 16 where the CPU kernel's GEMMs
     run in bf16, else 8."""
     if dev.type == "cpu" and dtype == torch.bfloat16:
-        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-        if _cpu_bf16_compute():
+        from fasttrain.ops.nf4_linear import cpu_bf16_compute
+        if cpu_bf16_compute():
             return 16
     return 8
 
 
-def _case(dev, N, H, I, E, k, r, dtype, nf4, seed=0) -> tuple[str, Callable]:
+def moe_case(dev, N, H, I, E, k, r, dtype, nf4, seed=0) -> tuple[str, Callable]:
     name = f"N={N} H={H} I={I} E={E} k={k} r={r} {DT_NAME[dtype]} {'nf4' if nf4 else '16-bit'}"
     scale = 2.0
 
-    def run(check: _Check):
-        from fasttrain import selftest as S
+    def run(check: Check):
         from fasttrain.ops import reference as R
         x, idx, w, gu, dn, gul, dnl, dy = moe_inputs(N, H, I, E, k, r, dtype, nf4, seed)
-        face = S.KERNELS.get("moe_experts") or __import__("fasttrain.ops", fromlist=["moe_experts"]).moe_experts
+        face = kernel("moe_experts")
 
         def leaves(dt):
-            lx, lw = _leaf(x, dev, dt), _leaf(w, dev, torch.float64 if dt else None)
-            ll = [None if l is None else tuple(_leaf(t, dev, dt) for t in l) for l in (gul, dnl)]
+            lx, lw = leaf(x, dev, dt), leaf(w, dev, torch.float64 if dt else None)
+            ll = [None if l is None else tuple(leaf(t, dev, dt) for t in l) for l in (gul, dnl)]
             return lx, lw, ll
 
         def on(stack, dt):
@@ -152,8 +152,8 @@ def _case(dev, N, H, I, E, k, r, dtype, nf4, seed=0) -> tuple[str, Callable]:
             y = face(kx, di, kw, on(gu, None), on(dn, None), kl[0], kl[1], scale)
             (y.double() * dy.to(dev)).sum().backward()
             return y
-        y, tk = _timed(kern, dev)
-        yr, tr = _timed(lambda: R.moe_experts(rx, di, rw, on(gu, torch.float64 if not nf4 else None),
+        y, tk = timed(kern, dev)
+        yr, tr = timed(lambda: R.moe_experts(rx, di, rw, on(gu, torch.float64 if not nf4 else None),
                                               on(dn, torch.float64 if not nf4 else None), rl[0], rl[1], scale), dev)
         (yr * dy.to(dev)).sum().backward()
         fwd, gmag = moe_magnitudes(x, idx, w, gu, dn, gul, dnl, dy, scale)
@@ -177,11 +177,11 @@ def moe_cases(dev, quick: bool):
     """The rows: an update-like batch (tens of tokens per expert), a decode step (2 tokens, 4
     experts each, weights wide enough for several decoded tiles), empty experts in each. On the
     CPU they run fasttrain's kernel, elsewhere the torch form (the row's implementation says which)."""
-    cases = [_case(dev, 37, 64, 32, 6, 2, 4, torch.float32, True), _case(dev, 37, 64, 32, 6, 2, 4, torch.float32, False),
-             _case(dev, 21, 64, 32, 5, 3, 4, torch.bfloat16, True), _case(dev, 2, 512, 160, 9, 4, 4, torch.float32, True)]
+    cases = [moe_case(dev, 37, 64, 32, 6, 2, 4, torch.float32, True), moe_case(dev, 37, 64, 32, 6, 2, 4, torch.float32, False),
+             moe_case(dev, 21, 64, 32, 5, 3, 4, torch.bfloat16, True), moe_case(dev, 2, 512, 160, 9, 4, 4, torch.float32, True)]
     if not quick:
-        cases += [_case(dev, 50, 128, 64, 9, 4, 8, torch.float32, True, seed=1),
-                  _case(dev, 50, 128, 64, 9, 4, 0, torch.bfloat16, False, seed=2)]
+        cases += [moe_case(dev, 50, 128, 64, 9, 4, 8, torch.float32, True, seed=1),
+                  moe_case(dev, 50, 128, 64, 9, 4, 0, torch.bfloat16, False, seed=2)]
     on_cuda_kernel = dev.type == "cuda" and os.environ.get("FASTTRAIN_MOE_CUDA", "kernel").strip().lower() != "torch" \
         and torch._C._dispatch_has_kernel_for_dispatch_key("fasttrain::moe_experts", "CUDA")
     impl = "moe_experts:kernel" if dev.type == "cpu" or on_cuda_kernel else "moe_experts:torch"

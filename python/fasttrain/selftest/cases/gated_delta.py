@@ -8,7 +8,7 @@ float64 on the same (rounded) inputs. The shapes include Qwen3.5-27B's (key and 
 as the hybrid decoder and the update pass them), a head dim of 96 (three warps on a GPU) and
 unequal head dims.
 
-Tolerances (derived; the selftest module's header states the shared conventions u_d, u_a):
+Tolerances (derived; fasttrain.selftest.bounds states the shared conventions u_d, u_a):
   The recurrence is non-expansive: with ‖k‖ = 1 and 0 <= β <= 1, I − βkkᵀ has norm <= 1 and the
   decay e^g <= 1, so every value column of the state obeys ‖S_t[:, j]‖ <= ‖S_0[:, j]‖ + Σ_t β_t|v_tj|
   =: S_max, and |o_tj| <= scale·‖q_t‖·S_max =: O_max. A rounding error made anywhere is carried
@@ -25,7 +25,7 @@ Tolerances (derived; the selftest module's header states the shared conventions 
   bf16/fp16 inputs (a kernel may keep intermediates in them, as flash-linear-attention does), 0
   otherwise (the torch chunked form keeps them in float32); the torch chunked form adds
   e^floor·(T + C)·(the largest reference result), e^floor bounding what its clamp of decay
-  factors below e^floor (fasttrain.ops.gated_delta._floor) changes a product by. The backward:
+  factors below e^floor (fasttrain.ops.gated_delta.decay_floor) changes a product by. The backward:
   the same form with the magnitudes replaced by the largest reference gradient of each input
   times the largest |o| cotangent path, err_plain taken from the plain recurrence's own backward. causal_conv1d: K products summed per output: (K + 2)·u_a·Σ_j|w_j||x_j|
   before the SiLU (Lipschitz 1.1), plus the output's rounding; the state is copied exactly.
@@ -36,7 +36,8 @@ import math
 
 import torch
 
-from fasttrain.selftest import DT_NAME, U, _Check, _gen, _leaf, _rounding, _timed, _u_acc, kernel
+from fasttrain.selftest.bounds import DT_NAME, U, rounding, u_acc
+from fasttrain.selftest.harness import Check, gen, kernel, leaf, timed
 
 __all__ = ["gated_delta_cases", "conv_cases"]
 
@@ -44,7 +45,7 @@ __all__ = ["gated_delta_cases", "conv_cases"]
 def _inputs(dev, B, T, Hk, Hv, Dk, Dv, dtype, seed, state: bool, callers: bool = False):
     """Random inputs in `dtype`; `callers`: q, k and g in float32 (the callers' L2 norm and decay),
     v and beta in `dtype`, as the hybrid decoder and the update pass them."""
-    g = _gen(seed)
+    g = gen(seed)
     q = torch.randn(B, T, Hk, Dk, generator=g)
     k = torch.nn.functional.normalize(torch.randn(B, T, Hk, Dk, generator=g), dim=-1)
     v = torch.randn(B, T, Hv, Dv, generator=g)
@@ -79,15 +80,15 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, cal
             f"chunk={chunk}{' state' if state else ''} [{both}]")
     scale = Dk ** -0.5
 
-    def run(check: _Check):
+    def run(check: Check):
         from fasttrain.ops import reference as R
         ins, s0, do, dS = _inputs(dev, B, T, Hk, Hv, Dk, Dv, dtype, seed, state, callers)
-        kin = [_leaf(t, dev) for t in ins]
-        ks0 = _leaf(s0, dev, torch.float32 if dtype != torch.float64 else torch.float64)
-        rin = [_leaf(t, dev, torch.float64) for t in ins]
-        rs0 = _leaf(s0, dev, torch.float64)
-        pin = [_leaf(t, dev) for t in ins]                               # the plain recurrence, acc dtype
-        ps0 = _leaf(s0, dev, torch.float32 if dtype != torch.float64 else torch.float64)
+        kin = [leaf(t, dev) for t in ins]
+        ks0 = leaf(s0, dev, torch.float32 if dtype != torch.float64 else torch.float64)
+        rin = [leaf(t, dev, torch.float64) for t in ins]
+        rs0 = leaf(s0, dev, torch.float64)
+        pin = [leaf(t, dev) for t in ins]                               # the plain recurrence, acc dtype
+        ps0 = leaf(s0, dev, torch.float32 if dtype != torch.float64 else torch.float64)
 
         def go(fn, xs, s, sdt):
             o, S = fn(*xs, scale=scale, initial_state=s, chunk_size=chunk)
@@ -95,10 +96,10 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, cal
             return o, S
 
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        (ok, Sk), tk = _timed(lambda: go(kernel("gated_delta_rule"), kin, ks0, acc), dev)
-        (orf, Sr), tr = _timed(lambda: go(R.gated_delta_rule, rin, rs0, torch.float64), dev)
+        (ok, Sk), tk = timed(lambda: go(kernel("gated_delta_rule"), kin, ks0, acc), dev)
+        (orf, Sr), tr = timed(lambda: go(R.gated_delta_rule, rin, rs0, torch.float64), dev)
         op, Sp = go(R.gated_delta_rule, pin, ps0, acc)
-        ua = _u_acc(dtype)
+        ua = u_acc(dtype)
         low = dtype in (torch.bfloat16, torch.float16)
 
         def factor(impl):
@@ -109,26 +110,26 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, cal
             return 4 * L * ua + 4 * (chunk + Dk) * uc
         f = factor(backend)
         s_max, o_max = _bounds(*ins[:3], ins[4], s0, scale)
-        # the chunked torch form replaces a decay factor below e^floor by e^floor (gated_delta._floor):
+        # the chunked torch form replaces a decay factor below e^floor by e^floor (gated_delta.decay_floor):
         # each product of a result changes by at most e^floor times the problem's largest result, at
         # most T + chunk products per entry
-        from fasttrain.ops.gated_delta import _floor
+        from fasttrain.ops.gated_delta import decay_floor
         results = [orf, Sr] + [t.grad for t in rin] + ([rs0.grad] if state else [])
         largest = max(float(t.detach().abs().max()) for t in results if t.numel())
-        clamp = math.exp(_floor(acc)) * (T + chunk) * largest if backend == "torch" else 0.0
+        clamp = math.exp(decay_floor(acc)) * (T + chunk) * largest if backend == "torch" else 0.0
 
         def plain_err(a, b):
             return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
 
         with torch.no_grad():
-            check.close("o", ok, orf, 2 * plain_err(op, orf) + f * o_max + _rounding(orf, dtype) + clamp, dtype)
+            check.close("o", ok, orf, 2 * plain_err(op, orf) + f * o_max + rounding(orf, dtype) + clamp, dtype)
             check.close("state", Sk, Sr, 2 * plain_err(Sp, Sr) + f * s_max + clamp, acc)
             if forward != backend:                   # the no-grad form (prefill, scores) is another one
                 of, Sf = kernel("gated_delta_rule")(*(t.detach() for t in kin), scale=scale,
                                                     initial_state=None if ks0 is None else ks0.detach(),
                                                     chunk_size=chunk)
                 ff = factor(forward)
-                check.close("o no-grad", of, orf, 2 * plain_err(op, orf) + ff * o_max + _rounding(orf, dtype), dtype)
+                check.close("o no-grad", of, orf, 2 * plain_err(op, orf) + ff * o_max + rounding(orf, dtype), dtype)
                 check.close("state no-grad", Sf, Sr, 2 * plain_err(Sp, Sr) + ff * s_max, acc)
             grads = [("dq", kin[0], rin[0], pin[0]), ("dk", kin[1], rin[1], pin[1]), ("dv", kin[2], rin[2], pin[2]),
                      ("dg", kin[3], rin[3], pin[3]), ("dbeta", kin[4], rin[4], pin[4])]
@@ -137,7 +138,7 @@ def _delta_case(dev, B, T, Hk, Hv, Dk, Dv, dtype, chunk, state=True, seed=0, cal
             for nm, gk, gr, gp in grads:
                 mag = float(gr.grad.abs().max())
                 check.close(nm, gk.grad, gr.grad,
-                            2 * plain_err(gp.grad, gr.grad) + f * mag + _rounding(gr.grad, gk.dtype) + clamp, gk.dtype)
+                            2 * plain_err(gp.grad, gr.grad) + f * mag + rounding(gr.grad, gk.dtype) + clamp, gk.dtype)
         return tk, tr
 
     return name, run, f"gated_delta_rule:{backend}" + (f"+{forward}" if forward != backend else "")
@@ -153,7 +154,7 @@ def _step_case(dev, B, Hk, Hv, Dk, Dv, dtype, seed=0, held=False):
     name = f"{'in-place step, rows held' if held else 'step'} B={B} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} " \
            f"{DT_NAME[dtype]} fp32 state [{backend}]"
 
-    def run(check: _Check):
+    def run(check: Check):
         from fasttrain.ops import reference as R
         ins, s0, _, _ = _inputs(dev, B, 1, Hk, Hv, Dk, Dv, dtype, seed, True)
         one = [t[:, 0] for t in ins]
@@ -169,13 +170,13 @@ def _step_case(dev, B, Hk, Hv, Dk, Dv, dtype, seed=0, held=False):
                 o = kernel(face)(state, *one, active=active)
             return o, state
 
-        (ok, Sk), tk = _timed(kern, dev)
-        (orf, Sr), tr = _timed(lambda: R.gated_delta_step(*[t.double() for t in one], s0.double()), dev)
-        ua = _u_acc(dtype)
+        (ok, Sk), tk = timed(kern, dev)
+        (orf, Sr), tr = timed(lambda: R.gated_delta_step(*[t.double() for t in one], s0.double()), dev)
+        ua = u_acc(dtype)
         s_max, o_max = _bounds(*ins[:3], ins[4], s0, Dk ** -0.5)
         f = 4 * (2 * Dk + 4) * ua
         rows = active if held else torch.ones(B, dtype=torch.bool, device=dev)
-        check.close("o", ok[rows], orf[rows], f * o_max + _rounding(orf[rows], dtype), dtype)
+        check.close("o", ok[rows], orf[rows], f * o_max + rounding(orf[rows], dtype), dtype)
         check.close("state", Sk[rows], Sr[rows], f * s_max, sdt)
         if held:
             check.exact("held state", Sk[~rows], start[~rows])
@@ -220,25 +221,25 @@ def _conv_case(dev, B, T, C, K, dtype, state, step=False, seed=0):
     backend = "torch" if step else causal_conv1d_backend(dev, dtype, C, K)
     name = f"{'step ' if step else ''}B={B} T={T} C={C} K={K} {DT_NAME[dtype]}{' state' if state else ''} [{backend}]"
 
-    def run(check: _Check):
+    def run(check: Check):
         from fasttrain.ops import reference as R
-        g = _gen(seed)
+        g = gen(seed)
         x = torch.randn(B, T, C, generator=g).to(dtype).to(dev)
         w = torch.randn(C, K, generator=g).to(dtype).to(dev)
         s = torch.randn(B, K - 1, C, generator=g).to(dtype).to(dev) if state else None
         if step:
-            (yk, sk), tk = _timed(lambda: kernel("causal_conv1d_step")(x[:, 0], w, s), dev)
-            (yr, sr), tr = _timed(lambda: R.causal_conv1d_step(x[:, 0].double(), w.double(), s.double()), dev)
+            (yk, sk), tk = timed(lambda: kernel("causal_conv1d_step")(x[:, 0], w, s), dev)
+            (yr, sr), tr = timed(lambda: R.causal_conv1d_step(x[:, 0].double(), w.double(), s.double()), dev)
             xs = torch.cat([s, x[:, :1]], 1).double()
         else:
-            (yk, sk), tk = _timed(lambda: kernel("causal_conv1d")(x, w, s), dev)
-            (yr, sr), tr = _timed(lambda: R.causal_conv1d(x.double(), w.double(), None if s is None else s.double()), dev)
+            (yk, sk), tk = timed(lambda: kernel("causal_conv1d")(x, w, s), dev)
+            (yr, sr), tr = timed(lambda: R.causal_conv1d(x.double(), w.double(), None if s is None else s.double()), dev)
             xs = torch.cat([s if s is not None else x.new_zeros(B, K - 1, C), x], 1).double()
         n = 1 if step else yr.shape[1]
         mag = sum(xs[:, j:j + n].abs() * w.double().abs()[:, j] for j in range(K))
         if step:
             mag = mag[:, 0]
-        check.close("y", yk, yr, 1.1 * (K + 2) * _u_acc(dtype) * mag + _rounding(yr, dtype), dtype)
+        check.close("y", yk, yr, 1.1 * (K + 2) * u_acc(dtype) * mag + rounding(yr, dtype), dtype)
         check.exact("state", sk, sr.to(sk.dtype))
         return tk, tr
 
