@@ -105,8 +105,8 @@ def host_precision() -> tuple[str, str]:
     avx512_bf16 and ATen's kernels at AVX512); without the extension the faster of a bf16 and an
     fp32 1024-cube matmul here decides (a CPU without bf16 instructions runs bf16 GEMMs far slower)."""
     try:
-        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-        native = _cpu_bf16_compute()
+        from fasttrain.host import cpu_bf16_compute
+        native = cpu_bf16_compute()
     except Exception:  # noqa: BLE001  (no extension: the measurement decides)
         native = None
     if native is not None:

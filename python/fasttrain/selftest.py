@@ -942,10 +942,9 @@ def _run_cases(dev, quick, ops, rows, progress) -> None:
 
 # ---- the verdict cache (read by `fasttrain info` and the trainer) --------------------------------
 def cache_dir() -> Path:
-    """$FASTTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/fasttrain, else ~/.cache/fasttrain."""
-    if os.environ.get("FASTTRAIN_CACHE_DIR"):
-        return Path(os.environ["FASTTRAIN_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fasttrain"
+    """fasttrain's one cache folder (fasttrain.host.cache_root)."""
+    from fasttrain.host import cache_root
+    return cache_root()
 
 
 def build_id() -> str:

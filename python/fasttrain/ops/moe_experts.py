@@ -254,8 +254,8 @@ def _cpu_gemm_dtype(x):
     """The CPU kernel's GEMM dtype (h's): bfloat16 for bfloat16 x where the CPU has native bf16
     GEMMs (the extension's own answer, as nf4_linear's), else the compute dtype."""
     if x.dtype == torch.bfloat16:
-        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-        if _cpu_bf16_compute():
+        from fasttrain.host import cpu_bf16_compute
+        if cpu_bf16_compute():
             return torch.bfloat16
     return _ct(x)
 

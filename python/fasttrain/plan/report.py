@@ -21,8 +21,8 @@ def device_for(gpu: GPU) -> Device:
         return Device("cuda", free=max(0, gpu.memory_bytes - gpu.context_bytes))
     import torch
 
-    from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-    return Device("cpu", cpu_bf16=_cpu_bf16_compute(), threads=torch.get_num_threads(), free=gpu.memory_bytes)
+    from fasttrain.host import cpu_bf16_compute
+    return Device("cpu", cpu_bf16=cpu_bf16_compute(), threads=torch.get_num_threads(), free=gpu.memory_bytes)
 
 
 @dataclass
