@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     (5, "envs", ("fasttrain.envs",)),
     (6, "tasks", ("fasttrain.tasks", "fasttrain.starter", "fasttrain.recipes")),
     (7, "rollout", ("fasttrain.rollout",)),
-    (8, "plan", ("fasttrain.plan", "fasttrain.host_rates")),
+    (8, "plan", ("fasttrain.plan",)),
     (9, "train", ("fasttrain.train",)),
     (10, "integrations", ("fasttrain.integrations",)),
     (10, "cli", ("fasttrain.cli", "fasttrain.__main__")),

@@ -72,7 +72,7 @@ def test_the_callers_dtypes_reach_a_chunked_form_on_cuda(packages, monkeypatch):
 def _fla_selftest(monkeypatch, tmp_path):
     from fasttrain import selftest
     from fasttrain.ops.gated_delta import set_gated_delta_backend
-    monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(selftest, "KERNELS", dict(selftest._kernel_faces()))
     prev = set_gated_delta_backend("fla")            # here the stand-in computes, in float32
     try:

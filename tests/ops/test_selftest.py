@@ -12,7 +12,7 @@ from fasttrain import selftest
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(selftest, "KERNELS", dict(selftest._kernel_faces()))
 
 

@@ -252,7 +252,7 @@ def plan_run(cfg, model_config, prompt_tokens: int, device, world: int = 1) -> P
         shape = shape.with_(prompts=max(1, shape.prompts // world),
                             probe_prompts=max(1, -(-shape.probe_prompts // world)))
     kind = torch.device(device).type
-    return make_plan(model_config, shape, measured(gpu_for_device(device), kind, cached_only=True),
+    return make_plan(model_config, shape, measured(gpu_for_device(device), kind),
                      name=str(cfg.policy.model), env=cfg.env.name, with_limits=False, measure_shapes=False)
 
 
