@@ -17,7 +17,7 @@
         # says at what), planned against measured per phase
 
 How it is measured, and why: the plan times each phase from rates measured on the host
-(fasttrain.host_rates: matmul, bandwidth, attention, sampling, per-layer framework costs on a
+(fasttrain.train.calibrate, into fasttrain.plan.host_rates: matmul, bandwidth, attention, sampling, per-layer framework costs on a
 micro model), never from the runs checked here. Both the host's rates and the steps are measured in
 this process, one right after the other, with one thread and the process's CPU time: with one
 thread, CPU time is the time the work takes on an idle core, and it is what the plan predicts for a
@@ -65,7 +65,7 @@ def planned_vs_measured(trainer, label: str, steps: int = 1, warm: bool = True) 
     decoding, and a warm-up step would double the run), each step planned at its own prompt length."""
     import fasttrain.train.answers as answers
     import fasttrain.train.trainer as tr_mod
-    from fasttrain.host_rates import measure
+    from fasttrain.train.calibrate import measure
     from fasttrain.plan import gpu_spec, run_shape
     from fasttrain.plan.report import make_plan
     from fasttrain.train.answers import prompt_token_ids

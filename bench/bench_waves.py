@@ -61,7 +61,7 @@ def _planned(model, n, G, P, T, wave, chunk) -> float:
     from fasttrain.plan.speed import plan_time
     m = meta_policy(model.config, dtype="bfloat16")
     s = RunShape(prompts=n, group=G, prompt_tokens=P, new_tokens=T, micro_batch=8, wave=wave, prefill_chunk=chunk)
-    return plan_time(m, s, measured(gpu_spec("cpu"), "cpu", cached_only=True), compute_dtype="float32",
+    return plan_time(m, s, measured(gpu_spec("cpu"), "cpu"), compute_dtype="float32",
                      dense_rollout=False).seconds["rollout"]
 
 

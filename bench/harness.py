@@ -91,10 +91,10 @@ def write_csv(rows: list[dict], path: Path) -> None:
         w.writerows(rows)
 
 
-# ---- the host's limits (measured by the package: fasttrain.host_rates, which `fasttrain plan` uses) ----
+# ---- the host's limits (measured by the package: fasttrain.plan.host_rates, which `fasttrain plan` uses) ----
 def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
     """GFLOP/s of an n x n x n matmul in `dtype` on the CPU, current thread count, median of reps."""
-    from fasttrain.host_rates import matmul_gflops as measure
+    from fasttrain.plan.host_rates import matmul_gflops as measure
     return measure(dtype, n=n, reps=reps)
 
 
@@ -105,8 +105,8 @@ def host_precision() -> tuple[str, str]:
     avx512_bf16 and ATen's kernels at AVX512); without the extension the faster of a bf16 and an
     fp32 1024-cube matmul here decides (a CPU without bf16 instructions runs bf16 GEMMs far slower)."""
     try:
-        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-        native = _cpu_bf16_compute()
+        from fasttrain.host import cpu_bf16_compute
+        native = cpu_bf16_compute()
     except Exception:  # noqa: BLE001  (no extension: the measurement decides)
         native = None
     if native is not None:
@@ -117,5 +117,5 @@ def host_precision() -> tuple[str, str]:
 
 def memory_gbps(mib: int = 512, reps: int = 5) -> float:
     """Read bandwidth in GB/s: a sum over a `mib` MiB fp32 tensor (larger than any cache)."""
-    from fasttrain.host_rates import memory_gbps as measure
+    from fasttrain.plan.host_rates import memory_gbps as measure
     return measure(mib=mib, reps=reps)

@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     (5, "envs", ("fasttrain.envs",)),
     (6, "tasks", ("fasttrain.tasks", "fasttrain.starter", "fasttrain.recipes")),
     (7, "rollout", ("fasttrain.rollout",)),
-    (8, "plan", ("fasttrain.plan", "fasttrain.host_rates")),
+    (8, "plan", ("fasttrain.plan",)),
     (9, "train", ("fasttrain.train",)),
     (10, "integrations", ("fasttrain.integrations",)),
     (10, "cli", ("fasttrain.cli", "fasttrain.__main__")),
@@ -303,3 +303,12 @@ def test_the_layer_check_catches_what_it_is_for(tmp_path):
         f"fixed, remove from {ALLOWLIST.name}: fasttrain.train.c fasttrain.ops.a layer"]
     missing = ("fasttrain.rl.x", "fasttrain.envs.y", "layer")
     assert check(found, found - {missing}) == ["new layer violation: fasttrain.rl.x -> fasttrain.envs.y"]
+
+
+def test_the_plan_runs_no_trainer_or_rollout_code():
+    """plan/ reads shapes and stored rates: no module of it imports train/ (above it) or rollout/
+    (below it, but running the rollout is the calibration's work, fasttrain.train.calibrate)."""
+    graph, _ = import_graph()
+    reached = sorted((m, t) for m, targets in graph.items() if m.startswith("fasttrain.plan")
+                     for t in targets if t.startswith(("fasttrain.train", "fasttrain.rollout")))
+    assert reached == [], reached

@@ -54,7 +54,7 @@ if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
     .whl/*.whl > "$OUT/wheels.log" 2>&1 && export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
-export FASTTRAIN_CACHE_DIR="$OUT/cache"
+export FASTTRAIN_CACHE="$OUT/cache"
 
 # 1. Build (sm_90a only: the card in hand; CI builds sm_80 + sm_90a); in place, so the CUDA emulator
 #    (fasttrain._C_emu) is built too.

@@ -343,7 +343,9 @@ def plan(recipe: str = typer.Argument("demo", help="bundled recipe name or path 
         else:
             device = gpu_spec(gpu)
         if rates == "measured" and gpu.strip().lower() in ("cpu", "cuda"):
-            device = measured(device, gpu.strip().lower(), refresh=remeasure)
+            from fasttrain.train.calibrate import calibrate    # on demand: measured once, then cached
+            kind = gpu.strip().lower()
+            device = measured(device, kind, rates=calibrate(kind, refresh=remeasure))
         cfg = load_config(recipe, set_)
         spec = model or (cfg.policy.model if cfg.policy.model not in ("", "default") else "smollm2-135m")
         if ":" in spec and not Path(spec).exists():

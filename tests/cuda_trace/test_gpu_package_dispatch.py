@@ -73,7 +73,7 @@ def _fla_selftest(monkeypatch, tmp_path):
     from fasttrain import selftest
     from fasttrain.selftest import harness
     from fasttrain.ops.gated_delta import set_gated_delta_backend
-    monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(harness, "KERNELS", dict(harness.kernel_faces()))
     prev = set_gated_delta_backend("fla")            # here the stand-in computes, in float32
     try:

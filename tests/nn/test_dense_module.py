@@ -154,9 +154,9 @@ def test_a_fresh_adapter_leaves_the_linear_unchanged_bit_for_bit(dtype, path, ki
 
 def test_the_base_path_follows_the_extension():
     """fp32 sums exactly where the extension says bf16 GEMMs are not native on this CPU."""
-    from fasttrain.ops.nf4_linear import _cpu_bf16_compute
+    from fasttrain.host import cpu_bf16_compute
     x, w = torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16)
-    assert dl.fp32_base(x, w) == (not _cpu_bf16_compute())
+    assert dl.fp32_base(x, w) == (not cpu_bf16_compute())
     assert not dl.fp32_base(x.float(), w.float())
 
 

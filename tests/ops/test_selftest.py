@@ -13,7 +13,7 @@ from fasttrain.selftest import harness
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(harness, "KERNELS", dict(harness.kernel_faces()))
 
 

@@ -158,16 +158,17 @@ def test_the_rates_at_the_models_shapes_come_from_running_the_op(monkeypatch):
 
 
 def test_an_old_cache_entry_without_the_moe_rates_is_measured_again(tmp_path, monkeypatch):
-    import fasttrain.host_rates as hr
+    import fasttrain.plan.host_rates as hr
+    import fasttrain.train.calibrate as cal
     from test_planned_time import _fake_rates
 
-    monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FASTTRAIN_CACHE", str(tmp_path))
     old = {k: v for k, v in asdict(_fake_rates()).items() if not k.startswith("moe_")}
     hr.cache_path().parent.mkdir(parents=True, exist_ok=True)
     hr.cache_path().write_text(json.dumps({hr._key(torch.device("cpu")): old}))
     assert hr.cached_rates("cpu") is None
-    monkeypatch.setattr(hr, "measure", lambda device, clock=None: _fake_rates())
-    assert hr.host_rates("cpu").moe_fb_nf4 == _fake_rates().moe_fb_nf4
+    monkeypatch.setattr(cal, "measure", lambda device, clock=None: _fake_rates())
+    assert cal.calibrate("cpu").moe_fb_nf4 == _fake_rates().moe_fb_nf4
     assert json.loads(hr.cache_path().read_text())[hr._key(torch.device("cpu"))]["moe_decode_16"] > 0
 
 

@@ -24,7 +24,7 @@ def _report(passed: bool) -> dict:
 @pytest.fixture
 def checked_cpu(monkeypatch, tmp_path):
     """Treat the CPU as a device the trainer checks, with a selftest whose verdict the test sets."""
-    monkeypatch.setenv("FASTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(kernel_check, "SELFTEST_DEVICES", ("cpu", "cuda"))
     calls = []
 

@@ -50,7 +50,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from .protocol import INVALID_CORE, Channel, Prompt, Score
+from .protocol import INVALID_CORE, Channel, DatasetError, Prompt, Score
 from .reward_functions import RewardFunction, parse_reward_spec
 from .worker_pool import WorkerPool
 
@@ -59,10 +59,6 @@ __all__ = ["DatasetEnvironment", "DatasetError", "load_rows"]
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 NOT_REWARD_COLUMNS = ("prompt", "completion", "completion_ids")     # as TRL's GRPOTrainer
 log = logging.getLogger(__name__)
-
-
-class DatasetError(ValueError):
-    """The dataset or the probe set cannot be used; the message names the key and the fix."""
 
 
 def load_rows(path: str, key: str = "env.dataset", skipped: list[str] | None = None) -> list[dict[str, Any]]:

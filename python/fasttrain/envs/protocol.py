@@ -15,6 +15,10 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 INVALID_CORE = -1.0
 
 
+class DatasetError(ValueError):
+    """The dataset or the probe set cannot be used; the message names the key and the fix."""
+
+
 @dataclass(frozen=True)
 class Channel:
     """One reward channel: `name` (snake_case), GDPO `priority` (weight of its z-score),

@@ -12,13 +12,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from .protocol import DatasetError
+
 __all__ = ["utf8_rows", "missing_columns", "TRL_ARGS"]
 
 TRL_ARGS = ("prompts", "completions", "completion_ids")       # what every reward gets besides columns
 
 
 def _error(msg: str):
-    from .dataset import DatasetError
     return DatasetError(msg)
 
 

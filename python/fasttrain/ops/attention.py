@@ -104,8 +104,8 @@ def _chunk_rows(h: int, M: int, L: int) -> int:
 def _native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (the NF4 kernels' own test): where the backward was
     measured faster. Elsewhere bf16 GEMMs are emulated and torch's backward stays."""
-    from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-    return _cpu_bf16_compute()
+    from fasttrain.host import cpu_bf16_compute
+    return cpu_bf16_compute()
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

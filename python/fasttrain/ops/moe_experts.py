@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from fasttrain._native import load as _load
 from fasttrain.ops import reference as _reference
+from fasttrain.ops.formats import check_moe_args
 from fasttrain.ops.kernels import use_reference as _use_reference
 from fasttrain.ops.nf4 import NF4State, nf4_quantize
 from fasttrain.ops.nf4_linear import nf4_linear
@@ -133,29 +134,6 @@ class ExpertStack:
         else:
             stack.absmax = torch.stack([s.absmax for s in states])
         return stack
-
-
-def check_moe_args(x, expert_index, routing_weights, gate_up: ExpertStack, down: ExpertStack,
-                   gate_up_lora, down_lora) -> None:
-    """The argument errors of moe_experts (the reference raises the same ones through this)."""
-    if x.dim() != 2 or x.shape[1] != gate_up.in_features:
-        raise ValueError(f"moe_experts: x must be [N, {gate_up.in_features}], got {tuple(x.shape)}")
-    if expert_index.shape != routing_weights.shape or expert_index.dim() != 2 or expert_index.shape[0] != x.shape[0]:
-        raise ValueError(f"moe_experts: expert_index and routing_weights must both be [N={x.shape[0]}, k], got "
-                         f"{tuple(expert_index.shape)} and {tuple(routing_weights.shape)}")
-    if gate_up.out_features != 2 * down.in_features or down.out_features != gate_up.in_features \
-            or gate_up.E != down.E:
-        raise ValueError(f"moe_experts: gate_up [E, 2I, H] and down [E, H, I] disagree: gate_up is "
-                         f"[{gate_up.E}, {gate_up.out_features}, {gate_up.in_features}], down is "
-                         f"[{down.E}, {down.out_features}, {down.in_features}]")
-    for name, lora, st in (("gate_up_lora", gate_up_lora, gate_up), ("down_lora", down_lora, down)):
-        if lora is None:
-            continue
-        a, b = lora
-        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != st.E or b.shape[0] != st.E or a.shape[2] != st.in_features \
-                or b.shape[1] != st.out_features or a.shape[1] != b.shape[2]:
-            raise ValueError(f"moe_experts: {name} must be (A [E, r, {st.in_features}], B [E, {st.out_features}, r]),"
-                             f" got {tuple(a.shape)} and {tuple(b.shape)}")
 
 
 def _project(stack: ExpertStack, e: int, x: torch.Tensor, lora, scale: float) -> torch.Tensor:
@@ -254,8 +232,8 @@ def _cpu_gemm_dtype(x):
     """The CPU kernel's GEMM dtype (h's): bfloat16 for bfloat16 x where the CPU has native bf16
     GEMMs (the extension's own answer, as nf4_linear's), else the compute dtype."""
     if x.dtype == torch.bfloat16:
-        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-        if _cpu_bf16_compute():
+        from fasttrain.host import cpu_bf16_compute
+        if cpu_bf16_compute():
             return torch.bfloat16
     return _ct(x)
 

@@ -8,37 +8,15 @@ subtracted and the rest is quantized blockwise (256 per block) against the signe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from math import prod
-
 import torch
 
 from fasttrain._native import load as _load
 from fasttrain.ops import reference as _reference
+from fasttrain.ops.formats import ABSMAX_BLOCKSIZE, NF4State, dynamic_map  # noqa: F401  (re-exported)
 from fasttrain.ops.kernels import use_reference as _use_reference
 
 _load()
 _ops = torch.ops.fasttrain
-
-ABSMAX_BLOCKSIZE = 256  # blocksize of the double-quantized absmax, as bitsandbytes
-
-
-def dynamic_map() -> torch.Tensor:
-    """The signed 8-bit dynamic code of Dettmers (2015, arXiv:1511.04561), sorted, 256 float32.
-
-    One sign bit; for exponent level e = 0..6 the fraction levels are the midpoints of 2**e + 1
-    evenly spaced points on [0.1, 1], scaled by 10**(e - 6), mirrored for negatives; plus 0 and 1.
-    That is 2 * 127 + 2 = 256 codes.
-    """
-    values: list[float] = [0.0, 1.0]
-    for e in range(7):
-        edges = torch.linspace(0.1, 1.0, 2**e + 1, dtype=torch.float32)
-        mids = (edges[:-1] + edges[1:]) / 2.0
-        scale = 10.0 ** (e - 6)  # products taken in float32, as the format's reference does
-        values += (scale * mids).tolist() + ((-scale) * mids).tolist()
-    assert len(values) == 256
-    return torch.tensor(sorted(values), dtype=torch.float32)
-
 
 _DYNAMIC_MAP: dict[torch.device, torch.Tensor] = {}
 
@@ -47,49 +25,6 @@ def _dynamic_map_on(device: torch.device) -> torch.Tensor:
     if device not in _DYNAMIC_MAP:
         _DYNAMIC_MAP[device] = dynamic_map().to(device)
     return _DYNAMIC_MAP[device]
-
-
-@dataclass
-class NF4State:
-    """What is needed to decode a packed NF4 weight: shape, dtype, blocksize and the scales.
-
-    Plain: `absmax` float32 [n_blocks]. Double-quantized: `qabsmax` uint8 [n_blocks], its float32
-    scales `absmax2` [ceil(n_blocks/256)], the 256-entry `code` and the subtracted `offset`.
-    """
-
-    shape: torch.Size
-    dtype: torch.dtype
-    blocksize: int
-    absmax: torch.Tensor | None = None
-    qabsmax: torch.Tensor | None = None
-    absmax2: torch.Tensor | None = None
-    code: torch.Tensor | None = None
-    offset: torch.Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
-
-    @property
-    def double_quant(self) -> bool:
-        return self.qabsmax is not None
-
-    def absmax_fp32(self) -> torch.Tensor:
-        """The per-block float32 absmax (decoded from 8 bits when double-quantized)."""
-        if not self.double_quant:
-            return self.absmax
-        if _use_reference():
-            return _reference.nf4_state_absmax(self)
-        return _ops.blockwise8_dequantize(self.qabsmax, self.absmax2, self.code, ABSMAX_BLOCKSIZE) + self.offset
-
-    def to(self, device) -> "NF4State":
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return NF4State(self.shape, self.dtype, self.blocksize, mv(self.absmax), mv(self.qabsmax),
-                        mv(self.absmax2), mv(self.code), mv(self.offset))
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in
-                   (self.absmax, self.qabsmax, self.absmax2, self.code, self.offset) if t is not None)
 
 
 absmax_offset = _reference.absmax_offset  # double quantization's offset (one rule for both paths)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fasttrain._native import load as _load
+from fasttrain.host import cpu_bf16_compute
 from fasttrain.ops import reference as _reference
 from fasttrain.ops.kernels import use_reference as _use_reference
 from fasttrain.ops.nf4 import NF4State
@@ -71,7 +72,7 @@ def _(x, packed, absmax, blocksize, out_features, lora_a, lora_b, scale, dora_m,
     y = x.new_empty((m, out_features))
     ct = torch.float64 if x.dtype == torch.float64 else (x.dtype if x.is_cuda else torch.float32)
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        ct = torch.bfloat16 if _cpu_bf16_compute() else torch.float32
+        ct = torch.bfloat16 if cpu_bf16_compute() else torch.float32
     xa_dt = torch.float32 if x.is_cuda else ct  # CUDA keeps x·Aᵀ in fp32
     xa = x.new_empty((m, lora_a.shape[0]), dtype=xa_dt) if lora_a is not None else x.new_empty((0,), dtype=xa_dt)
     dora = dora_m is not None
@@ -82,12 +83,7 @@ def _(x, packed, absmax, blocksize, out_features, lora_a, lora_b, scale, dora_m,
     return y, xa, rnorm, z
 
 
-def _cpu_bf16_compute() -> bool:
-    """Whether the CPU kernel computes bf16 inputs in bf16 (else fp32): the extension's own answer."""
-    return bool(_load().cpu_has_bf16())
-
-
-cpu_bf16_compute = _cpu_bf16_compute   # the public name (the selftest's bound reads it)
+_cpu_bf16_compute = cpu_bf16_compute   # the old private name, kept for one release: fasttrain.host's
 
 
 @torch.library.register_fake("fasttrain::nf4_linear_backward")

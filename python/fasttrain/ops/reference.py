@@ -11,8 +11,9 @@ definitions in the ops' docstrings, with torch's autograd doing every backward. 
     for the ops called inside other trainers, sends every op face here (fasttrain.ops.kernels);
   - a readable statement of what each fused kernel computes.
 No native kernel is called here, so it stays a check on the kernels rather than a second copy of
-them: the module imports torch only; nf4_quantize takes fasttrain's NF4State (a plain dataclass)
-and the dynamic-map table from fasttrain.ops.nf4 when it is called.
+them: the module imports torch and fasttrain.ops.formats only (the ops' plain data and shared
+argument checks: NF4State, the dynamic-map table, the absmax decode, the MoE argument errors),
+never an op face.
 
 Precision, as the fused ops promise: log-softmax, losses and their sums in float32 for
 bf16/fp16/fp32 inputs (float64 for float64), NF4 decoded exactly (a float32 level times a float32
@@ -26,6 +27,10 @@ import math
 
 import torch
 
+# the ops' formats: plain data and shared argument checks (a leaf module, no op face)
+from fasttrain.ops.formats import (ABSMAX_BLOCKSIZE, NF4State, blockwise8_dequantize, check_moe_args, dynamic_map,
+                                   nf4_state_absmax)
+
 __all__ = ["NF4_LEVELS", "fused_logprob", "policy_loss", "nf4_quantize", "nf4_dequantize", "nf4_linear",
            "nf4_dora_norm", "nf4_weight_sq_norm", "nf4_quantize_blocks", "nf4_dequantize_blocks",
            "blockwise8_quantize", "blockwise8_dequantize", "nf4_state_absmax", "nf4_decode_weight",
@@ -37,7 +42,6 @@ NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098144
               -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
               0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
               0.7229568362236023, 1.0)
-ABSMAX_BLOCKSIZE = 256  # blocksize of the double-quantized absmax (bitsandbytes')
 POLICY_LOSSES = ("cispo", "dapo", "grpo")
 POLICY_KLS = ("k3", "k3_ratio")
 POLICY_LOSS_STATS = ("ratio_mean", "clip_low_frac", "clip_high_frac", "cap_frac", "kl_mean",
@@ -103,17 +107,6 @@ def blockwise8_quantize(x: torch.Tensor, code: torch.Tensor, blocksize: int) -> 
     return q.to(torch.uint8), absmax
 
 
-def blockwise8_dequantize(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
-    return code.to(torch.float32)[q.long()] * absmax.repeat_interleave(blocksize)[: q.numel()]
-
-
-def nf4_state_absmax(state) -> torch.Tensor:
-    """The per-block float32 absmax of an NF4State (decoded from 8 bits when double-quantized)."""
-    if getattr(state, "qabsmax", None) is None:
-        return state.absmax
-    return blockwise8_dequantize(state.qabsmax, state.absmax2, state.code, ABSMAX_BLOCKSIZE) + state.offset
-
-
 def nf4_decode_weight(packed: torch.Tensor, state, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The NF4 weight as stored, shape state.shape, in dtype (float64: exactly the float32 values)."""
     numel = math.prod(state.shape)
@@ -147,8 +140,6 @@ def nf4_quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
     """Quantize `w` (fp32/fp16/bf16) to NF4: (packed uint8 [ceil(n/2)], fasttrain.ops.NF4State).
     Double quantization subtracts the absmax vector's mean and stores the rest in 8 bits (256 per
     block) against the signed dynamic map, as bitsandbytes."""
-    from fasttrain.ops.nf4 import NF4State, dynamic_map  # the state's plain dataclass and the table
-
     check_nf4_quantize_input(w)
     packed, absmax = nf4_quantize_blocks(w, blocksize)
     state = NF4State(shape=w.shape, dtype=w.dtype, blocksize=blocksize)
@@ -452,8 +443,6 @@ def moe_experts(x: torch.Tensor, expert_index: torch.Tensor, routing_weights: to
     """y_n = Σ_j w_nj · D_e(silu(G_e x_n) ⊙ U_e x_n), e = expert_index[n, j], each projection plus
     scale·B_e·A_e·(its input): every (token, slot) pair with its own gathered weights, in float32
     (float64 for float64 x), returned in x.dtype."""
-    from fasttrain.ops.moe_experts import check_moe_args  # the face's argument errors
-
     check_moe_args(x, expert_index, routing_weights, gate_up, down, gate_up_lora, down_lora)
     ct = _acc(x.dtype)
     idx = expert_index.long()

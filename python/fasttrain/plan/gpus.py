@@ -8,7 +8,7 @@ Numbers are the vendors' datasheet values (dense, i.e. without 2:4 sparsity):
 Memory is the datasheet capacity in GB (10^9 bytes); the driver and the CUDA context take part of it,
 which the plan counts separately. The `cpu` entry is this host: its memory is read from /proc/meminfo
 and its table rates are order-of-magnitude values for a 2-core server slice; `measured` replaces
-them by the rates measured on this host's CPU, or on its CUDA card (fasttrain.host_rates), which
+them by the rates measured on this host's CPU, or on its CUDA card (fasttrain.plan.host_rates), which
 `fasttrain plan` then times every phase with.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ class GPU:
     bandwidth: float          # bytes/s
     source: str
     context_bytes: int = 600 * 2**20   # CUDA context + cuBLAS workspace: assumed, not allocated by torch
-    rates: object = None               # fasttrain.host_rates.HostRates when measured on this host
+    rates: object = None               # fasttrain.plan.host_rates.HostRates when measured on this host
 
 
 GPUS: dict[str, GPU] = {g.name: g for g in (
@@ -71,12 +71,13 @@ def gpu_for_device(device) -> GPU:
     return replace(base, name=base.name if known else "cuda", title=title, memory_bytes=int(props.total_memory))
 
 
-def measured(g: GPU, device: str, refresh: bool = False, cached_only: bool = False) -> GPU:
+def measured(g: GPU, device: str, rates=None) -> GPU:
     """`g` (this host's CPU, or the card gpu_for_device found) with the rates measured on `device`
-    ("cpu" or "cuda", fasttrain.host_rates: from the cache, else measured now and cached).
-    cached_only: never measure; `g` unchanged when nothing is cached."""
-    from fasttrain.host_rates import cached_rates, host_rates
-    r = cached_rates(device) if cached_only else host_rates(device, refresh=refresh)
+    ("cpu" or "cuda"): `rates` when given (fasttrain.train.calibrate's, which the CLI runs on
+    demand), else those cached (fasttrain.plan.host_rates); `g` unchanged when there are none.
+    The plan never measures: it reads what the calibration stored."""
+    from fasttrain.plan.host_rates import cached_rates
+    r = rates if rates is not None else cached_rates(device)
     if r is None:
         return g
     return replace(g, bf16_flops=r.matmul_bf16, bandwidth=r.bandwidth, rates=r,

@@ -1,5 +1,5 @@
 """Time of one training step from the rates measured on the device the run will use
-(fasttrain.host_rates): each kind of work at the rate measured for that kind, summed.
+(fasttrain.plan.host_rates): each kind of work at the rate measured for that kind, summed.
 
   GEMMs       projections (NF4 base: the CPU kernels dequantise each weight and run one GEMM in the
               compute dtype), LoRA products, lm_head: FLOPs at the measured matmul rate of the
@@ -27,7 +27,7 @@ the per-layer framework costs are measured on a dense micro model.
 """
 from __future__ import annotations
 
-from fasttrain.host_rates import HostRates
+from fasttrain.plan.host_rates import HostRates
 from fasttrain.plan import moe_memory, moe_speed
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
@@ -78,7 +78,7 @@ def _decode_rates(m: ModelShape, r: HostRates, rows: int, keys: int, compute_dty
     clock and device); the host's reference rates where that cannot run (a clock not known)."""
     import torch
 
-    from fasttrain.host_rates import CLOCKS, model_decode_rates
+    from fasttrain.plan.host_rates import CLOCKS, model_decode_rates
     qd, kd, H, I = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden, round(_mlp_width(m))
     if r.clock not in CLOCKS:
         return r.rows_matmul(compute_dtype, rows), r.decode_attention(compute_dtype)

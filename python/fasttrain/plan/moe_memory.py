@@ -152,8 +152,8 @@ def _g(m) -> int:
     if m.w != 2:
         return _f(m)
     try:
-        from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-        return 2 if _cpu_bf16_compute() else 4
+        from fasttrain.host import cpu_bf16_compute
+        return 2 if cpu_bf16_compute() else 4
     except (ImportError, OSError, RuntimeError):
         return 4
 

@@ -1,6 +1,6 @@
 """The routed experts' seconds in a plan timed from measured rates (fasttrain.plan.host_speed): the
 work of fasttrain.ops.moe_experts in each phase, at rates measured by running that op on the device
-the run uses (fasttrain.host_rates: a reference layer in the cache, and this model's own expert
+the run uses (fasttrain.plan.host_rates: a reference layer in the cache, and this model's own expert
 shapes measured again when the plan may measure, as the decode step's GEMMs are).
 
   work      per MoE layer and call, N tokens make N·k (token, expert) pairs of
@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from fasttrain.host_rates import CLOCKS, MOE_REFERENCE, HostRates, expert_pair_flops, model_moe_rates
+from fasttrain.plan.host_rates import CLOCKS, MOE_REFERENCE, HostRates, expert_pair_flops, model_moe_rates
 from fasttrain.plan import moe_memory
 from fasttrain.plan.meta_model import ModelShape
 

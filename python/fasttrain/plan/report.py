@@ -21,8 +21,8 @@ def device_for(gpu: GPU) -> Device:
         return Device("cuda", free=max(0, gpu.memory_bytes - gpu.context_bytes))
     import torch
 
-    from fasttrain.ops.nf4_linear import _cpu_bf16_compute
-    return Device("cpu", cpu_bf16=_cpu_bf16_compute(), threads=torch.get_num_threads(), free=gpu.memory_bytes)
+    from fasttrain.host import cpu_bf16_compute
+    return Device("cpu", cpu_bf16=cpu_bf16_compute(), threads=torch.get_num_threads(), free=gpu.memory_bytes)
 
 
 @dataclass
@@ -252,7 +252,7 @@ def plan_run(cfg, model_config, prompt_tokens: int, device, world: int = 1) -> P
         shape = shape.with_(prompts=max(1, shape.prompts // world),
                             probe_prompts=max(1, -(-shape.probe_prompts // world)))
     kind = torch.device(device).type
-    return make_plan(model_config, shape, measured(gpu_for_device(device), kind, cached_only=True),
+    return make_plan(model_config, shape, measured(gpu_for_device(device), kind),
                      name=str(cfg.policy.model), env=cfg.env.name, with_limits=False, measure_shapes=False)
 
 

@@ -19,7 +19,7 @@ A mixture of experts' routed experts count here as dense GEMMs over the k active
 (2 FLOPs a weight a token, their LoRA apart) at the same share of the peak, and a decode step reads
 the experts its rows pick (fasttrain.plan.moe_memory.ASSUMPTION).
 The FLOP share `mfu` is an assumption printed with the result (no GPU run has measured it yet).
-When the plan is for a device of this host whose rates were measured (fasttrain.host_rates),
+When the plan is for a device of this host whose rates were measured (fasttrain.plan.host_rates),
 fasttrain.plan.host_speed times every phase from those rates instead (the routed experts from
 fasttrain.ops.moe_experts' own measured rates: fasttrain.plan.moe_speed).
 """

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,9 @@ __all__ = ["cache_dir", "build_id", "verdict_path", "record_verdict", "read_verd
 
 
 def cache_dir() -> Path:
-    """$FASTTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/fasttrain, else ~/.cache/fasttrain."""
-    if os.environ.get("FASTTRAIN_CACHE_DIR"):
-        return Path(os.environ["FASTTRAIN_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fasttrain"
+    """fasttrain's one cache folder (fasttrain.host.cache_root)."""
+    from fasttrain.host import cache_root
+    return cache_root()
 
 
 def build_id() -> str:

@@ -118,7 +118,7 @@ def kernel_roundings(dev, dtype: torch.dtype) -> int:
     """c of the module header for the kernel that runs on `dev`: 16 where the CPU kernel's GEMMs
     run in bf16, else 8."""
     if dev.type == "cpu" and dtype == torch.bfloat16:
-        from fasttrain.ops.nf4_linear import cpu_bf16_compute
+        from fasttrain.host import cpu_bf16_compute
         if cpu_bf16_compute():
             return 16
     return 8

@@ -1,7 +1,12 @@
 """The host's measured speed: what `fasttrain plan` turns FLOPs and bytes into seconds with.
 
-Measured once per (device, thread count, torch and fasttrain version) and kept in
-fasttrain's cache folder (host_rates.json), so a plan costs a few seconds only the first time:
+Measured once per (device, thread count, torch and fasttrain version) by the calibration step
+(fasttrain.train.calibrate, which `fasttrain plan --gpu cpu|cuda` runs on demand when this host has
+no entry yet, and again with --remeasure) and kept in fasttrain's cache folder (host_rates.json),
+so a plan costs a few seconds only the first time. This module holds the rates, the cache and the
+kernel measurements (kernel_rates: torch's and fasttrain's ops, no trainer or rollout code); the
+plan only reads the cache (cached_rates). The calibration adds what runs the rollout's and the
+update's own code (the sampling and per-layer rows below) and stores the whole (store_rates):
   matmul      GFLOP/s of a 1024 x 1024 x 1024 product (F.linear) in bf16 and in fp32
   bandwidth   GB/s read: a sum over a 256 MiB fp32 tensor (larger than any cache)
   attention   GFLOP/s of scaled-dot-product attention with a boolean mask (as fasttrain's forwards
@@ -36,10 +41,8 @@ What it is not: a peak (a tuned kernel can beat these numbers) or a GPU datashee
 """
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -49,11 +52,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HostRates", "host_rates", "cached_rates", "measure", "matmul_gflops", "memory_gbps", "cache_path", "host_name",
-           "model_decode_rates", "model_moe_rates", "expert_pair_flops", "MOE_REFERENCE"]
+from fasttrain.host import cache_root, cpu_name
+
+__all__ = ["HostRates", "cached_rates", "store_rates", "kernel_rates", "matmul_gflops", "memory_gbps", "cache_path",
+           "host_name", "model_decode_rates", "model_moe_rates", "expert_pair_flops", "MOE_REFERENCE", "CLOCKS",
+           "clock_for", "median_time", "sync_for"]
 
 Clock = Callable[[], float]
-PROMPT = 128                      # tokens of the micro model's prompts (framework costs grow with P: masks)
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ class HostRates:
         return self.moe_fwd_16, self.moe_fb_16, self.moe_decode_16
 
 
-def _median_time(fn, reps: int, clock: Clock, sync) -> float:
+def median_time(fn, reps: int, clock: Clock, sync) -> float:
     fn()
     sync()
     times = []
@@ -141,7 +146,7 @@ def _median_time(fn, reps: int, clock: Clock, sync) -> float:
     return max(statistics.median(times), 1e-9)
 
 
-def _sync_for(device: torch.device):
+def sync_for(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
@@ -151,14 +156,14 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5, device="cpu"
     dev = torch.device(device)
     x = torch.randn(n, n, device=dev).to(dtype)
     w = torch.randn(n, n, device=dev).to(dtype)
-    return 2 * n ** 3 / _median_time(lambda: F.linear(x, w), reps, clock, _sync_for(dev)) / 1e9
+    return 2 * n ** 3 / median_time(lambda: F.linear(x, w), reps, clock, sync_for(dev)) / 1e9
 
 
 def memory_gbps(mib: int = 256, reps: int = 5, device="cpu", clock: Clock = time.perf_counter) -> float:
     """Read bandwidth in GB/s: a sum over a `mib` MiB fp32 tensor (larger than any cache)."""
     dev = torch.device(device)
     x = torch.ones(mib * 2**20 // 4, device=dev)
-    return x.numel() * 4 / _median_time(lambda: x.sum(), reps, clock, _sync_for(dev)) / 1e9
+    return x.numel() * 4 / median_time(lambda: x.sum(), reps, clock, sync_for(dev)) / 1e9
 
 
 def _attention_rates(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> tuple[float, float]:
@@ -166,13 +171,13 @@ def _attention_rates(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: 
     q, k, v = (torch.randn(1, heads, s, d, device=dev).to(dtype) for _ in range(3))
     mask = torch.ones(s, s, dtype=torch.bool, device=dev).tril_()
     flops = 4.0 * heads * s * s * d
-    sync = _sync_for(dev)
-    fwd = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps, clock, sync)
+    sync = sync_for(dev)
+    fwd = median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps, clock, sync)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
     def both():
         F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask).sum().backward()
-    fb = _median_time(both, reps, clock, sync)
+    fb = median_time(both, reps, clock, sync)
     return flops / fwd, 3.5 * flops / fb
 
 
@@ -185,7 +190,7 @@ def model_decode_rates(layer_weights: list[tuple[int, int]], kv_heads: int, grou
     128 MiB (repeated layers), as a decode step streams them from memory. Skinny products run
     far from the square product's rate, and how far depends on the shapes: measured per plan."""
     dev = torch.device(device)
-    sync = _sync_for(dev)
+    sync = sync_for(dev)
     esz = torch.empty((), dtype=dtype).element_size()
     per_layer = sum(o * i for o, i in layer_weights) * esz
     copies = max(1, -(-(128 << 20) // per_layer))
@@ -195,7 +200,7 @@ def model_decode_rates(layer_weights: list[tuple[int, int]], kv_heads: int, grou
     def project():
         for w in ws:
             F.linear(xs[w.shape[1]], w)
-    gemm = 2.0 * rows * per_layer / esz * copies / _median_time(project, reps, clock, sync)
+    gemm = 2.0 * rows * per_layer / esz * copies / median_time(project, reps, clock, sync)
     del ws
     per_cache = 2 * rows * kv_heads * (keys + 1) * head_dim * esz
     caches = [torch.randn(2, rows, kv_heads, keys + 1, head_dim, device=dev).to(dtype)
@@ -206,7 +211,7 @@ def model_decode_rates(layer_weights: list[tuple[int, int]], kv_heads: int, grou
     def attend():
         for c in caches:
             F.scaled_dot_product_attention(q, c[0, :, :, :keys], c[1, :, :, :keys], attn_mask=mask)
-    attn = 4.0 * rows * kv_heads * group * keys * head_dim * len(caches) / _median_time(attend, reps, clock, sync)
+    attn = 4.0 * rows * kv_heads * group * keys * head_dim * len(caches) / median_time(attend, reps, clock, sync)
     return gemm, attn
 
 
@@ -274,7 +279,7 @@ def _time_moe(layers: list, N: int, k: int, E: int, H: int, dtype: torch.dtype, 
             if backward:
                 torch.autograd.grad(y, [x, w, *(gl or ()), *(dl or ())], dy)
     with torch.set_grad_enabled(backward):
-        return _median_time(run, reps, clock, _sync_for(dev))
+        return median_time(run, reps, clock, sync_for(dev))
 
 
 def model_moe_rates(hidden: int, intermediate: int, experts: int, top_k: int, rank: int, nf4: bool,
@@ -319,94 +324,7 @@ def _moe_rates(dev: torch.device, clock: Clock, reps: int) -> dict:
 
 def _elementwise_rate(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> float:
     a, b = (torch.randn(1024, 1024, device=dev).to(dtype) for _ in range(2))
-    return a.numel() / _median_time(lambda: a * b, 5 * reps, clock, _sync_for(dev))
-
-
-def _sampling_rate(dev: torch.device, clock: Clock, reps: int) -> float:
-    from fasttrain.rollout.sampling import draw_tokens
-    logits = torch.randn(16, 32768, device=dev)
-    gens = [torch.Generator(device=dev).manual_seed(0)]
-    return logits.numel() / _median_time(lambda: draw_tokens(logits, 1.0, gens, 16), reps, clock, _sync_for(dev))
-
-
-def _sorted_sampling_rate(dev: torch.device, clock: Clock, reps: int) -> float:
-    """The same draw with top_p 0.9 (Truncation): each row sorted for its kept set."""
-    from fasttrain.rollout.sampling import Truncation, draw_tokens
-    logits = torch.randn(16, 32768, device=dev)
-    gens = [torch.Generator(device=dev).manual_seed(0)]
-    trunc = Truncation(top_p=0.9)
-    return logits.numel() / _median_time(lambda: draw_tokens(logits, 1.0, gens, 16, truncation=trunc), reps, clock,
-                                         _sync_for(dev))
-
-
-def _micro_policy(layers: int, dev: torch.device):
-    """A micro Llama in NF4 + LoRA as the trainer builds its policy (hidden 32, vocab 64)."""
-    from fasttrain.models.tiny import tiny_llama
-    from fasttrain.nn import attach_adapters, quantize_model
-
-    model = tiny_llama(vocab_size=64, hidden=32, layers=layers, heads=2, kv_heads=1, seed=0).to(dev)
-    quantize_model(model)
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(0)
-        params = attach_adapters(model, r=4, alpha=8)
-    return model, params
-
-
-def _layer_costs(dev: torch.device, clock: Clock, reps: int) -> dict:
-    """Per-layer and per-call seconds of fasttrain's decode step, no-grad log-probs and update
-    micro-batch (forward, loss, backward, clip, AdamW step) on micro models of 1 and 3 layers."""
-    from fasttrain.nn.rollout_weights import RolloutWeights
-    from fasttrain.ops import policy_loss
-    from fasttrain.rollout import sample
-    from fasttrain.train.policy_update import answer_logprobs   # the code measured, not the trainer
-
-    sync = _sync_for(dev)
-    prompts = [[1 + (i * 7 + j) % 60 for j in range(PROMPT)] for i in range(2)]
-    out = {}
-    for L in (1, 3):
-        model, params = _micro_policy(L, dev)
-        weights = RolloutWeights(model)
-
-        def run(T):
-            return sample(model, prompts, group_size=2, max_new_tokens=T, temperature=1.0, eos_token_ids=[],
-                          seed=[0, 1], weights=weights)
-        steps = 8
-        decode = (_median_time(lambda: run(steps + 1), reps, clock, sync)
-                  - _median_time(lambda: run(1), reps, clock, sync)) / steps
-        roll = run(9)
-        args = (roll.input_ids, roll.attention_mask, roll.prompt_len, roll.completion_ids, roll.completion_mask, 1.0)
-        kw = dict(position_ids=roll.position_ids, prompt_index=roll.prompt_index)
-        model.eval()
-        with torch.no_grad():
-            fwd = _median_time(lambda: answer_logprobs(model, *args, **kw), reps, clock, sync)
-        model.train()
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
-        adv = torch.ones(roll.completion_ids.shape[0], device=dev)
-
-        def train():
-            logp, _ = answer_logprobs(model, *args, **kw)
-            loss, _ = policy_loss(logp, logp.detach(), adv, roll.completion_mask, loss="cispo")
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        fb = _median_time(train, reps, clock, sync)
-        _checkpointing_on(model)
-        fb_ckpt = _median_time(train, reps, clock, sync)
-        out[L] = (decode, fwd, fb, fb_ckpt)
-    slope = [max(0.0, (out[3][i] - out[1][i]) / 2) for i in range(4)]
-    call = [max(0.0, out[1][i] - slope[i]) for i in range(4)]
-    return {"decode_layer": slope[0], "decode_call": call[0], "forward_layer": slope[1],
-            "forward_call": call[1], "train_layer": slope[2], "train_call": call[2],
-            "train_ckpt_layer": slope[3], "train_ckpt_call": call[3]}
-
-
-def _checkpointing_on(model) -> None:
-    """Gradient checkpointing as the trainer turns it on (fasttrain.train.policy.build_policy)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return a.numel() / median_time(lambda: a * b, 5 * reps, clock, sync_for(dev))
 
 
 def _decode_rates(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int) -> dict:
@@ -417,51 +335,17 @@ def _decode_rates(dtype: torch.dtype, dev: torch.device, clock: Clock, reps: int
     return {"rows16": r16, "rows64": r64, "attention": attention}
 
 
-def measure(device="cpu", clock: Clock = time.perf_counter, reps: int = 3) -> HostRates:
-    """Measure this host's rates now on `device` (see the header); a few seconds on a CPU."""
-    dev = torch.device(device)
-    ab, abf = _attention_rates(torch.bfloat16, dev, clock, reps)
-    af, aff = _attention_rates(torch.float32, dev, clock, reps)
-    db, df = _decode_rates(torch.bfloat16, dev, clock, reps), _decode_rates(torch.float32, dev, clock, reps)
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        layers = _layer_costs(dev, clock, reps)
-        moe = _moe_rates(dev, clock, reps)
-    return HostRates(
-        device=host_name(dev), threads=torch.get_num_threads(),
-        matmul_bf16=matmul_gflops(torch.bfloat16, reps=reps, device=dev, clock=clock) * 1e9,
-        matmul_fp32=matmul_gflops(torch.float32, reps=reps, device=dev, clock=clock) * 1e9,
-        bandwidth=memory_gbps(reps=reps, device=dev, clock=clock) * 1e9,
-        attention_fwd_bf16=ab, attention_fb_bf16=abf, attention_fwd_fp32=af, attention_fb_fp32=aff,
-        decode_rows16_bf16=db["rows16"], decode_rows64_bf16=db["rows64"], decode_attention_bf16=db["attention"],
-        decode_rows16_fp32=df["rows16"], decode_rows64_fp32=df["rows64"], decode_attention_fp32=df["attention"],
-        elementwise_bf16=_elementwise_rate(torch.bfloat16, dev, clock, reps),
-        elementwise_fp32=_elementwise_rate(torch.float32, dev, clock, reps),
-        sampling=_sampling_rate(dev, clock, reps), sampling_sorted=_sorted_sampling_rate(dev, clock, reps),
-        **layers, **moe,
-        measured_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        clock=next((k for k, v in CLOCKS.items() if v is clock), "given"), device_kind=dev.type)
-
-
 def host_name(device=None) -> str:
     """The device in words: the CUDA card's name, or the CPU's model name and core count."""
     dev = torch.device(device or "cpu")
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu} ({os.cpu_count()} cores)"
+    return f"{cpu_name()} ({os.cpu_count()} cores)"
 
 
 def cache_path() -> Path:
-    from fasttrain.selftest import cache_dir
-    return cache_dir() / "host_rates.json"
+    """host_rates.json in fasttrain's cache folder (fasttrain.host.cache_root)."""
+    return cache_root() / "host_rates.json"
 
 
 # Bumped when a rate's measurement changes (2: sampling by the inverse CDF, not Gumbel-max; 3: the
@@ -486,7 +370,7 @@ def _cached() -> dict:
 def cached_rates(device="cpu") -> HostRates | None:
     """The rates cached for `device` at this thread count and these versions, or None. An entry
     written by another version of this file (a field missing, such as an entry from before the MoE
-    rates, or one this version does not know) is None: host_rates measures again and replaces it."""
+    rates, or one this version does not know) is None: the calibration measures again and replaces it."""
     entry = _cached().get(_key(torch.device(device)))
     try:
         return HostRates(**entry) if entry else None
@@ -494,22 +378,17 @@ def cached_rates(device="cpu") -> HostRates | None:
         return None
 
 
-def _clock_for(dev: torch.device) -> Clock:
+def clock_for(dev: torch.device) -> Clock:
     """The process's CPU time for one CPU thread (the time on an idle core, whatever else runs on
     the machine), else the wall clock (several threads, or a GPU)."""
     return time.process_time if dev.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
-def host_rates(device="cpu", refresh: bool = False) -> HostRates:
-    """This host's rates on `device`: from the cache when measured before under the same key,
-    else measured now and cached. A cache that cannot be read or written is skipped."""
-    dev = torch.device(device)
-    rates = None if refresh else cached_rates(dev)
-    if rates is not None:
-        return rates
-    data, path, key = _cached(), cache_path(), _key(dev)
-    rates = measure(dev, clock=_clock_for(dev))
-    data[key] = asdict(rates)
+def store_rates(rates: HostRates, device="cpu") -> None:
+    """Keep `rates` in the cache under `device`'s key (this thread count, these versions), beside
+    the other entries. A cache that cannot be written is skipped."""
+    data, path = _cached(), cache_path()
+    data[_key(torch.device(device))] = asdict(rates)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -517,4 +396,24 @@ def host_rates(device="cpu", refresh: bool = False) -> HostRates:
         tmp.replace(path)
     except OSError:
         pass
-    return rates
+
+
+def kernel_rates(device="cpu", clock: Clock = time.perf_counter, reps: int = 3) -> dict:
+    """The rates of torch's and fasttrain's kernels on `device` (the header's matmul, bandwidth,
+    attention, decode, elementwise and experts rows), as HostRates' fields: the part of the
+    calibration that runs no trainer or rollout code."""
+    dev = torch.device(device)
+    ab, abf = _attention_rates(torch.bfloat16, dev, clock, reps)
+    af, aff = _attention_rates(torch.float32, dev, clock, reps)
+    db, df = _decode_rates(torch.bfloat16, dev, clock, reps), _decode_rates(torch.float32, dev, clock, reps)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        moe = _moe_rates(dev, clock, reps)
+    return dict(
+        matmul_bf16=matmul_gflops(torch.bfloat16, reps=reps, device=dev, clock=clock) * 1e9,
+        matmul_fp32=matmul_gflops(torch.float32, reps=reps, device=dev, clock=clock) * 1e9,
+        bandwidth=memory_gbps(reps=reps, device=dev, clock=clock) * 1e9,
+        attention_fwd_bf16=ab, attention_fb_bf16=abf, attention_fwd_fp32=af, attention_fb_fp32=aff,
+        decode_rows16_bf16=db["rows16"], decode_rows64_bf16=db["rows64"], decode_attention_bf16=db["attention"],
+        decode_rows16_fp32=df["rows16"], decode_rows64_fp32=df["rows64"], decode_attention_fp32=df["attention"],
+        elementwise_bf16=_elementwise_rate(torch.bfloat16, dev, clock, reps),
+        elementwise_fp32=_elementwise_rate(torch.float32, dev, clock, reps), **moe)
