@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
 from fasttrain.ops.logprob import logprob_pack_cache
 from fasttrain.train import distributed
+from fasttrain.train.advantages import low_share_warning, step_advantages
 from fasttrain.train.answers import (answer_token_ids, group_seeds, join_rollouts, sample_answers, score_step,
                                      tool_settings, truncation_of)
 from fasttrain.train.checkpoint import (check_family, load_checkpoint, model_family, newest_checkpoint_name,
@@ -193,20 +193,8 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------
     def _advantages(self, scores) -> tuple[torch.Tensor, dict[str, float]]:
-        a_cfg = self.cfg.advantages
-        G = self.cfg.rollout.group_size
-        rewards = torch.tensor([[s.channels[c] for c in self.channel_names] for s in scores], dtype=torch.float64)
-        core = torch.tensor([s.core for s in scores], dtype=torch.float64)
-        valid = torch.tensor([s.valid for s in scores])
-        adv = gdpo_advantages(rewards, G, self.weights, a_cfg.batch_normalize).double()
-        guarded = guarded_answers(core, valid, a_cfg.floor, a_cfg.guard_invalid)
-        if a_cfg.guard == "projection":
-            adv = floor_guard(adv, guarded, G)
-        elif a_cfg.guard == "legacy_clamp":
-            adv = legacy_clamp(adv, core)
-        info = {"nonzero_adv_share": nonzero_share(adv), "guarded_share": float(guarded.double().mean()),
-                "adv_abs_mean": float(adv.abs().mean())}
-        return adv.to(torch.float32), info
+        return step_advantages(scores, self.channel_names, self.weights, self.cfg.rollout.group_size,
+                               self.cfg.advantages)
 
     def _train_step(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """Step `step`: rollout, scores, advantages, update. Returns (its metrics row, its samples
@@ -353,15 +341,9 @@ class Trainer:
         self.console.print(f"[yellow]warning:[/yellow] {msg}")
 
     def _check_share(self, step: int, share: float) -> None:
-        a = self.cfg.advantages
-        self.low_share_in_row = self.low_share_in_row + 1 if share < a.warn_share else 0
-        if self.low_share_in_row == a.warn_steps:
-            self._warn(step, f"the share of answers with a non-zero advantage has stayed under "
-                             f"{a.warn_share:.0%} for {a.warn_steps} steps (now {share:.0%}): the floor guard "
-                             f"(advantages.guard={a.guard!r}, advantages.floor={a.floor}, "
-                             f"guard_invalid={a.guard_invalid}) zeroes every group whose answers are all "
-                             f"invalid or at or below the floor. Lower the floor (advantages.floor=-inf), "
-                             f"filter prompts (fasttrain filter), or raise rollout.group_size.")
+        self.low_share_in_row, warning = low_share_warning(self.cfg.advantages, share, self.low_share_in_row)
+        if warning is not None:
+            self._warn(step, warning)
 
     # ---- probes and checkpoints -------------------------------------------------------------
     def _probe(self, step: int) -> dict[str, Any]:
