@@ -160,9 +160,9 @@ def _run_config(recipe: str, set_: list[str], resume: Optional[Path], out: Optio
 
 
 def _dry_run(recipe: str, set_: list[str], resume: Optional[Path], out: Optional[str], nproc: int) -> None:
-    """`run --dry-run`: the checks of a run up to its first weight, then the plan (fasttrain.train.dry_run)."""
+    """`run --dry-run`: the checks of a run up to its first weight, then the plan (fasttrain.train.preflight)."""
     from fasttrain.train import ConfigError, distributed
-    from fasttrain.train.dry_run import dry_run
+    from fasttrain.train.preflight import dry_run
 
     try:
         cfg = _run_config(recipe, set_, resume, out)

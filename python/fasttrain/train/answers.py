@@ -8,9 +8,10 @@ from typing import Sequence
 import torch
 
 from fasttrain.envs import Prompt, Score
+from fasttrain.train import distributed
 
 __all__ = ["answer_token_ids", "eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice",
-           "group_seeds", "join_rollouts", "tool_settings"]
+           "group_seeds", "join_rollouts", "tool_settings", "score_step"]
 
 
 def tool_settings(cfg) -> dict:
@@ -206,3 +207,26 @@ def is_stateful(env) -> bool:
     plug-in says so through its `stateful` attribute)."""
     stateful = getattr(env, "stateful", None)
     return bool(stateful) if stateful is not None else _takes_record(env)
+
+
+def score_step(env, prompts: Sequence[Prompt], lo: int, hi: int, texts: list[str], ids: list[list[int]],
+               turns: list | None, group_size: int, data_slice: str):
+    """(scores, answer texts, conversations or None) of a training step's answers, the whole step
+    in the one-process order, on every rank; this rank's answers are those of prompts[lo:hi]. A
+    stateful environment scores every answer on every rank, in that order, so its state stays the
+    one-process state; a stateless one scores each rank's answers where they are."""
+    G = group_size
+    turns = turns if turns is not None else [None] * len(texts)
+    if is_stateful(env) or distributed.world_size() == 1:
+        both = distributed.gather_list(list(zip(texts, ids, turns)))
+        texts, ids, turns = [x[0] for x in both], [x[1] for x in both], [x[2] for x in both]
+        rep = [p for p in prompts for _ in range(G)]
+        conv = turns if turns and turns[0] is not None else None
+        return score_answers(env, rep, texts, data_slice, record=True,
+                             completion_ids=ids, conversations=conv), texts, conv
+    rep = [p for p in prompts[lo:hi] for _ in range(G)]
+    conv = turns if turns and turns[0] is not None else None
+    mine = score_answers(env, rep, texts, data_slice, record=True, completion_ids=ids, conversations=conv)
+    both = distributed.gather_list(list(zip(mine, texts, turns)))
+    conv = [x[2] for x in both]
+    return [x[0] for x in both], [x[1] for x in both], conv if conv and conv[0] is not None else None

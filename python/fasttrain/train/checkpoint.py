@@ -31,7 +31,8 @@ from safetensors.torch import load_file, save_file
 from fasttrain.train.run_files import write_json
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state",
-           "CheckpointError", "newest_checkpoint_name", "verify_checkpoint", "pick_checkpoint", "write_manifest"]
+           "CheckpointError", "newest_checkpoint_name", "verify_checkpoint", "pick_checkpoint", "write_manifest",
+           "model_family", "nonfinite_state"]
 
 MANIFEST = "manifest.json"
 
@@ -205,6 +206,28 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
         return None
     d = ckpt_root / json.loads(f.read_text())["dir"]
     return d if d.exists() else None
+
+
+def model_family(model) -> dict[str, str]:
+    """The policy's model family and model_type, kept in checkpoints so a resume on another
+    family's model is refused by name (its adapters would not fit)."""
+    from fasttrain.models.families import family_of
+    model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
+    try:
+        return {"family": family_of(model).name, "model_type": model_type}
+    except ValueError:
+        return {"family": model_type, "model_type": model_type}
+
+
+def nonfinite_state(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> str | None:
+    """The first adapter tensor or optimizer moment that holds a NaN or an infinity, or None."""
+    for n, p in params.items():
+        if not bool(torch.isfinite(p).all()):
+            return f"adapter {n}"
+        for k, v in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                return f"AdamW {k} of {n}"
+    return None
 
 
 def check_family(ckpt: Path, now: dict[str, str], run_dir: Path) -> None:

@@ -10,7 +10,9 @@ one-process answers) and the scores are gathered. The shipped checkpoint is the 
 from __future__ import annotations
 
 import math
+import shutil
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from fasttrain.envs import Prompt
@@ -18,8 +20,9 @@ from fasttrain.train import distributed
 from fasttrain.train.answers import (answer_token_ids, group_seeds, has_slice, join_rollouts, sample_answers,
                                     score_answers, tool_settings, truncation_of)
 from fasttrain.train.config import Config
+from fasttrain.train.run_files import write_json
 
-__all__ = ["run_probe", "select_shipped"]
+__all__ = ["run_probe", "select_shipped", "ship_best"]
 
 
 def _summary(scores, prefix: str) -> dict[str, float]:
@@ -79,4 +82,21 @@ def select_shipped(probes: list[dict[str, Any]]) -> dict[str, Any] | None:
     for p in probes:
         if best is None or p["train_core"] > best["train_core"]:
             best = p
+    return best
+
+
+def ship_best(run_dir: Path, probes: list[dict[str, Any]], run_id: str) -> dict[str, Any] | None:
+    """Copy the best probe's adapter (select_shipped) to run_dir/shipped/ with shipped.json beside
+    it, replacing the folder whole (written as shipped.tmp, then renamed); None when no probe ran."""
+    best = select_shipped(probes)
+    if best is None:
+        return None
+    src = run_dir / "probes" / f"step_{best['step']:06d}" / "adapter"
+    dst = run_dir / "shipped"
+    tmp = run_dir / "shipped.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp / "adapter")
+    write_json(tmp / "shipped.json", {"run_id": run_id, **best})
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
     return best

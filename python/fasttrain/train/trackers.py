@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 from fasttrain.train.config import Config, ConfigError
 
-__all__ = ["TRACKERS", "Trackers", "start_trackers", "scalars", "completions_table"]
+__all__ = ["TRACKERS", "Trackers", "start_trackers", "start_on_rank0", "scalars", "completions_table"]
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 _INSTALL = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
@@ -310,6 +310,27 @@ def start_trackers(cfg: Config, run_dir: Path, run_id: str, resume_step: int = 0
         write_json(ids_file, ids)
     return Trackers(started, warn)
 
+
+
+def start_on_rank0(cfg: Config, run_dir: Path, run_id: str, resume_step: int, warn: Callable[[str], None],
+                   main: bool) -> Trackers:
+    """Rank 0 (`main`) starts the trackers (start_trackers), the other ranks report to none. Every
+    rank learns whether rank 0's started and stops with the reason (torchrun's agent would kill
+    them without one; another launcher might leave them in the first collective until
+    run.dist_timeout)."""
+    from fasttrain.train import distributed
+    trackers, failure = Trackers([], print), None
+    if main:
+        try:
+            trackers = start_trackers(cfg, run_dir, run_id, resume_step=resume_step, warn=warn)
+        except Exception as e:  # noqa: BLE001  (raised below, once every rank knows)
+            failure = e
+    why = distributed.broadcast_object(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    if why is not None:
+        raise ConfigError(f"rank 0 could not start its trackers: {why}")
+    return trackers
 
 _HINTS = {
     "tensorboard": "Check that the run folder is writable.",

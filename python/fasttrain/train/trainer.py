@@ -17,10 +17,6 @@ writes the run folder.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import json
-import math
-import shutil
 import signal
 import sys
 import time
@@ -31,39 +27,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers, legacy_clamp, nonzero_share
 from fasttrain.ops.logprob import logprob_pack_cache
-from fasttrain.rl.masks import token_stats
 from fasttrain.train import distributed
-from fasttrain.train.answers import (answer_token_ids, group_seeds, is_stateful, join_rollouts, sample_answers,
-                                     score_answers, tool_settings, truncation_of)
-from fasttrain.train.checkpoint import (check_family, load_checkpoint, newest_checkpoint_name, pick_checkpoint,
-                                        rng_state, save_checkpoint, set_rng_state)
-from fasttrain.train.config import (SEED_PRIORITIES, Config, ConfigError, config_hash, config_to_toml, load_config,
-                                    resume_changes, saved_run_data)
+from fasttrain.train.advantages import low_share_warning, step_advantages
+from fasttrain.train.answers import (answer_token_ids, group_seeds, join_rollouts, sample_answers, score_step,
+                                     tool_settings, truncation_of)
+from fasttrain.train.checkpoint import (check_family, load_checkpoint, model_family, newest_checkpoint_name,
+                                        nonfinite_state, pick_checkpoint, rng_state, save_checkpoint, set_rng_state)
+from fasttrain.train.config import Config, ConfigError, config_hash, config_to_toml
 from fasttrain.train.environment import load_run_env
-from fasttrain.train.policy import build_policy, pick_device, rollout_weights, set_checkpointing
+from fasttrain.train.errors import TrainingStopped, disk_stop
+from fasttrain.train.out_of_memory import OutOfMemoryBackoff, undo_update
+from fasttrain.train.policy import build_policy, pick_device, rollout_weights
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
 from fasttrain.train.preemption import Preempted, StopSignals
-from fasttrain.train.probe import run_probe, select_shipped
-from fasttrain.train.run_files import append_jsonl, new_run_id, read_jsonl, truncate_jsonl, write_json
-from fasttrain.train.trackers import Trackers
+from fasttrain.train.preflight import (check_channels, plan_after_load, plan_before_load, refuse_unfit,
+                                       resolve_checkpointing, select_train_prompts)
+from fasttrain.train.probe import run_probe, ship_best
+from fasttrain.train.progress import ProgressBar
+from fasttrain.train.resume import checkpoint_step, cut_run_files, replay_answers, resume_config
+from fasttrain.train.run_files import append_jsonl, new_run_id, write_json
+from fasttrain.train.step_rows import metrics_row, samples_row, update_stats
+from fasttrain.train.trackers import Trackers, start_on_rank0
 
 __all__ = ["Trainer", "TrainingStopped", "Preempted"]
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot continue (optim.max_skipped_steps non-finite losses in a row, non-finite
-    adapters at a checkpoint); the message says why and how to go on."""
-
-
-def _checkpoint_step(ckpt: Path | None) -> int:
-    return int(json.loads((ckpt / "trainer_state.json").read_text())["step"]) if ckpt is not None else 0
-
-
-def _env_counters(env) -> dict[str, int]:
-    f = getattr(env, "counters", None)
-    return {k: int(v) for k, v in f().items()} if callable(f) else {}
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -95,8 +82,8 @@ class Trainer:
         self.device = pick_device(cfg.run.device)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self._check_channels()
-        self.train_prompts = self._train_prompts()
+        self.channel_names, self.weights = check_channels(cfg, self.env)
+        self.train_prompts = select_train_prompts(cfg, self.env)
         self._train_version = getattr(self.env, "train_version", None)   # a curriculum's level moves it
         self.prompt_cursor = 0                     # dynamic sampling's place in the prompt stream
         self.probe_prompts = self.env.prompts("probe")[: cfg.probe.prompts]
@@ -120,44 +107,12 @@ class Trainer:
         self.probe_wave = cfg.probe.wave_prompts
         if cfg.rollout.wave_prompts:
             self.sizes["rollout"] = cfg.rollout.wave_prompts
-        self._oom_retries = 0
+        self._oom = OutOfMemoryBackoff(self.sizes, cfg.rollout.prompts_per_step // distributed.world_size(),
+                                       self._warn, lambda: newest_checkpoint_name(self.dir / "checkpoints"))
         self._checkpointed_step = -1
         self._mid_step = False                     # a step's scoring, update and logging under way
 
     # ---- set-up ---------------------------------------------------------------------------
-    def _check_channels(self) -> None:
-        names = [c.name for c in self.env.channels]
-        unknown = [k for k in self.cfg.advantages.priorities if k not in names]
-        if unknown:
-            # An error for every environment. The one exception is the untouched default, the seed's
-            # priorities (written for the signal channels): another environment keeps its own there.
-            default = self.cfg.advantages.priorities == SEED_PRIORITIES
-            if self.cfg.env.name.startswith("signal") or not default:
-                raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; the channels of "
-                                  f"{self.env.name} are {', '.join(names)} (or set advantages.priorities = {{}} "
-                                  f"to use the environment's own priorities)")
-        self.channel_names = names
-        self.weights = torch.tensor([self.cfg.advantages.priorities.get(c.name, c.priority)
-                                     for c in self.env.channels], dtype=torch.float64)
-
-    def _train_prompts(self):
-        prompts = self.env.prompts("train")
-        sel = self.cfg.env.prompts
-        if sel:
-            path = Path(sel)
-            if not path.exists():
-                raise ConfigError(f"env.prompts: selection file {sel!r} does not exist; "
-                                  "write it with `fasttrain filter RECIPE`")
-            keep = json.loads(path.read_text())["prompt_ids"]
-            by_id = {p.id: p for p in prompts}
-            missing = [k for k in keep if k not in by_id]
-            if missing:
-                raise ConfigError(f"env.prompts: {len(missing)} prompt ids of {sel} are not in {self.env.name}")
-            prompts = [by_id[k] for k in keep]
-        if not prompts:
-            raise ConfigError(f"env.name: {self.env.name} has no train prompts")
-        return prompts
-
     def _setup(self) -> None:
         if self._setup_done:
             return
@@ -188,14 +143,11 @@ class Trainer:
         without loading: a bundled name, a model folder) and the prompts' tokens (counted by its
         tokenizer when on disk, else estimated); a recipe that fits at no wave size is refused,
         naming the setting to change."""
-        from fasttrain.train.dry_run import plan_before_load
         try:
-            p = plan_before_load(self.cfg, self, world=distributed.world_size())
+            p = plan_before_load(self.cfg, self.env, self.train_prompts, self.device, world=distributed.world_size())
         except Exception:       # a folder the plan cannot read: the load that follows says why, in one paragraph
             p = None
-        if p is not None and p.picks is not None and not p.picks.fits:
-            raise ConfigError(f"{self.cfg.policy.model} on {p.gpu.title}: " + "; ".join(p.picks.blocked)
-                              + " (run.plan = \"warn\" runs it anyway)")
+        refuse_unfit(self.cfg, p)
         if p is not None:
             self._apply_plan(p.shape)           # refuses a run that needs gradient checkpointing turned on
 
@@ -203,38 +155,18 @@ class Trainer:
         """The plan's one-line summary before the first step, and with run.plan = "apply" its
         picks applied (rollout waves and prefill chunks, the probe's, the micro-batch); a warning
         when it will not fit (run.plan = "warn") or a refusal (run.plan = "apply")."""
-        from fasttrain.plan.report import plan_run, summary_line
-        from fasttrain.train.answers import prompt_token_ids
-        try:
-            ids = prompt_token_ids(self.tokenizer, self.env, self.train_prompts[:16], self.cfg.rollout.answer_prefix)
-            p = plan_run(self.cfg, self.model.config, max(len(i) for i in ids), self.device,
-                         world=distributed.world_size())
-            line, ok = summary_line(p), p.fits
-        except Exception as e:  # the plan informs; it never stops a run
-            p, line, ok = None, f"plan: not available ({type(e).__name__}: {e})", True
+        p, line, ok = plan_after_load(self.cfg, self.tokenizer, self.env, self.train_prompts, self.model.config,
+                                      self.device, world=distributed.world_size())
         if distributed.is_main():
             self.console.print(line, markup=False, highlight=False)
-        self._resolve_checkpointing(p)
+        said = resolve_checkpointing(self.cfg, self.model, p)
+        if said is not None and distributed.is_main():
+            self.console.print(said, markup=False, highlight=False)
         if p is not None and self.cfg.run.plan == "apply":
-            if p.picks is not None and not p.picks.fits:
-                raise ConfigError(f"{self.cfg.policy.model} on {p.gpu.title}: " + "; ".join(p.picks.blocked)
-                                  + " (run.plan = \"warn\" runs it anyway)")
+            refuse_unfit(self.cfg, p)
             self._apply_plan(p.shape)
         elif not ok:
             self._warn(0, f"{line}; see `fasttrain plan` for the largest micro_batch, group_size and max_new_tokens that fit")
-
-    def _resolve_checkpointing(self, p) -> None:
-        """policy.gradient_checkpointing = "auto": the plan's pick (off when the update fits at the
-        picked micro-batch without it); on, as built, when there is no plan. Said in one line."""
-        if self.cfg.policy.gradient_checkpointing != "auto":
-            return
-        on = p is None or bool(p.shape.gradient_checkpointing)
-        set_checkpointing(self.model, on)
-        why = "no plan for this model" if p is None else \
-            "the plan fits the update without it" if not on else "the update does not fit without it"
-        if distributed.is_main():
-            self.console.print(f"gradient checkpointing: {'on' if on else 'off'} (auto: {why})",
-                               markup=False, highlight=False)
 
     def _apply_plan(self, s) -> None:
         """The plan's picks as the phases' sizes (what the recipe fixes, the plan kept as it is)."""
@@ -261,31 +193,21 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------
     def _advantages(self, scores) -> tuple[torch.Tensor, dict[str, float]]:
-        a_cfg = self.cfg.advantages
-        G = self.cfg.rollout.group_size
-        rewards = torch.tensor([[s.channels[c] for c in self.channel_names] for s in scores], dtype=torch.float64)
-        core = torch.tensor([s.core for s in scores], dtype=torch.float64)
-        valid = torch.tensor([s.valid for s in scores])
-        adv = gdpo_advantages(rewards, G, self.weights, a_cfg.batch_normalize).double()
-        guarded = guarded_answers(core, valid, a_cfg.floor, a_cfg.guard_invalid)
-        if a_cfg.guard == "projection":
-            adv = floor_guard(adv, guarded, G)
-        elif a_cfg.guard == "legacy_clamp":
-            adv = legacy_clamp(adv, core)
-        info = {"nonzero_adv_share": nonzero_share(adv), "guarded_share": float(guarded.double().mean()),
-                "adv_abs_mean": float(adv.abs().mean())}
-        return adv.to(torch.float32), info
+        return step_advantages(scores, self.channel_names, self.weights, self.cfg.rollout.group_size,
+                               self.cfg.advantages)
 
-    def _train_step(self, step: int) -> dict[str, Any]:
+    def _train_step(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Step `step`: rollout, scores, advantages, update. Returns (its metrics row, its samples
+        record), the two lines it adds to metrics.jsonl and samples.jsonl."""
         cfg, R = self.cfg, self.cfg.rollout
         times: dict[str, float] = {}
         t = time.perf_counter()
         distributed.collective_seconds(reset=True)
         torch.manual_seed(step_seed(cfg.run.seed, step, 1))
         if getattr(self.env, "train_version", None) != self._train_version:     # a curriculum moved a level
-            self.train_prompts = self._train_prompts()
+            self.train_prompts = select_train_prompts(cfg, self.env)
             self._train_version = self.env.train_version
-        self._oom_retries = 0
+        self._oom.retries = 0
         dyn = None
         if R.dynamic_sampling:              # rounds of sampling and scoring (fasttrain.train.dynamic_sampling)
             from fasttrain.train.dynamic_sampling import dynamic_step, kept_advantages
@@ -346,92 +268,34 @@ class Trainer:
                     self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
                     cfg.optim.grad_clip, R.temperature, routing_replay=cfg.moe.routing_replay == "rollout",
                     router_aux_loss_coef=cfg.moe.router_aux_loss_coef),
-                    undo=self._undo_update() if L.passes > 1 else None)
+                    undo=undo_update(self.model, self.params, self.optimizer) if L.passes > 1 else None)
             self.nonfinite_in_row = 0
         except NonFiniteLoss as e:
             skipped, result = True, e.result
             self.nonfinite_in_row += 1
             self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
-        passes = result.passes
-        gap = self._logprob_gap(roll, result, mask)
-        # entropy of the pre-update policy (scored before the update, or by its first pass), all ranks
-        n_tok, n_loss, ent_sum = distributed.sum_values(token_stats(result.entropy, mask, loss_mask))
-        n_tok, n_loss = int(n_tok), int(n_loss)
-        mean_entropy = ent_sum / max(1, n_tok)
-        # KL to the base: the loss op's own k3 estimate in pass 1 (the pre-update policy, over every
-        # rank's tokens; r = 1 there up to two forwards' rounding, so "k3_ratio"'s r * k3 is k3), the
-        # value the loss used; 0 without a reference (beta = 0)
-        kl = passes[0].get("kl_mean", math.nan) if passes else math.nan
-        if batch.ref_logp is None:
-            kl = 0.0
+        # the pre-update policy's entropy and KL to the base, over every rank's tokens
+        gap, n_tok, n_loss, mean_entropy, kl = update_stats(roll, batch, result, mask, loss_mask)
         if L.repo_r:
             self.thermostat.update(mean_entropy)
         times["update"] = time.perf_counter() - t
 
-        ch_mean = {f"reward_{c}": float(np.mean([s.channels[c] for s in scores])) for c in self.channel_names}
-        last = passes[-1] if passes else {}
-        row: dict[str, Any] = {
-            "step": step,
-            "reward": float(np.mean([s.total(self.env.channels) for s in scores])),
-            **ch_mean,
-            "core": float(np.mean([s.core for s in scores])),
-            "success": float(np.mean([s.success for s in scores])),
-            "valid": float(np.mean([s.valid for s in scores])),
-            "cost": ch_mean.get("reward_action_cost", math.nan),
-            "kl": kl, "entropy": mean_entropy, **adv_info,
-            "zeta": zeta, "zeta_next": float(self.thermostat.zeta) if L.repo_r else 0.0,
-            "loss": last.get("loss", math.nan), "grad_norm": last.get("grad_norm", math.nan),
-            "pass_losses": [p["loss"] for p in passes],
-            "ratio_mean": last.get("ratio_mean", math.nan),
-            "clip_low_frac": last.get("clip_low_frac", math.nan),
-            "clip_high_frac": last.get("clip_high_frac", math.nan),
-            "cap_frac": last.get("cap_frac", math.nan),
-            "repo_r_factor_mean": last.get("repo_r_factor_mean", math.nan),
-            **gap,
-            **{k: v for k, v in (passes[0] if passes else {}).items() if k.startswith("moe_")},   # MoE routing
-            "tokens": n_tok, "loss_tokens": n_loss,
-            "mean_length": n_tok / (len(scores) if dyn is None else len(dyn["kept_scores"])), "skipped": skipped,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            # out-of-memory retries of this step, and the sizes the phases now run with
-            "oom_retries": self._oom_retries, "rollout_chunk_prompts": self.sizes["rollout"] or len(prompts),
-            "scores_micro_batch": self.sizes["scores"], "update_micro_batch": self.sizes["update"],
-            # a plug-in's batch verifier that raised or returned the wrong length (run total)
-            "verifier_batch_failures": 0,
-            **_env_counters(self.env),                        # the environment's run totals
-            **self._tool_metrics(roll, len(scores)),
-            **{f"seconds_{k}": v for k, v in times.items()},
-        }
-        row["seconds_step"] = sum(times.values())
-        row["seconds_collectives"] = distributed.collective_seconds()   # part of the above; 0 in one process
-        samples = {"step": step, "prompt_ids": [p.id for p in prompts], "answers": texts,
-                   "core": [s.core for s in scores], "valid": [s.valid for s in scores],
-                   "rewards": {c: [s.channels[c] for s in scores] for c in self.channel_names},
-                   "reasons": [s.reason for s in scores]}
-        if turns is not None:
-            samples["conversations"] = turns               # each answer's turns (assistant, tool, ...)
-        if dyn is not None:
-            samples["kept"] = dyn["kept"]                  # per group: trained on (dynamic sampling)
+        row = metrics_row(step, self.env, self.channel_names, scores, roll, passes=result.passes, kl=kl,
+                          entropy=mean_entropy, adv_info=adv_info, zeta=zeta,
+                          zeta_next=float(self.thermostat.zeta) if L.repo_r else 0.0, gap=gap, tokens=n_tok,
+                          loss_tokens=n_loss, answers=len(scores) if dyn is None else len(dyn["kept_scores"]),
+                          skipped=skipped, lr=self.optimizer.param_groups[0]["lr"], oom_retries=self._oom.retries,
+                          sizes=self.sizes, prompts=len(prompts), times=times)
+        samples = samples_row(step, prompts, texts, scores, self.channel_names, turns,
+                              None if dyn is None else dyn["kept"])
         end_step = getattr(self.env, "end_step", None)     # a curriculum sees every answer's score
         if callable(end_step):
             row.update(end_step([p for p in prompts for _ in range(R.group_size)], scores))
         self._check_share(step, adv_info.get("nonzero_adv_share_before", adv_info["nonzero_adv_share"]))
         return row, samples
 
-    @staticmethod
-    def _logprob_gap(roll, result, mask) -> dict[str, float]:
-        """rollout_logprob_gap (mean) and rollout_logprob_gap_max: |Δ log p| of the sampled tokens
-        between the rollout's decode and the update's forward on the pre-update policy, every rank's tokens."""
-        from fasttrain.rl.logprob_gap import logprob_gap_parts
-        have = result is not None and result.old_logp is not None
-        total, top, n = logprob_gap_parts(roll.logprobs, result.old_logp, mask) if have else (0.0, 0.0, 0)
-        total, n = distributed.sum_values([total, float(n)])        # every rank joins the collectives
-        top = max(distributed.gather_list([top]))
-        if n == 0:
-            return {"rollout_logprob_gap": math.nan, "rollout_logprob_gap_max": math.nan}
-        return {"rollout_logprob_gap": total / n, "rollout_logprob_gap_max": top}
-
-    # ---- out of memory ------------------------------------------------------------------------
+    # ---- the step's phases and messages ------------------------------------------------------
     def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None, key=None):
         """This rank's answers, sampled `per_chunk` prompts at a time (each group's generator is
         seeded by its place in the step, so chunks draw the answers of one batch; `key`: the
@@ -456,93 +320,14 @@ class Trainer:
             roll = dataclasses.replace(roll, keep_delta=None)
         return roll, texts
 
-    def _undo_update(self):
-        """A function that puts the adapters and AdamW back as they are now (before an update
-        that may run out of memory part-way, after some passes stepped). The copy is kept in host
-        memory: it must not add to the device memory the update needs. Only an update of k > 1
-        passes needs it: with one pass nothing has stepped before its end, and pass 1 starts by
-        clearing the gradients."""
-        params = [p.detach().to("cpu", copy=True) for p in self.params]
-        state = {p: {k: (v.to("cpu", copy=True), v.device) if torch.is_tensor(v) else v for k, v in st.items()}
-                 for p, st in self.optimizer.state.items()}
-        training = self.model.training
-
-        def undo() -> None:
-            with torch.no_grad():
-                for p, v in zip(self.params, params):
-                    p.copy_(v)
-                    p.grad = None
-            self.optimizer.state.clear()
-            for p, st in state.items():
-                self.optimizer.state[p] = {k: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v
-                                           for k, v in st.items()}
-            self.model.train(training)
-        return undo
-
     def _with_oom_retry(self, step: int, phase: str, run, undo=None):
-        """run(size) with the phase's size (rollout: prompts per chunk, None = all; scores and
-        update: answers per micro-batch). torch.OutOfMemoryError halves the size (kept for the rest
-        of the run) and runs the phase again, down to one; the step's other phases are not redone."""
-        training = self.model.training
-        while True:
-            size = self.sizes[phase]
-            try:
-                return run(size)
-            except torch.OutOfMemoryError as e:
-                now = size or (self.cfg.rollout.prompts_per_step // distributed.world_size())
-                what = {"rollout": "prompts per rollout chunk", "scores": "answers per scoring micro-batch",
-                        "update": "answers per update micro-batch"}[phase]
-                if now <= 1 or (phase == "update" and distributed.world_size() > 1):
-                    why = ("with one row" if now <= 1 else
-                           "in the update under torchrun (the ranks' collectives cannot redo one rank's update)")
-                    raise TrainingStopped(
-                        f"step {step}: out of memory {why} ({phase}: {str(e).strip()[:200]}). Lower "
-                        f"rollout.max_new_tokens or rollout.group_size, or see `fasttrain plan`; the last "
-                        f"checkpoint is {newest_checkpoint_name(self.dir / 'checkpoints')}.") from None
-                self.sizes[phase] = now // 2
-                self._oom_retries += 1
-                self._warn(step, f"out of memory in the {phase} of step {step} with {now} {what}: "
-                                 f"retrying with {now // 2} (kept for the rest of the run)")
-                del e
-                if undo is not None:
-                    undo()
-                self.model.train(training)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+        """run(size) with the phase's size, halved on out-of-memory (fasttrain.train.out_of_memory)."""
+        return self._oom.run(step, phase, run, self.model, undo)
 
-    def _tool_metrics(self, roll, answers: int) -> dict[str, float]:
-        """Per step, over every rank: tool calls, the calls that ended in an error message (or
-        could not be read), and model turns per answer; nothing for single-turn answers."""
-        if roll.tool_stats is None:
-            return {}
-        st = roll.tool_stats
-        calls, errors, turns, dropped = distributed.sum_values(
-            [float(st["tool_calls"]), float(st["tool_errors"]), float(st["turns"]), float(st["tool_results_dropped"])])
-        return {"tool_calls": int(calls), "tool_errors": int(errors), "turns": turns / max(1, answers),
-                "tool_results_dropped": int(dropped)}
-
-    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]],
-                    turns: list | None = None):
-        """(scores, answer texts, conversations or None) of the whole step in the one-process
-        order, on every rank. A stateful environment scores every answer on every rank, in that
-        order, so its state stays the one-process state; a stateless one scores each rank's
-        answers where they are."""
-        G = self.cfg.rollout.group_size
-        turns = turns if turns is not None else [None] * len(texts)
-        if is_stateful(self.env) or distributed.world_size() == 1:
-            both = distributed.gather_list(list(zip(texts, ids, turns)))
-            texts, ids, turns = [x[0] for x in both], [x[1] for x in both], [x[2] for x in both]
-            rep = [p for p in prompts for _ in range(G)]
-            conv = turns if turns and turns[0] is not None else None
-            return score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True,
-                                 completion_ids=ids, conversations=conv), texts, conv
-        rep = [p for p in prompts[lo:hi] for _ in range(G)]
-        conv = turns if turns and turns[0] is not None else None
-        mine = score_answers(self.env, rep, texts, self.cfg.env.train_slice, record=True, completion_ids=ids,
-                             conversations=conv)
-        both = distributed.gather_list(list(zip(mine, texts, turns)))
-        conv = [x[2] for x in both]
-        return [x[0] for x in both], [x[1] for x in both], conv if conv and conv[0] is not None else None
+    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]], turns=None):
+        """The whole step's (scores, texts, conversations), on every rank (fasttrain.train.answers.score_step)."""
+        return score_step(self.env, prompts, lo, hi, texts, ids, turns, self.cfg.rollout.group_size,
+                          self.cfg.env.train_slice)
 
     def _say(self, msg: str) -> None:
         """A line on the console (every rank under torchrun: a stop concerns each)."""
@@ -556,15 +341,9 @@ class Trainer:
         self.console.print(f"[yellow]warning:[/yellow] {msg}")
 
     def _check_share(self, step: int, share: float) -> None:
-        a = self.cfg.advantages
-        self.low_share_in_row = self.low_share_in_row + 1 if share < a.warn_share else 0
-        if self.low_share_in_row == a.warn_steps:
-            self._warn(step, f"the share of answers with a non-zero advantage has stayed under "
-                             f"{a.warn_share:.0%} for {a.warn_steps} steps (now {share:.0%}): the floor guard "
-                             f"(advantages.guard={a.guard!r}, advantages.floor={a.floor}, "
-                             f"guard_invalid={a.guard_invalid}) zeroes every group whose answers are all "
-                             f"invalid or at or below the floor. Lower the floor (advantages.floor=-inf), "
-                             f"filter prompts (fasttrain filter), or raise rollout.group_size.")
+        self.low_share_in_row, warning = low_share_warning(self.cfg.advantages, share, self.low_share_in_row)
+        if warning is not None:
+            self._warn(step, warning)
 
     # ---- probes and checkpoints -------------------------------------------------------------
     def _probe(self, step: int) -> dict[str, Any]:
@@ -581,36 +360,16 @@ class Trainer:
             self.trackers.log_probe(res)
         return res
 
-    def _family(self) -> dict[str, str]:
-        """The policy's model family and model_type, kept in checkpoints so a resume on another
-        family's model is refused by name (its adapters would not fit)."""
-        from fasttrain.models.families import family_of
-        model_type = str(getattr(getattr(self.model, "config", None), "model_type", "unknown"))
-        try:
-            return {"family": family_of(self.model).name, "model_type": model_type}
-        except ValueError:
-            return {"family": model_type, "model_type": model_type}
-
     def _state(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, **self._family(), "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
+        return {"run_id": self.run_id, **model_family(self.model), "thermostat": self.thermostat.state_dict(), "rng": rng_state(),
                 "nonfinite_in_row": self.nonfinite_in_row, "low_share_in_row": self.low_share_in_row,
                 "warnings": self.warnings, "zeta_log": self.zeta_log, "sizes": self.sizes,
                 "prompt_cursor": self.prompt_cursor,
                 # the environment's counters and state (plug-in wrapper, dataset rewards), if any
                 "env": self.env.state_dict() if callable(getattr(self.env, "state_dict", None)) else None}
 
-    def _nonfinite_state(self) -> str | None:
-        """The first adapter tensor or optimizer moment that holds a NaN or an infinity, or None."""
-        for n, p in self.named_params.items():
-            if not bool(torch.isfinite(p).all()):
-                return f"adapter {n}"
-            for k, v in self.optimizer.state.get(p, {}).items():
-                if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                    return f"AdamW {k} of {n}"
-        return None
-
     def _checkpoint(self, sync: bool = True) -> None:
-        bad = self._nonfinite_state()        # every rank holds the same adapters: all stop alike
+        bad = nonfinite_state(self.named_params, self.optimizer)        # every rank holds the same adapters: all stop alike
         if bad is not None:
             last = newest_checkpoint_name(self.dir / "checkpoints")
             raise TrainingStopped(
@@ -624,20 +383,6 @@ class Trainer:
         if sync:
             distributed.barrier()      # no rank runs ahead of the newest complete checkpoint
 
-    def _ship(self) -> dict[str, Any] | None:
-        best = select_shipped(self.probes)
-        if best is None:
-            return None
-        src = self.dir / "probes" / f"step_{best['step']:06d}" / "adapter"
-        dst = self.dir / "shipped"
-        tmp = self.dir / "shipped.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp / "adapter")
-        write_json(tmp / "shipped.json", {"run_id": self.run_id, **best})
-        shutil.rmtree(dst, ignore_errors=True)
-        tmp.rename(dst)
-        return best
-
     # ---- resume -----------------------------------------------------------------------------
     @classmethod
     def resume(cls, run_dir: str | Path, overrides: list[str] | None = None, from_step: int | None = None,
@@ -646,13 +391,7 @@ class Trainer:
         against its manifest; a damaged one is passed over with a warning), or from checkpoint
         `from_step`. CheckpointError when none can be used."""
         run_dir = Path(run_dir)
-        cfg_file = run_dir / "config.toml"
-        if not cfg_file.exists():
-            raise FileNotFoundError(f"--resume {run_dir}: no config.toml there (not a fasttrain run folder)")
-        import tomllib
-        saved = saved_run_data(tomllib.loads(cfg_file.read_text()))
-        cfg = load_config(saved, overrides)
-        changes = resume_changes(load_config(saved), cfg)                # refuses what may not change
+        cfg, changes = resume_config(run_dir, overrides)
         ckpt, notes = pick_checkpoint(run_dir / "checkpoints", from_step)   # before the model loads
         tr = cls(cfg, run_dir, **kw)
         tr._resume_from, tr._resume_notes = ckpt, notes
@@ -663,7 +402,7 @@ class Trainer:
         return tr
 
     def _restore(self, ckpt: Path) -> None:
-        check_family(ckpt, self._family(), self.dir)
+        check_family(ckpt, model_family(self.model), self.dir)
         meta = load_checkpoint(ckpt, self.named_params, self.optimizer)
         self.step = self._checkpointed_step = int(meta["step"])
         self.thermostat.load_state_dict(meta["thermostat"])
@@ -680,19 +419,8 @@ class Trainer:
             g["lr"] = self.cfg.optim.lr
         for key, (old, new) in getattr(self, "_resume_changes", {}).items():
             self._warn(self.step, f"resumed at step {self.step} with {key} = {new!r} (was {old!r})")
-        keep = [r for r in read_jsonl(self.dir / "metrics.jsonl") if r["step"] <= self.step]
-        samples = [r for r in read_jsonl(self.dir / "samples.jsonl") if r["step"] <= self.step]
-        self.probes = [r for r in read_jsonl(self.dir / "probes.jsonl") if r["step"] <= self.step]
-        distributed.barrier()                 # every rank has read the files before rank 0 cuts them
-        if self.main:
-            truncate_jsonl(self.dir / "metrics.jsonl", keep)
-            truncate_jsonl(self.dir / "samples.jsonl", samples)
-            truncate_jsonl(self.dir / "probes.jsonl", self.probes)
-        if is_stateful(self.env):           # rebuild e.g. the novelty archive, in the same order
-            by_id = {p.id: p for p in self.train_prompts}
-            for r in samples:
-                ps = [by_id[i] for i in r["prompt_ids"] for _ in range(self.cfg.rollout.group_size)]
-                score_answers(self.env, ps, r["answers"], self.cfg.env.train_slice, record=True)
+        samples, self.probes = cut_run_files(self.dir, self.step, self.main)
+        replay_answers(self.cfg, self.env, self.train_prompts, samples)    # e.g. the novelty archive
         if meta.get("env") is not None:     # after the replay, which would count its failures again
             self.env.load_state_dict(meta["env"])
         self.console.print(f"resumed {self.run_id} at step {self.step} from {ckpt.name}")
@@ -714,22 +442,9 @@ class Trainer:
         if self.main:                                  # rank 0 alone writes the run folder
             self.dir.mkdir(parents=True, exist_ok=True)
         resume_from = getattr(self, "_resume_from", None)
-        failure = None
-        if self.main:                                  # rank 0 alone reports to trackers
-            from fasttrain.train.trackers import start_trackers   # before the model: a bad tracker fails fast
-            try:
-                self.trackers = start_trackers(cfg, self.dir, self.run_id, resume_step=_checkpoint_step(resume_from),
-                                               warn=lambda m: self._warn(self.step, m))
-            except Exception as e:  # noqa: BLE001  (raised below, once every rank knows)
-                failure = e
-        # every rank learns whether rank 0's trackers started and stops with the reason (torchrun's
-        # agent would kill them without one; another launcher might leave them in the first
-        # collective until run.dist_timeout)
-        why = distributed.broadcast_object(None if failure is None else str(failure))
-        if failure is not None:
-            raise failure
-        if why is not None:
-            raise ConfigError(f"rank 0 could not start its trackers: {why}")
+        # rank 0 alone reports to trackers, started before the model: a bad tracker fails fast
+        self.trackers = start_on_rank0(cfg, self.dir, self.run_id, checkpoint_step(resume_from),
+                                       lambda m: self._warn(self.step, m), self.main)
         try:
             return self._run_steps(resume_from)
         finally:
@@ -754,10 +469,11 @@ class Trainer:
         ckpt_every = cfg.run.checkpoint_every or cfg.probe.every or cfg.run.steps
         interrupted, preempted = False, None
         self._stop = StopSignals(cfg.run.stop_timeout, self._say)
-        with self._stop, self._progress_bar() as bar:
+        bar = ProgressBar(self.console, cfg.run.name, cfg.run.steps, self.step, shown=self.progress)
+        with self._stop, bar:
             try:
                 if self.step == 0 and not self.probes:
-                    self._show(bar, None, self._probe(0))
+                    bar.show(self.step, None, self._probe(0))
                 while self.step < cfg.run.steps:
                     step = self.step + 1
                     row, samples = self._train_step(step)
@@ -772,7 +488,7 @@ class Trainer:
                         probe = self._probe(step)
                     if step % ckpt_every == 0 or step == cfg.run.steps:
                         self._checkpoint()
-                    self._show(bar, row, probe)
+                    bar.show(self.step, row, probe)
                     self._mid_step = False
                     if self.nonfinite_in_row >= cfg.optim.max_skipped_steps:
                         self._checkpoint()
@@ -784,14 +500,10 @@ class Trainer:
                     if self._stop.agreed(distributed.any_rank):        # every rank stops after this step
                         raise Preempted(self._stop.requested or signal.SIGTERM)
             except OSError as e:        # the run folder's disk is full, read-only or not ours
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+                stop = disk_stop(e, self.step, self.dir)
+                if stop is None:
                     raise
-                raise TrainingStopped(
-                    f"step {self.step}: cannot write {e.filename or self.dir}: {e.strerror} "
-                    f"(errno {errno.errorcode.get(e.errno, e.errno)}). The last checkpoint, "
-                    f"{newest_checkpoint_name(self.dir / 'checkpoints')}, is intact and the run files stay "
-                    f"readable (a line cut short is dropped on reading). Free space or fix the permissions, "
-                    f"then `fasttrain run --resume {self.dir}`.") from None
+                raise stop from None
             except Preempted as e:
                 if self._checkpointed_step != self.step:
                     self._checkpoint()
@@ -815,32 +527,6 @@ class Trainer:
             raise preempted
         if not self.main:
             return {"run_id": self.run_id, "rank": distributed.rank(), "steps_done": self.step}
-        shipped = self._ship()
+        shipped = ship_best(self.dir, self.probes, self.run_id)
         result = write_outputs(self, shipped, interrupted=interrupted)
         return result
-
-    # ---- progress ---------------------------------------------------------------------------
-    def _progress_bar(self):
-        from contextlib import nullcontext
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-        if not self.progress:
-            return nullcontext(None)
-        p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                     TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                     console=self.console, transient=False)
-        self._task = p.add_task(self.cfg.run.name, total=self.cfg.run.steps, completed=self.step, info="starting")
-        return p
-
-    def _show(self, bar, row, probe) -> None:
-        if bar is None:
-            return
-        info = getattr(self, "_info", "")
-        if row is not None:
-            info = (f"reward {row['reward']:+.3f} core {row['core']:+.3f} valid {row['valid']:.0%} "
-                    f"nz {row['nonzero_adv_share']:.0%} KL {row['kl']:.4f} H {row['entropy']:.2f} "
-                    f"ζ {row['zeta']:.1e} {row['seconds_step']:.1f}s/step")
-        if probe is not None:
-            bar.console.print(f"probe @ step {probe['step']}: train core {probe['train_core']:+.4f}  "
-                              f"holdout core {probe['holdout_core']:+.4f}  valid {probe['train_valid']:.0%}")
-        self._info = info
-        bar.update(self._task, completed=self.step, info=info)
