@@ -147,9 +147,9 @@ def test_policy_loss_finalize_over_more_rows_than_threads(loss, schedule):
     mask[7] = False  # a second empty row, in the finalize loop's first trip (the last one is in the second)
     beta = 0.04
     args = (adv.float(), mask, ref.float(), None, LOSS[loss], beta, EPS_LOW, EPS_HIGH, CAP, ZETA, 0.0)
-    l_e, s_e, c_e, r_e = emu().policy_loss(logp.float(), old.float(), *args)
+    l_e, s_e, c_e, r_e = emu().policy_loss(logp.float(), old.float(), *args)  # kl_type left at the schema default: k3
     lp64 = logp.clone().requires_grad_()
-    out64, st64 = R.policy_loss(lp64, old, adv, mask, loss=loss, ref_logp=ref, beta=beta, eps_low=EPS_LOW,
+    out64, st64 = R.policy_loss(lp64, old, adv, mask, loss=loss, ref_logp=ref, beta=beta, kl="k3", eps_low=EPS_LOW,
                                 eps_high=EPS_HIGH, cispo_cap=CAP, zeta=ZETA)
     out64.backward()
     m_t = token_magnitude(logp, old, adv, ref, beta) * mask
