@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from emulator import emu, module, use_schedule
+from cuda_emu.emulator import emu, module, use_schedule
 
 pytestmark = pytest.mark.cuda_emu
 
