@@ -19,8 +19,8 @@ from fasttrain.nn.moe_experts import moe_blocks
 from fasttrain.rollout import sample
 from fasttrain.rollout.moe_routing import ReplayRouting
 
-from support.moe_pairs import (FAMILIES, PROMPTS, forwarded, move_router, oracle, oracle_tol, pair, sets_differ,
-                               update_logprobs)
+from support.moe_pairs import (FAMILIES, PROMPTS, forwarded, move_router, oracle_forward, oracle_tol, pair,
+                               sets_differ, update_logprobs)
 from support.tolerances import fp32_logsoftmax_tol
 
 
@@ -29,7 +29,7 @@ def test_rollout_record_and_update_equal_the_oracle(family):
     hf, model = pair(family)
     roll = sample(model, PROMPTS, group_size=2, max_new_tokens=6, temperature=1.0, eos_token_ids=[2], seed=0)
     S = roll.input_ids.shape[1]
-    lp, rec = oracle(hf, roll)
+    lp, rec = oracle_forward(hf, roll)
     want = lp.gather(2, roll.completion_ids[..., None])[..., 0]
     m = roll.completion_mask
     fp32 = fp32_logsoftmax_tol(lp)
@@ -48,8 +48,8 @@ def test_replay_on_a_moved_router_equals_the_oracle_with_the_rollouts_routing(fa
     B, S = roll.input_ids.shape
     move_router(hf, model)                                # the router moves between rollout and update
     forced = [roll.routing[:, :, i].long().reshape(B * S, -1) for i in range(roll.routing.shape[2])]
-    lp_forced, _ = oracle(hf, roll, forced)
-    lp_own, own = oracle(hf, roll)
+    lp_forced, _ = oracle_forward(hf, roll, forced)
+    lp_own, own = oracle_forward(hf, roll)
     m = roll.completion_mask
     tol = oracle_tol(hf, S)
     got = {}

@@ -13,8 +13,8 @@ from fasttrain.rollout import sample
 from fasttrain.rollout.moe_routing import ReplayRouting
 from fasttrain.rollout.multi_turn import sample_turns
 
-from support.moe_pairs import (FAMILIES, PROMPTS, forwarded, move_router, oracle, oracle_tol, pair, sets_differ,
-                               update_logprobs)
+from support.moe_pairs import (FAMILIES, PROMPTS, forwarded, move_router, oracle_forward, oracle_tol, pair,
+                               sets_differ, update_logprobs)
 
 TOOL = [20, 21, 22, 23]           # a tool turn's tokens, fed after each row's first model turn
 
@@ -42,13 +42,13 @@ def _rollout(model, kind):
 def _check_record_and_replay(hf, model, roll):
     B, S = roll.input_ids.shape
     fwd = forwarded(roll)
-    _, own = oracle(hf, roll)
+    _, own = oracle_forward(hf, roll)
     assert roll.routing is not None and roll.routing.shape[:2] == (B, S)
     for i, c in enumerate(own.chosen):                       # the record: the oracle's own top-k sets
         assert not sets_differ(c.view(B, S, -1)[fwd], roll.routing[:, :, i][fwd]).any(), i
     move_router(hf, model)                                   # the router moves between rollout and update
     forced = [roll.routing[:, :, i].long().reshape(B * S, -1) for i in range(roll.routing.shape[2])]
-    lp_forced, _ = oracle(hf, roll, forced)
+    lp_forced, _ = oracle_forward(hf, roll, forced)
     rec = ReplayRouting(roll.routing, replay=True)
     got = update_logprobs(model, roll, rec)
     want = lp_forced.gather(2, roll.completion_ids[..., None])[..., 0]

@@ -26,7 +26,7 @@ def oracle_tol(model, S):
     return forward_tol(model.config, S)
 
 
-def oracle(hf, roll, forced=None):
+def oracle_forward(hf, roll, forced=None):
     P, T = roll.prompt_len, roll.completion_ids.shape[1]
     with ExitStack() as st, torch.no_grad():
         if hf.config.model_type.startswith("qwen3_5"):
