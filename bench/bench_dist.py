@@ -9,7 +9,7 @@ log-probs, update; not probes or checkpoints) and seconds_collectives (the part 
 torch.distributed calls, including the wait for the slowest rank). Medians over the steps after
 the first (warm-up).
 
-The default policy is the tiny 2-layer test model (tests/train/tiny_world.py): it shows the
+The default policy is the tiny 2-layer test model (tests/support/tiny_world.py): it shows the
 overheads of splitting a step (collectives, duplicated per-step work), not a model's scaling;
 --model smollm2-135m runs the bundled model instead (minutes per step on a busy CPU).
 
@@ -46,13 +46,13 @@ threads = 1
 device = "cpu"
 
 [policy]
-model = "{'tiny_world:tiny_policy' if tiny else model}"
+model = "{'support.tiny_world:tiny_policy' if tiny else model}"
 dtype = "float32"
 rank = 8
 alpha = 16.0
 
 [env]
-name = "{'tiny_world:make_env' if tiny else 'signal-a'}"
+name = "{'support.tiny_world:make_env' if tiny else 'signal-a'}"
 
 [rollout]
 prompts_per_step = {ppstep}
@@ -116,7 +116,7 @@ def main() -> None:
     from harness import RESULTS, machine_name, versions
 
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests" / "train")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests")])}
     load = os.getloadavg()
     results = []
     for n in (1, a.nproc):

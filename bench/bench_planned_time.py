@@ -9,7 +9,7 @@
         # whose memory tools/plan_check.py and tests/plan check; here their seconds
     python bench/bench_planned_time.py --moe            # only the mixtures of experts, below
     python bench/bench_planned_time.py --moe --moe-hidden 64 --moe-experts 8 --moe-new 4   # a smoke run
-        # the bundled qwen3-30b-a3b and qwen3.5-35b-a3b at small width (tests/plan/moe_scaled.py: their
+        # the bundled qwen3-30b-a3b and qwen3.5-35b-a3b at small width (tests/support/moe_scaled.py: their
         # families, layouts, top-8 and relative widths at hidden 256, 32 experts, 2 layers / one
         # attention interval of 4), random weights, 2 prompts x 4 answers of 32 new tokens, micro-batch
         # 4, one pass, float32, NF4 + LoRA r 8 on the projections and the experts: the routed experts
@@ -51,7 +51,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT / "python"), str(ROOT / "tests" / "plan"), str(ROOT / "tests" / "train")]
+sys.path[:0] = [str(HERE), str(ROOT / "python"), str(ROOT / "tests")]     # tests/: the support package's worlds
 
 from harness import RESULTS, machine_name  # noqa: E402
 
@@ -115,11 +115,11 @@ def planned_vs_measured(trainer, label: str, steps: int = 1, warm: bool = True) 
 
 
 def tiny_case(out: Path):
-    from conftest_recipe import tiny_recipe
+    from support.recipes import tiny_recipe
     from fasttrain.train import Trainer, load_config
 
     r = tiny_recipe(out, 2, 6, 24, 6)
-    r["policy"]["model"] = "padded_world:tiny_policy_as_loaded"
+    r["policy"]["model"] = "support.padded_world:tiny_policy_as_loaded"
     return Trainer(load_config(r), progress=False), "tiny", 4
 
 
@@ -150,7 +150,7 @@ def long_case(model: str, layers: int, new: int):
     """(a factory of) the long-answer case: tools/plan_check.py's model and world at `new` tokens."""
     def make(out: Path):
         sys.path.insert(0, str(ROOT / "tools"))
-        import padded_world
+        from support import padded_world
         import plan_check
         from fasttrain.train import Trainer, load_config
 
@@ -160,7 +160,7 @@ def long_case(model: str, layers: int, new: int):
         cfg = load_config({
             "run": {"name": "long", "seed": 7, "steps": 1, "out": str(out), "device": "cpu", "threads": 1},
             "policy": {"model": "plan_check:policy", "dtype": "float32", "rank": 32, "alpha": 64.0},
-            "env": {"name": "padded_world:make_env"},
+            "env": {"name": "support.padded_world:make_env"},
             "rollout": {"prompts_per_step": 1, "group_size": 2, "max_new_tokens": new},
             "advantages": {"priorities": {"core": 3.0}, "floor": -1e9},
             "loss": {"kind": "cispo", "repo_r": True, "passes": 2, "token_mask": "all"},
@@ -177,15 +177,15 @@ MOE_RUN = {"new": 32}
 
 
 def moe_case(name: str, policy: str):
-    """(a factory of) a MoE case: the bundled `name` at small width (tests/plan/moe_scaled.py, its SIZE
+    """(a factory of) a MoE case: the bundled `name` at small width (tests/support/moe_scaled.py, its SIZE
     set from the command line), the padded letters world, 2 prompts x 4 answers, micro-batch 4."""
     def make(out: Path):
-        import moe_scaled
-        from conftest_recipe import tiny_recipe
+        from support import moe_scaled
+        from support.recipes import tiny_recipe
         from fasttrain.train import Trainer, load_config
 
         r = tiny_recipe(out, 2, 4, MOE_RUN["new"], 4)
-        r["policy"].update(model=f"moe_scaled:{policy}", rank=8, alpha=16.0)
+        r["policy"].update(model=f"support.moe_scaled:{policy}", rank=8, alpha=16.0)
         r["loss"]["passes"] = 1
         r["probe"]["every"] = 0
         z = moe_scaled.SIZE
@@ -225,7 +225,7 @@ def main() -> None:
     if args.long:
         cases = [long_case(m, n, int(t)) for t in args.long.split(",") for m, n in LONG]
     if args.moe:
-        import moe_scaled
+        from support import moe_scaled
         moe_scaled.SIZE.update(hidden=args.moe_hidden, experts=args.moe_experts, layers=args.moe_layers)
         MOE_RUN["new"] = args.moe_new
         cases = [moe_case(name, policy) for name, policy in MOE]

@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+# the float64 oracle is a measuring instrument, not product code: it lives with the tests' helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from fasttrain.models.hf_oracle import hf_float64_oracle  # noqa: E402
+from support.hf_oracle import hf_float64_oracle  # noqa: E402
 from fasttrain.models.tiny import tiny_qwen3_5  # noqa: E402
 from fasttrain.nn.nf4_linear import NF4Linear  # noqa: E402
 from fasttrain.nn.surgery import _set_module  # noqa: E402

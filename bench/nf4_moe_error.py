@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+# the float64 oracle is a measuring instrument, not product code: it lives with the tests' helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from fasttrain.models.hf_oracle import hf_float64_oracle  # noqa: E402
+from support.hf_oracle import hf_float64_oracle  # noqa: E402
 from fasttrain.models.moe import moe_surgery  # noqa: E402
 from fasttrain.models.moe_tiny import tiny_qwen3_5_moe, tiny_qwen3_moe  # noqa: E402
 from fasttrain.nn.moe_experts import RoutingSlot, moe_blocks, routing_slot  # noqa: E402

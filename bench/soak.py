@@ -25,15 +25,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "tests" / "train"                  # tiny_world: the 2-layer byte-level Llama
+TESTS = ROOT / "tests"                          # support.tiny_world: the 2-layer byte-level Llama
 
 
 def recipe(out: Path, steps: int, every: int, seed: int = 7) -> dict:
     return {
         "run": {"name": "soak", "seed": seed, "steps": steps, "out": str(out), "device": "cpu", "threads": 1,
                 "checkpoint_every": every},
-        "policy": {"model": "tiny_world:tiny_policy", "dtype": "float32", "rank": 4, "alpha": 8.0},
-        "env": {"name": "tiny_world:make_env"},
+        "policy": {"model": "support.tiny_world:tiny_policy", "dtype": "float32", "rank": 4, "alpha": 8.0},
+        "env": {"name": "support.tiny_world:make_env"},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
         "advantages": {"priorities": {"core": 3.0}, "floor": -1e9},
         "loss": {"kind": "cispo", "repo_r": True, "passes": 2, "token_mask": "all", "thermostat_warmup": 2},
@@ -73,7 +73,7 @@ def _lines(path: Path) -> int:
 
 
 def _launch_cli(recipe_file: Path, run_dir: Path | None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(TINY)]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(TESTS)]), "OMP_NUM_THREADS": "1"}
     args = ["run", "--resume", str(run_dir)] if run_dir else ["run", str(recipe_file)]
     with open(recipe_file.parent / "segments.log", "ab") as log:
         p = subprocess.Popen([sys.executable, "-m", "fasttrain", *args, "--no-progress"], env=env,
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-record", action="store_true", help="do not write bench/results")
     a = ap.parse_args(argv)
     import tempfile
-    sys.path[:0] = [str(TINY)]
+    sys.path[:0] = [str(TESTS)]
     work = a.workdir or Path(tempfile.mkdtemp(prefix="fasttrain-soak-"))
     rng = random.Random(a.seed)
     t0 = time.time()

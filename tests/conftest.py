@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +30,16 @@ settings.register_profile("fasttrain", deadline=None)
 settings.load_profile("fasttrain")
 
 
+# The folders whose tests run tiny models at most: each of their tests gets the `one_thread` mark
+# (one_thread_for_tiny_models below). A module elsewhere opts in with `pytestmark = pytest.mark.one_thread`.
+TESTS = Path(__file__).parent
+ONE_THREAD_FOLDERS = ("agents", "cuda_emu", "cuda_trace", "export", "integrations", "models", "moe", "plan", "rollout")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.is_relative_to(TESTS) and item.path.relative_to(TESTS).parts[0] in ONE_THREAD_FOLDERS:
+            item.add_marker(pytest.mark.one_thread)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
@@ -49,8 +59,8 @@ def _seed():
 def one_thread_for_tiny_models(request):
     """Tiny-model tests run thousands of microsecond ops; on a shared 2-core box, OpenMP's
     second thread turns each into a wait (measured: 2.1 s vs 0.06 s for one sample call).
-    Tests marked slow (the real model) keep the default thread count. A directory opts in
-    with an autouse fixture in its conftest.py that requests this one."""
+    Tests marked slow (the real model) keep the default thread count. Every test marked
+    `one_thread` gets it (_one_thread_where_marked); a test may also request it by name."""
     if request.node.get_closest_marker("slow"):
         yield
         return
@@ -58,3 +68,25 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_where_marked(request, _seed):
+    """The one-thread default, in one place: after _seed (which sets the worker's thread count)."""
+    if request.node.get_closest_marker("one_thread"):
+        request.getfixturevalue("one_thread_for_tiny_models")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct as `fasttrain run` loads it: (model, tokenizer), loaded once
+    per test module (tests that use it are marked slow)."""
+    from fasttrain.models import load_policy
+    return load_policy()
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32():
+    """The same in float32 (the plan's measured-peak test)."""
+    from fasttrain.models import load_policy
+    return load_policy(None, dtype=torch.float32)

@@ -4,7 +4,7 @@ Builds a model of a bundled architecture (python/fasttrain/models/configs) with 
 nothing is downloaded, runs two training steps of the real Trainer (the tiny letters environment
 with prompts padded to --prompt-tokens, answers to max_new_tokens), and records per phase of
 step 2: on CUDA, torch.cuda.max_memory_allocated between the phase's start and end (peak stats
-reset at each start); on the CPU, the profiler's allocator events (tests/plan/measured_step.py).
+reset at each start); on the CPU, the profiler's allocator events (tests/support/measured_step.py).
 Writes plan_check.json and prints planned / measured per phase.
 
   PYTHONPATH=python python tools/plan_check.py --model smollm2-135m --device cuda --out DIR
@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "plan"), str(ROOT / "tests" / "train")]
+sys.path[:0] = [str(ROOT / "tests")]          # the tests' support package: the tiny and padded worlds
 
 ARGS: dict = {}
 
 
 def _byte_tokenizer():
-    from tiny_world import ByteTokenizer
+    from support.tiny_world import ByteTokenizer
 
     class Wide(ByteTokenizer):
         """Bytes in, any id of the model's vocabulary out (id - 3 mod 256): random weights sample
@@ -79,7 +79,7 @@ class _Patch:
 def _measure_cuda(trainer) -> dict:
     import fasttrain.train.answers as answers
     import fasttrain.train.trainer as tr
-    from measured_step import PHASES
+    from support.measured_step import PHASES
 
     patch = _Patch()
     patch.setattr(answers, "eos_ids", lambda model, tok: [])
@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     ARGS.update(model=a.model, device=a.device, layers=a.layers, context=a.prompt_tokens + a.new + 64)
-    import padded_world
+    from support import padded_world
 
     from fasttrain.plan import Device, meta_policy, plan_memory, run_shape
     from fasttrain.train import Trainer, load_config
@@ -140,7 +140,7 @@ def main() -> None:
         recipe = {
             "run": {"name": "plan-check", "seed": 7, "steps": 2, "out": tmp, "device": a.device},
             "policy": {"model": "plan_check:policy", "dtype": a.dtype, "rank": 32, "alpha": 64.0},
-            "env": {"name": "padded_world:make_env"},
+            "env": {"name": "support.padded_world:make_env"},
             "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new},
             "advantages": {"priorities": {"core": 3.0}, "floor": -1e9},
             "loss": {"kind": "cispo", "repo_r": True, "passes": 2, "token_mask": "all"},
@@ -154,7 +154,7 @@ def main() -> None:
         if a.device == "cuda":
             measured = _measure_cuda(trainer)
         else:
-            from measured_step import measure_steps
+            from support.measured_step import measure_steps
             patch = _Patch()
             try:
                 measured = measure_steps(trainer, patch)

@@ -4,7 +4,7 @@ as a channel named after the class, and reward functions that ask for `environme
 instances."""
 import pytest
 
-from agent_files import TOOLS, tiny_tool_policy, tool_specs, write_task
+from support.agent_files import TOOLS, tiny_tool_policy, tool_specs, write_task
 from fasttrain.envs.dataset import DatasetEnvironment
 from fasttrain.envs.tools import ToolCall, ToolWorkers
 from fasttrain.train.answers import answer_token_ids, score_answers

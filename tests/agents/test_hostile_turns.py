@@ -3,7 +3,7 @@ a call to something never registered. Each ends as an error message or a stopped
 crashes and nothing runs that the user did not register."""
 import pytest
 
-from agent_files import smollm2_tokenizer, tool_specs
+from support.agent_files import smollm2_tokenizer, tool_specs
 from fasttrain.envs.tools import ToolWorkers
 from fasttrain.models.tool_template import CHATML_TOOLS, MAX_CALLS_PER_TURN, parse_turn
 from fasttrain.train.tool_rollout import ToolTurns

@@ -4,7 +4,7 @@ diff; the conversation, the token ids, the masks and what reward functions see a
 import pytest
 import torch
 
-from agent_files import TOOLS, smollm2_tokenizer, tiny_tool_policy, tool_specs, write_task
+from support.agent_files import TOOLS, smollm2_tokenizer, tiny_tool_policy, tool_specs, write_task
 from fasttrain.envs.dataset import DatasetEnvironment
 from fasttrain.models.tool_template import CHATML_TOOLS, tool_suffix_ids
 from fasttrain.train.answers import answer_token_ids, score_answers

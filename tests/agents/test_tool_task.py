@@ -1,6 +1,5 @@
 """The built-in tool task: the calculate tool on the countdown parser (never eval), its reward,
 `fasttrain run tools`'s recipe, and `fasttrain init --tools` training on the tiny model."""
-import json
 from fractions import Fraction
 
 import pytest
@@ -8,9 +7,10 @@ from typer.testing import CliRunner
 
 from fasttrain.tasks.calculator import calculate, used_calculator
 from fasttrain.tasks.countdown import CountdownError
+from fasttrain.train.run_files import read_jsonl
 
 pytest.importorskip("datasets")
-TINY = ["--set", "policy.model=agent_files:tiny_tool_policy", "--set", "policy.dtype=float32",
+TINY = ["--set", "policy.model=support.agent_files:tiny_tool_policy", "--set", "policy.dtype=float32",
         "--set", "run.threads=1"]
 
 
@@ -63,7 +63,7 @@ def test_init_tools_writes_a_starter_that_trains(tmp_path, monkeypatch):
                          "--set", "rollout.max_new_tokens=24", "--set", "probe.every=0", *TINY])
     assert res.exit_code == 0, res.output
     (run,) = (tmp_path / "runs").iterdir()
-    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    row = read_jsonl(run / "metrics.jsonl")[0]
     assert row["tool_calls"] >= 0 and row["turns"] >= 1.0 and "tool_errors" in row
-    sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
+    sample = read_jsonl(run / "samples.jsonl")[0]
     assert len(sample["conversations"]) == 16 and sample["conversations"][0][0]["role"] == "assistant"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_files import smollm2_tokenizer
+from support.agent_files import smollm2_tokenizer
 from fasttrain.models.tool_template import (CHATML_TOOLS, TemplateError, is_prefix_preserving, renders_tools,
                                             tool_chat_template, tool_suffix_ids)
 

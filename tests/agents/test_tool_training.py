@@ -1,13 +1,14 @@
 """A training run with tools on the tiny model: scripted model turns (some with a tool call) go
 through the trainer; the metrics count tool calls, errors and turns, the token counts are the
 model's tokens only, and samples.jsonl holds each answer's turns."""
-import json
 
 import pytest
 import torch
 
-from agent_files import tool_specs, write_task
 from fasttrain.train import Trainer, load_config
+from fasttrain.train.run_files import read_jsonl
+
+from support.agent_files import tool_specs, write_task
 
 pytest.importorskip("datasets")
 
@@ -19,7 +20,7 @@ FINAL = "The answer is 5.<|im_end|>"
 def _recipe(tmp_path, **rollout):
     return {
         "run": {"name": "tools", "seed": 3, "steps": 2, "out": str(tmp_path / "runs"), "device": "cpu", "threads": 1},
-        "policy": {"model": "agent_files:tiny_tool_policy", "dtype": "float32", "rank": 4, "alpha": 8.0},
+        "policy": {"model": "support.agent_files:tiny_tool_policy", "dtype": "float32", "rank": 4, "alpha": 8.0},
         "env": {"name": "dataset", "dataset": str(write_task(tmp_path)), "probe_rows": 2,
                 "rewards": tool_specs("sees_conversation", "tool_turns"), "tools": tool_specs("add", "fail")},
         "rollout": {"prompts_per_step": 1, "group_size": 3, "max_new_tokens": 80, **rollout},
@@ -50,7 +51,7 @@ def test_a_run_with_tools_logs_calls_errors_turns_and_model_tokens(tmp_path, mon
     scripted.tok = tr.tokenizer
     tr.train()
     run = next((tmp_path / "runs").iterdir())
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     train_rolls = [r for r in seen if r.completion_ids.shape[0] == 3]         # the probe samples 2 per prompt
     for r, roll in zip(rows, train_rolls):
@@ -60,7 +61,7 @@ def test_a_run_with_tools_logs_calls_errors_turns_and_model_tokens(tmp_path, mon
         assert r["mean_length"] == pytest.approx(int(roll.action_mask.sum()) / 3)
         assert r["reward_tool_turns"] == pytest.approx(2 / 3)
         assert r["reward_sees_conversation"] in (0.0, 1.0)           # -1 for an answer that is not a message list
-    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    samples = read_jsonl(run / "samples.jsonl")
     conv = samples[0]["conversations"]
     assert [m["role"] for m in conv[0]] == ["assistant", "tool", "assistant"]
     assert conv[1][1]["content"] == "{'error': 'bad x 1'}"
@@ -110,8 +111,8 @@ def test_dynamic_sampling_with_tool_rollouts(tmp_path, monkeypatch):
     scripted.tok = tr.tokenizer
     tr.train()
     run = next((tmp_path / "runs").iterdir())
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run / "metrics.jsonl")
+    samples = read_jsonl(run / "samples.jsonl")
     train_rolls = [r for r in seen if r.completion_ids.shape[0] == 3]
     for k, (r, s) in enumerate(zip(rows, samples)):
         assert r["dynamic_rounds"] == 1 and r["dynamic_groups"] == 2 and r["dynamic_groups_kept"] == 1

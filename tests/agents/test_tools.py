@@ -3,7 +3,7 @@ them (str(result); an exception or a timeout as str({"error": ...})), and hostil
 hang, print, return 10 MB or kill their process, none of which stops the caller."""
 import pytest
 
-from agent_files import TOOLS, tool_specs
+from support.agent_files import TOOLS, tool_specs
 from fasttrain.envs.reward_functions import RewardSpecError
 from fasttrain.envs.tools import MAX_RESULT_CHARS, ToolCall, ToolWorkers, check_arguments, error_text
 

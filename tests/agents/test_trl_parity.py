@@ -15,8 +15,8 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.chat_template_utils import qwen3_template  # noqa: E402
 
-import agent_tools  # noqa: E402
-from agent_files import TOOLS, smollm2_tokenizer, tool_specs, write_task  # noqa: E402
+from support import agent_tools  # noqa: E402
+from support.agent_files import TOOLS, smollm2_tokenizer, tool_specs, write_task  # noqa: E402
 from fasttrain.envs.dataset import DatasetEnvironment  # noqa: E402
 from fasttrain.models import tiny_llama  # noqa: E402
 from fasttrain.train.answers import answer_token_ids, score_answers  # noqa: E402

@@ -2,7 +2,7 @@
 kernels a twin under torch.ops.fasttrain_emu, with the fasttrain op's own schema, so that a test
 calls the CUDA kernels and their launch sequences on CPU tensors exactly as the CUDA op is called.
 
-    from emulator import emu, use_schedule
+    from cuda_emu.emulator import emu, use_schedule
     emu().nf4_quantize(w, 64)          # the CUDA kernels, on the CPU
 
 FASTTRAIN_EMU_LIB=path loads another build of the module (`make test-emu-asan` points it at the

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from emulator import emu, module, use_schedule
+from cuda_emu.emulator import emu, module, use_schedule
 
 pytestmark = pytest.mark.cuda_emu
 
@@ -68,7 +68,7 @@ def test_counters_count_the_fibers_switched():
 def test_grid_stride_launches_get_the_tests_grid_cap():
     """The tests cap grid-stride launches at GRID_CAP blocks (a GPU's cap is 8 x 65,535), so that a
     kernel over more than GRID_CAP blocks of items runs its grid-stride loop more than once."""
-    from emulator import GRID_CAP
+    from cuda_emu.emulator import GRID_CAP
     m = module()
     assert m.grid_cap() == GRID_CAP
     code = torch.linspace(-1, 1, 256)

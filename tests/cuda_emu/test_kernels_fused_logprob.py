@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emulator import peer, U, U32, assert_within, emu, sum_bound
+from cuda_emu.emulator import peer, U, U32, assert_within, emu, sum_bound
 
 pytestmark = pytest.mark.cuda_emu
 OP = torch.ops.fasttrain  # the CPU ops (their own checks); peer(): what the emulator is compared with

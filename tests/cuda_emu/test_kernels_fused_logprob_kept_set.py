@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from emulator import peer, U32, assert_within, emu, sum_bound
+from cuda_emu.emulator import peer, U32, assert_within, emu, sum_bound
 
 from fasttrain.ops.reference import fused_logprob as reference
 

@@ -20,7 +20,7 @@ import torch
 
 from fasttrain.ops import reference as R
 
-from emulator import peer, U, assert_within, emu, module
+from cuda_emu.emulator import peer, U, assert_within, emu, module
 
 pytestmark = pytest.mark.cuda_emu
 OP = torch.ops.fasttrain  # the CPU ops (their own checks); peer(): what the emulator is compared with

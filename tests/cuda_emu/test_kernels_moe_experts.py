@@ -28,7 +28,7 @@ import torch
 from fasttrain.ops import reference as R
 from fasttrain.selftest.cases.moe import moe_inputs, moe_magnitudes, moe_tolerance
 
-from emulator import assert_within, emu, peer
+from cuda_emu.emulator import assert_within, emu, peer
 
 pytestmark = pytest.mark.cuda_emu
 S = 2.0   # the adapters' scale

@@ -9,7 +9,7 @@ import torch
 
 from fasttrain.ops import reference as R
 
-from emulator import peer, emu
+from cuda_emu.emulator import peer, emu
 
 pytestmark = pytest.mark.cuda_emu
 OP = torch.ops.fasttrain  # the CPU ops (their own checks); peer(): what the emulator is compared with

@@ -20,7 +20,7 @@ import torch
 
 from fasttrain.ops import reference as R
 
-from emulator import peer, U, U32, assert_within, emu, sum_bound
+from cuda_emu.emulator import peer, U, U32, assert_within, emu, sum_bound
 
 pytestmark = pytest.mark.cuda_emu
 OP = torch.ops.fasttrain  # the CPU ops (their own checks); peer(): what the emulator is compared with

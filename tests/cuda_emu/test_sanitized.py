@@ -14,16 +14,15 @@ pytestmark = [pytest.mark.cuda_emu,
                                  reason="needs the sanitized emulator (make test-emu-asan)")]
 
 RUN_FIXTURE = """
-import sys
-sys.path.insert(0, {here!r})
-from emulator import emu
+from cuda_emu.emulator import emu
 emu().fixture({name!r})
 """
 
 
 def run_fixture(name: str) -> subprocess.CompletedProcess:
-    code = RUN_FIXTURE.format(here=os.path.dirname(__file__), name=name)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = RUN_FIXTURE.format(name=name)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}      # tests/ (pytest's pythonpath) included
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_doubles_read_from_byte_aligned_shared_memory_are_refused():

@@ -1,5 +1,5 @@
 """A training step of each family (Llama, the Qwen3.5 hybrid) on fake CUDA tensors: the CUDA host
-path, run before any GPU. The step (trace_step.py: build_policy, the rollout's prefill and one
+path, run before any GPU. The step (tests/support/trace_step.py: build_policy, the rollout's prefill and one
 decode step, score_batch, one update_policy pass) runs for real on the CPU first, to record its
 data-dependent answers, then on fake CUDA tensors with those answers (fake_cuda.py says how).
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import gpu_stubs
-import trace_step
-from fake_cuda import Recorder, fake_cuda, own_backward
+from support import gpu_stubs
+from support import trace_step
+from support.fake_cuda import Recorder, fake_cuda, own_backward
 
 # (caller, why): tensors the traced step may make on the host, and why that is right
 HOST_ALLOWED = {

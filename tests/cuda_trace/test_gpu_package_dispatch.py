@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import gpu_stubs
-from fake_cuda import backward, fake_cuda
+from support import gpu_stubs
+from support.fake_cuda import backward, fake_cuda
 
 BF16 = torch.bfloat16
 

@@ -17,7 +17,7 @@ from fasttrain.envs.dataset import DatasetEnvironment, DatasetError  # noqa: E40
 from fasttrain.envs.reward_functions import RewardSpecError  # noqa: E402
 
 HERE = Path(__file__).parent
-REWARDS = str(HERE / "dataset_rewards.py")
+REWARDS = str(HERE.parent / "support" / "dataset_rewards.py")
 ROWS = [{"prompt": f"What is {i} plus {i}?", "answer": 2 * i, "note": f"n{i}"} for i in range(5)]
 
 
@@ -59,8 +59,7 @@ def test_every_format_loads_the_same_rows(tmp_path):
 
 
 def test_chat_message_prompts_go_through_the_chat_template(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(HERE.parent / "train"))
-    from tiny_world import ByteTokenizer
+    from support.tiny_world import ByteTokenizer
 
     from fasttrain.train.answers import prompt_token_ids
 
@@ -215,8 +214,7 @@ def test_verl_rows_give_rewards_a_ground_truth_column(tmp_path):
 
 
 def test_load_env_builds_it_by_name_with_a_module_spec(jsonl, monkeypatch):
-    monkeypatch.syspath_prepend(str(HERE))
-    env = load_env("dataset", dataset=jsonl, rewards=["dataset_rewards:matches"], probe_rows=1)
+    env = load_env("dataset", dataset=jsonl, rewards=["support.dataset_rewards:matches"], probe_rows=1)
     assert env.name == "dataset:data.jsonl" and env.score(env.prompts("probe")[0], "8").core == 1.0
     env.close()
 

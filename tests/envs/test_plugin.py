@@ -1,19 +1,13 @@
 import logging
 import math
-import os
 
 import pytest
 
 from fasttrain.envs import GuardedEnvironment, INVALID_CORE, Score, load_env
 
 
-@pytest.fixture(autouse=True)
-def _plugin_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.dirname(__file__))
-
-
 def test_plugin_loads_and_scores():
-    env = load_env("toy_plugin:make_env")
+    env = load_env("support.toy_plugin:make_env")
     assert isinstance(env, GuardedEnvironment)
     assert [c.name for c in env.channels] == ["core", "format"]
     p = env.prompts("train")[0]
@@ -33,7 +27,7 @@ def test_plugin_loads_and_scores():
     ("wrongtype", "not Score"),
 ])
 def test_broken_verifier_becomes_invalid_answer(mode, needle):
-    env = load_env("toy_plugin:make_env", mode=mode)
+    env = load_env("support.toy_plugin:make_env", mode=mode)
     p = env.prompts("train")[0]
     for s in [env.score(p, "7"), *env.score_many([p, p], ["7", "3"])]:
         assert isinstance(s, Score)
@@ -44,7 +38,7 @@ def test_broken_verifier_becomes_invalid_answer(mode, needle):
 
 
 def test_one_raising_answer_spoils_only_itself_in_a_batch():
-    env = load_env("toy_plugin:make_env", mode="raise_on_boom")
+    env = load_env("support.toy_plugin:make_env", mode="raise_on_boom")
     p = env.prompts("train")[0]
     out = env.score_many([p, p, p], ["7", "boom", "5"])
     assert [s.valid for s in out] == [True, False, True]
@@ -57,9 +51,9 @@ def test_bad_specs_fail_loudly_at_load_time():
     with pytest.raises(ModuleNotFoundError):
         load_env("surely_missing_module_xyz:make")
     with pytest.raises(AttributeError):
-        load_env("toy_plugin:nope")
+        load_env("support.toy_plugin:nope")
     with pytest.raises(TypeError):
-        load_env("toy_plugin:broken_factory")
+        load_env("support.toy_plugin:broken_factory")
 
 
 @pytest.mark.parametrize("mode,needle", [("batch_raise", "raised RuntimeError: batch verifier exploded"),
@@ -67,7 +61,7 @@ def test_bad_specs_fail_loudly_at_load_time():
 def test_a_failing_batch_verifier_is_reported_not_silent(mode, needle, caplog):
     """score_many that raises or returns the wrong number of scores: logged once, counted, and each
     answer is still scored on its own."""
-    env = load_env("toy_plugin:make_env", mode=mode)
+    env = load_env("support.toy_plugin:make_env", mode=mode)
     p = env.prompts("train")[0]
     with caplog.at_level(logging.WARNING, logger="fasttrain.envs"):
         for _ in range(3):
@@ -82,8 +76,8 @@ def test_record_reaches_a_stateful_plugin():
     """A plug-in whose score_many takes `record` is stateful: record=False (probes) leaves it as it
     was, record=True (training, and the replay on resume) changes it; the trainer sees it as stateful."""
     from fasttrain.train.answers import is_stateful, score_answers
-    env = load_env("toy_plugin:make_novelty_env")
-    assert is_stateful(env) and not is_stateful(load_env("toy_plugin:make_env"))
+    env = load_env("support.toy_plugin:make_novelty_env")
+    assert is_stateful(env) and not is_stateful(load_env("support.toy_plugin:make_env"))
     p = env.prompts("train")[0]
     score_answers(env, [p, p], ["1", "2"], "train", record=False)
     assert env.inner.seen == []
@@ -91,6 +85,6 @@ def test_record_reaches_a_stateful_plugin():
     again = score_answers(env, [p], ["1"], "train", record=False)
     assert first[0].core == 1.0 and again[0].core == 0.0 and env.inner.seen == ["1"]
     # a failing batch falls back to one answer per call, still with `record` honoured
-    broken = load_env("toy_plugin:make_novelty_env", mode="batch_raise")
+    broken = load_env("support.toy_plugin:make_novelty_env", mode="batch_raise")
     out = broken.score_many([p, p], ["5", "6"], record=False)
     assert [s.valid for s in out] == [True, True] and broken.batch_failures == 1

@@ -9,13 +9,11 @@ import pytest
 
 from fasttrain.envs.worker_pool import WorkerPool, WorkerSpecError, group_rss_mb
 
-HERE = Path(__file__).parent
-F = "pool_functions"
+F = "support.pool_functions"
 
 
 @pytest.fixture
-def pool(monkeypatch):
-    monkeypatch.syspath_prepend(str(HERE))
+def pool():
     p = WorkerPool(memory_mb=200, max_workers=2)
     yield p
     p.close()

@@ -6,7 +6,7 @@ adapter whose B and DoRA magnitudes are moved off their initial values, so foldi
 the model. The oracle of the merged model is a float64 forward of the policy as trained: the base
 as the run held it (NF4 decoded, or the 16-bit weights, from an FP8 or 16-bit checkpoint) plus the
 adapter, merged in float64, in transformers' own model (the hybrid's delta rule and conv in float64,
-fasttrain.models.hf_oracle). Two bounds, both from rounding:
+support.hf_oracle). Two bounds, both from rounding:
   weights   each exported element w' against the float64 merged w: |w' - w| <= u16·|w| + 2e (+ 2^-25
             for fp16's subnormals), u16 = 2^-8 (bf16) or 2^-11 (fp16) the final rounding, e the fp32
             merge's error (r + K + 8)·u32·g·(|W| + s·|B||A|), u32 = 2^-24, g DoRA's scale (1 for LoRA);
@@ -17,23 +17,21 @@ fasttrain.models.hf_oracle). Two bounds, both from rounding:
             adapter: the base alone is outside it.
 """
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from fp8_checkpoints import write_fp8_checkpoint  # noqa: E402
-from test_hybrid_loading import TEXT, _tokenizer  # noqa: E402
+from fasttrain.models.families import released_key
+from fasttrain.nn import save_adapter
+from fasttrain.nn.adapted_linear import adapted_layers
+from fasttrain.train.config import config_to_toml, load_config
+from fasttrain.train.export import export_run
+from fasttrain.train.policy import build_policy
 
-from fasttrain.models.families import released_key  # noqa: E402
-from fasttrain.nn import save_adapter  # noqa: E402
-from fasttrain.nn.adapted_linear import adapted_layers  # noqa: E402
-from fasttrain.train.config import config_to_toml, load_config  # noqa: E402
-from fasttrain.train.export import export_run  # noqa: E402
-from fasttrain.train.policy import build_policy  # noqa: E402
+from support.checkpoints import HYBRID_TEXT, word_tokenizer
+from support.fp8_checkpoints import write_fp8_checkpoint
 
 U16 = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 U32 = 2.0 ** -24
@@ -47,17 +45,17 @@ def _llama_fp8(path: Path) -> Path:
                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
     torch.manual_seed(3)
     write_fp8_checkpoint(LlamaForCausalLM(cfg).to(torch.bfloat16), path, (128, 128), not_converted=("lm_head",))
-    _tokenizer(path)
+    word_tokenizer(path)
     return path
 
 
 def _hybrid_vl(path: Path) -> Path:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    cfg = Qwen3_5Config(text_config=TEXT, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
+    cfg = Qwen3_5Config(text_config=HYBRID_TEXT, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
                                                             num_heads=2, out_hidden_size=32))
     torch.manual_seed(4)
     Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(path)
-    _tokenizer(path)
+    word_tokenizer(path)
     return path
 
 
@@ -123,7 +121,7 @@ def _reference(policy, fold: bool = True):
 
 
 def _logprobs(model, hybrid: bool):
-    from fasttrain.models.hf_oracle import hf_float64_oracle
+    from support.hf_oracle import hf_float64_oracle
     with hf_float64_oracle() if hybrid else torch.enable_grad():
         z = model(IDS).logits[0, :-1]
     return z.log_softmax(-1).gather(1, IDS[0, 1:, None])[:, 0]

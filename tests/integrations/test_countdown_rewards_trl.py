@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
-from tiny_grpo import tiny_llama, tiny_tokenizer  # noqa: E402
+from support.tiny_grpo import tiny_llama, tiny_tokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fasttrain.tasks import countdown as cd  # noqa: E402

@@ -1,23 +1,22 @@
-"""One reward file, two trainers: tests/envs/dataset_rewards.py handed unchanged to TRL 1.16's
+"""One reward file, two trainers: tests/support/dataset_rewards.py handed unchanged to TRL 1.16's
 GRPOTrainer and to fasttrain's dataset environment. On the completions TRL generated, fasttrain
 builds the same reward inputs (prompts, completions in TRL's chat or text layout, completion_ids,
 dataset columns) and its worker processes return the same scores the functions gave inside TRL."""
 import functools
 import inspect
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
-from tiny_grpo import WORDS, tiny_llama, tiny_tokenizer  # noqa: E402
+from support.tiny_grpo import WORDS, tiny_llama, tiny_tokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fasttrain.envs.dataset import DatasetEnvironment  # noqa: E402
 
-REWARD_FILE = Path(__file__).parent.parent / "envs" / "dataset_rewards.py"
+REWARD_FILE = Path(__file__).parent.parent / "support" / "dataset_rewards.py"
 NAMES = ("matches", "shorter", "chat_shape")
 TRL_ONLY = ("trainer_state", "log_extra", "log_metric")       # TRL's trainer hooks, not dataset inputs
 
@@ -41,9 +40,7 @@ def capture(fn, seen):
 
 @pytest.mark.parametrize("layout", ["chat", "text"])
 def test_the_same_reward_file_scores_the_same_under_trl_and_fasttrain(tmp_path, monkeypatch, layout):
-    monkeypatch.syspath_prepend(str(REWARD_FILE.parent))
-    sys.modules.pop("dataset_rewards", None)
-    import dataset_rewards
+    from support import dataset_rewards
 
     def prompt(i):
         text = f"{WORDS[i]} {WORDS[i + 1]} {WORDS[i + 2]}"

@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("trl")
 import fasttrain.integrations.trl as fasttrain_trl  # noqa: E402
-from logprob_reference import reference_logprob_float64  # noqa: E402
+from support.logprob_reference import reference_logprob_float64  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from tiny_grpo import prompts_dataset, reward_even_words, tiny_llama, tiny_tokenizer  # noqa: E402
+from support.tiny_grpo import prompts_dataset, reward_even_words, tiny_llama, tiny_tokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import use_adapter  # noqa: E402
 

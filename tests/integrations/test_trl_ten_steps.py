@@ -44,9 +44,10 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
-from test_trl_update_parity import (CLIP, FP32_GRAD_REL, TRL_CONVENTIONS, U32, flat, lora_init,  # noqa: E402
-                                    run_fasttrain, run_trl)
-from tiny_grpo import tiny_llama  # noqa: E402
+
+from support.tiny_grpo import tiny_llama
+from support.tolerances import U32
+from support.trl_parity import CLIP, FP32_GRAD_REL, TRL_CONVENTIONS, flat, lora_init, run_fasttrain, run_trl
 
 
 STEPS = 10

@@ -18,8 +18,7 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 @pytest.fixture
 def qwen3(monkeypatch):
-    monkeypatch.syspath_prepend(str(HERE))
-    import qwen3_style
+    from support import qwen3_style
     return qwen3_style
 
 
@@ -52,7 +51,7 @@ def test_the_dataset_environments_chat_prompts_follow_the_switch(qwen3, tmp_path
             {"prompt": [{"role": "user", "content": "3+3?"}], "answer": "6"}]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env = DatasetEnvironment(dataset=str(data), rewards=[f"{HERE.parent / 'envs' / 'dataset_rewards.py'}:matches"],
+    env = DatasetEnvironment(dataset=str(data), rewards=[f"{HERE.parent / 'support' / 'dataset_rewards.py'}:matches"],
                              probe_rows=1, system_prompt="Be brief.")
     tok = qwen3.qwen3_style_tokenizer()
     on = tok.decode(prompt_token_ids(tok, env, env.prompts("train"))[0])
@@ -78,7 +77,7 @@ def test_build_policy_sets_the_recipes_variables_and_the_rollout_samples_from_th
     the rollout (which the probe and the filter share) decodes after the empty think block."""
     from fasttrain.train.config import load_config
     from fasttrain.train.policy import build_policy
-    cfg = load_config({"policy": {"model": "qwen3_style:tiny_qwen3_style_policy", "dtype": "float32",
+    cfg = load_config({"policy": {"model": "support.qwen3_style:tiny_qwen3_style_policy", "dtype": "float32",
                                   "rank": 2, "alpha": 4.0, "chat_template_kwargs": OFF}})
     model, tok, _ = build_policy(cfg, torch.device("cpu"))
     assert template_kwargs(tok) == OFF

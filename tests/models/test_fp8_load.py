@@ -9,8 +9,6 @@ layer's decode of the weight (`_dequantize_fp8_weight`) in float32, cast once to
 written as a 16-bit checkpoint and loaded by from_pretrained.
 """
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +20,9 @@ from fasttrain.models.families import nf4_targets, text_config
 from fasttrain.models.stream_load import load_streamed
 from fasttrain.nn import quantize_model
 
-sys.path.insert(0, str(Path(__file__).parent))    # the helpers beside this file (pytest's importlib mode)
-from fp8_checkpoints import write_fp8_checkpoint  # noqa: E402
-from test_hybrid_loading import TEXT, _tokenizer  # noqa: E402
-from test_stream_load import TOL, _allocated_peak, _assert_same_bytes  # noqa: E402
+from support.checkpoints import (HYBRID_TEXT, LOAD_PEAK_TOL, LOAD_SHAPE, allocated_peak, assert_same_bytes,
+                                 word_tokenizer)
+from support.fp8_checkpoints import write_fp8_checkpoint
 
 BLOCK = (128, 128)
 
@@ -58,7 +55,7 @@ def test_llama_fp8_equals_transformers_dequantization_then_quantization(tmp_path
     assert stored["model.layers.0.self_attn.q_proj.weight"] == torch.float8_e4m3fn
     assert stored[kept + ".weight"] == torch.bfloat16
     ours = load_streamed(path, dtype, quantize)
-    assert _assert_same_bytes(ours, _transformers_fp8(path, dtype, quantize)) > 0
+    assert assert_same_bytes(ours, _transformers_fp8(path, dtype, quantize)) > 0
     assert getattr(ours.config, "quantization_config", None) is None
 
 
@@ -90,12 +87,12 @@ def test_hybrid_vision_language_fp8_with_partial_blocks_loads_its_text_tower(tmp
     left 16-bit; NF4 and 16-bit bases equal the oracle's bytes."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    cfg = Qwen3_5Config(text_config=TEXT, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
+    cfg = Qwen3_5Config(text_config=HYBRID_TEXT, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
                                                             num_heads=2, out_hidden_size=32))
     torch.manual_seed(2)
     src = Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16)
     fp8 = write_fp8_checkpoint(src, tmp_path / "fp8", BLOCK, not_converted=("lm_head", "in_proj_a", "in_proj_b", "visual"))
-    _tokenizer(fp8)
+    word_tokenizer(fp8)
     stored = load_file(str(fp8 / "model.safetensors"))
     assert stored["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"].dtype == torch.float8_e4m3fn
     assert stored["model.language_model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv"].shape == (1, 1)
@@ -108,22 +105,21 @@ def test_hybrid_vision_language_fp8_with_partial_blocks_loads_its_text_tower(tmp
         oracle = AutoModelForCausalLM.from_pretrained(oracle_dir, config=text, dtype=torch.bfloat16).eval()
         if quantize == "nf4":
             quantize_model(oracle, targets=nf4_targets(oracle))
-        assert _assert_same_bytes(model, oracle) > 0
+        assert assert_same_bytes(model, oracle) > 0
 
 
 @pytest.mark.parametrize("quantize", ["nf4", "none"])
 def test_fp8_load_peak_is_within_the_plans_load_phase(tmp_path, quantize):
     from fasttrain.plan import Device, meta_policy, model_config, plan_memory
-    from test_stream_load import SHAPE
 
     path = write_fp8_checkpoint(_llama(), tmp_path, BLOCK, shards=True)
-    _, peak, final = _allocated_peak(lambda: load_streamed(path, torch.bfloat16, quantize))
+    _, peak, final = allocated_peak(lambda: load_streamed(path, torch.bfloat16, quantize))
     m = meta_policy(model_config(str(path)), dtype="bfloat16", quantize=quantize)
-    load = plan_memory(m, SHAPE, Device("cpu")).phases["load"]
+    load = plan_memory(m, LOAD_SHAPE, Device("cpu")).phases["load"]
     planned, resident = sum(load.values()), load["nf4_base"] + load["dense_parts"]
     print(f"\nFP8 tiny llama, base {quantize}: load peak planned {planned / 2**20:.3f} MiB, measured {peak / 2**20:.3f} MiB")
     assert final == resident
-    assert peak <= planned <= (1 + TOL) * peak
+    assert peak <= planned <= (1 + LOAD_PEAK_TOL) * peak
 
 
 def _edit_config(path, **qc):
@@ -175,7 +171,7 @@ def test_a_refused_checkpoint_is_a_config_error_for_a_run(tmp_path):
     from fasttrain.train.policy import _load_base
 
     path = write_fp8_checkpoint(_llama(), tmp_path, BLOCK)
-    _tokenizer(path)
+    word_tokenizer(path)
     _edit_config(path, quant_method="awq")
     with pytest.raises(ConfigError, match="quant_method 'awq'.*policy.model"):
         _load_base(str(path), "bfloat16", "nf4")

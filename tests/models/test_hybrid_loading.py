@@ -7,21 +7,7 @@ import torch
 from fasttrain.models import SUPPORTED_FAMILIES, load_policy
 from fasttrain.models.families import family_of, family_of_type
 
-TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, eos_token_id=2,
-            pad_token_id=0, tie_word_embeddings=False)
-
-
-def _tokenizer(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, 64)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(path)
-
+from support.checkpoints import HYBRID_TEXT, word_tokenizer
 
 def test_qwen3_5_is_a_supported_family():
     assert {"qwen3_5", "qwen3_5_text"} <= set(SUPPORTED_FAMILIES)
@@ -34,9 +20,9 @@ def test_qwen3_5_is_a_supported_family():
 def test_text_folder_loads(tmp_path):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     torch.manual_seed(0)
-    src = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT))
+    src = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**HYBRID_TEXT))
     src.save_pretrained(tmp_path)
-    _tokenizer(tmp_path)
+    word_tokenizer(tmp_path)
     model, tok = load_policy(str(tmp_path))
     assert type(model).__name__ == "Qwen3_5ForCausalLM" and family_of(model).name == "qwen3_5"
     ref = src.state_dict()
@@ -47,11 +33,11 @@ def test_text_folder_loads(tmp_path):
 def test_vision_language_checkpoint_loads_its_text_tower_only(tmp_path):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
     torch.manual_seed(1)
-    cfg = Qwen3_5Config(text_config=TEXT, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
+    cfg = Qwen3_5Config(text_config=HYBRID_TEXT, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
                                                             num_heads=2, out_hidden_size=32))
     src = Qwen3_5ForConditionalGeneration(cfg)
     src.save_pretrained(tmp_path)
-    _tokenizer(tmp_path)
+    word_tokenizer(tmp_path)
     model, _ = load_policy(str(tmp_path), dtype=torch.float64)
     assert type(model).__name__ == "Qwen3_5ForCausalLM" and model.config.model_type == "qwen3_5_text"
     assert not any("visual" in n for n, _ in model.named_modules())

@@ -85,11 +85,6 @@ def test_system_message_states_the_format_once():
 
 # ---- the bundled model (slow: real 135M weights) ----
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_policy()
-
-
 @pytest.mark.slow
 def test_chat_prompt_ids_smollm2(smollm2):
     from fasttrain.envs import load_env

@@ -11,17 +11,13 @@ import json
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from fasttrain.models.stream_load import load_streamed
 from fasttrain.nn import quantize_model
 from fasttrain.plan import Device, meta_policy, model_config, plan_memory
-from fasttrain.plan.run_shape import RunShape
 
-TOL = 0.15
-SHAPE = RunShape(prompts=1, group=2, prompt_tokens=8, new_tokens=4, micro_batch=2)
-
+from support.checkpoints import LOAD_PEAK_TOL, LOAD_SHAPE, allocated_peak, assert_same_bytes
 
 def _tiny(family: str, tied: bool, seed: int = 0):
     common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -49,18 +45,6 @@ def _today(path, dtype, quantize: str):
     return model.eval()
 
 
-def _assert_same_bytes(a, b) -> int:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for k in sa:
-        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
-        assert torch.equal(sa[k].view(torch.uint8) if sa[k].dtype == torch.bool else sa[k], sb[k]), k
-    tied = [(n, m) for n, m in (("lm_head", a), ("lm_head", b)) if hasattr(m, "lm_head")]
-    assert len({m.lm_head.weight is m.get_input_embeddings().weight for _, m in tied}) == 1
-    assert a.generation_config.to_dict() == b.generation_config.to_dict()
-    return len(sa)
-
-
 @pytest.mark.parametrize("family,tied,stored,dtype,quantize,shards", [
     ("llama", False, torch.float32, torch.float32, "nf4", False),
     ("llama", True, torch.float32, torch.bfloat16, "nf4", True),        # cast on load, tied, shards
@@ -73,7 +57,7 @@ def test_same_bytes_as_loading_then_quantizing(tmp_path, family, tied, stored, d
     if shards:
         assert (path / "model.safetensors.index.json").is_file()
     ours = load_streamed(path, dtype, quantize)
-    assert _assert_same_bytes(ours, _today(path, dtype, quantize)) > 0
+    assert assert_same_bytes(ours, _today(path, dtype, quantize)) > 0
     assert not any(p.requires_grad for p in ours.parameters()) and not ours.training
 
 
@@ -93,36 +77,24 @@ def test_a_tied_checkpoint_that_stores_both_tensors_loads_as_from_pretrained(tmp
     ours = load_streamed(tmp_path, torch.float32, "nf4")
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == same
     assert torch.equal(ours.lm_head.weight, state["lm_head.weight"])
-    _assert_same_bytes(ours, _today(tmp_path, torch.float32, "nf4"))
-
-
-def _allocated_peak(fn):
-    """(result, peak live bytes, live bytes at the end) of fn(), counted from 0 at its start."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nb in events:
-        live += nb
-        peak = max(peak, live)
-    return out, peak, live
+    assert_same_bytes(ours, _today(tmp_path, torch.float32, "nf4"))
 
 
 def _planned_load(path, dtype: str) -> tuple[int, int]:
     """(planned load peak, planned resident base) for the checkpoint at `path` loaded in `dtype`."""
     m = meta_policy(model_config(str(path)), dtype=dtype)
-    load = plan_memory(m, SHAPE, Device("cpu")).phases["load"]
+    load = plan_memory(m, LOAD_SHAPE, Device("cpu")).phases["load"]
     return sum(load.values()), load["nf4_base"] + load["dense_parts"]
 
 
 def _check_peak(path, dtype: torch.dtype, label: str):
-    model, peak, final = _allocated_peak(lambda: load_streamed(path, dtype, "nf4"))
+    model, peak, final = allocated_peak(lambda: load_streamed(path, dtype, "nf4"))
     planned, resident = _planned_load(path, str(dtype).removeprefix("torch."))
     print(f"\n{label}: load peak planned {planned / 2**20:.2f} MiB, measured {peak / 2**20:.2f} MiB "
           f"(ratio {planned / peak:.3f}); resident after the load planned {resident / 2**20:.2f} MiB, "
           f"measured {final / 2**20:.2f} MiB")
     assert final == resident                       # the loaded model holds exactly the plan's base bytes
-    assert peak <= planned <= (1 + TOL) * peak
+    assert peak <= planned <= (1 + LOAD_PEAK_TOL) * peak
     return model, peak
 
 
@@ -155,11 +127,11 @@ def test_smollm2_loads_layer_by_layer_with_the_same_bytes_within_the_plan(dtype)
     load_policy()                                  # converts the bundled GGUF once (cached)
     path = converted_dir_for(bundled_gguf())
     ours, peak = _check_peak(path, dtype, f"SmolLM2-135M in {dtype}")
-    today, today_peak, _ = _allocated_peak(lambda: _today(path, dtype, "nf4"))
+    today, today_peak, _ = allocated_peak(lambda: _today(path, dtype, "nf4"))
     print(f"  today's path (from_pretrained, then quantize_model): allocated peak {today_peak / 2**20:.1f} MiB")
-    _assert_same_bytes(ours, today)
+    assert_same_bytes(ours, today)
     model, _ = load_policy(None, dtype=dtype, quantize="nf4")
-    _assert_same_bytes(model, ours)
+    assert_same_bytes(model, ours)
 
 
 def test_missing_and_misshapen_tensors_are_clear_errors(tmp_path):

@@ -1,8 +1,6 @@
 """A model from a `module:factory` goes through the family check a folder's goes through: one of a
 kind fasttrain does not drive is refused by build_policy with a one-paragraph ConfigError (never
 a traceback from inside the model), and the two MoE families are accepted."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,11 +8,9 @@ import torch
 from fasttrain.train.config import ConfigError, load_config
 from fasttrain.train.policy import build_policy
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def _build(factory: str, **policy):
-    cfg = load_config({"policy": {"model": f"moe_factories:{factory}", "dtype": "float32", "rank": 2,
+    cfg = load_config({"policy": {"model": f"support.moe_factories:{factory}", "dtype": "float32", "rank": 2,
                                   "alpha": 4.0, **policy}})
     return build_policy(cfg, torch.device("cpu"))
 
@@ -26,7 +22,7 @@ def test_a_factory_of_a_kind_fasttrain_does_not_drive_is_refused_in_one_paragrap
     with pytest.raises(ConfigError, match=why) as e:
         _build(factory)
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"policy.model = 'moe_factories:{factory}'")
+    assert "\n" not in msg and msg.startswith(f"policy.model = 'support.moe_factories:{factory}'")
     assert "qwen3_moe" in msg and "fasttrain trains" in msg
 
 

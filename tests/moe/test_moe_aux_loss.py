@@ -14,14 +14,15 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from fasttrain.models.hf_oracle import hf_float64_oracle
 from fasttrain.models.moe import moe_surgery, train_router
-from fasttrain.models.moe_oracle import hf_routing
 from fasttrain.models.moe_tiny import tiny_qwen3_5_moe, tiny_qwen3_moe
 from fasttrain.rollout import sample
 from fasttrain.rollout.moe_routing import ReplayRouting
 from fasttrain.train.config import LossSection
 from fasttrain.train.policy_update import BatchScores, answer_logprobs, update_policy
+
+from support.hf_oracle import hf_float64_oracle
+from support.moe_oracle import hf_routing
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "qwen3_5_moe": tiny_qwen3_5_moe}

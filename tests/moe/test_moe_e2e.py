@@ -1,9 +1,8 @@
 """End to end on both MoE families: a tiny random MoE over bytes learns a toy reward (the lowercase
-share of tests/train/hybrid_world.py) through `fasttrain run` with NF4 experts, LoRA on the experts
+share of tests/support/hybrid_world.py) through `fasttrain run` with NF4 experts, LoRA on the experts
 and routing replay, logging the router disagreement and expert load; a resumed run repeats the
 uninterrupted one bit for bit."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,9 @@ from typer.testing import CliRunner
 from fasttrain.cli import app
 from fasttrain.train import Trainer, load_config
 
-HERE = Path(__file__).resolve().parent
-POLICIES = {"qwen3_moe": "moe_world:tiny_qwen3_moe_policy", "qwen3_5_moe": "moe_world:tiny_qwen3_5_moe_policy"}
+from support.recipes import recipe_toml
 
-
-@pytest.fixture(autouse=True)
-def _worlds(monkeypatch):
-    monkeypatch.syspath_prepend(str(HERE.parent / "train"))
-    monkeypatch.syspath_prepend(str(HERE))
+POLICIES = {"qwen3_moe": "support.moe_world:tiny_qwen3_moe_policy", "qwen3_5_moe": "support.moe_world:tiny_qwen3_5_moe_policy"}
 
 
 def recipe(out: Path, family: str, steps: int, group: int = 8, tokens: int = 8) -> dict:
@@ -27,18 +21,13 @@ def recipe(out: Path, family: str, steps: int, group: int = 8, tokens: int = 8) 
         "run": {"name": family, "seed": 7, "steps": steps, "out": str(out), "device": "cpu", "threads": 1},
         "policy": {"model": POLICIES[family], "dtype": "float32", "quantize": "nf4", "rank": 4, "alpha": 8.0,
                    "gradient_checkpointing": True},
-        "env": {"name": "hybrid_world:make_env"},
+        "env": {"name": "support.hybrid_world:make_env"},
         "rollout": {"prompts_per_step": 2, "group_size": group, "max_new_tokens": tokens},
         "advantages": {"priorities": {"core": 1.0}, "floor": -1e9},
         "loss": {"kind": "cispo", "passes": 1, "token_mask": "all"},
         "optim": {"lr": 0.04, "micro_batch": 16},
         "probe": {"every": 0, "prompts": 4},
     }
-
-
-def _toml(d: dict) -> str:
-    from fasttrain.train.config import _toml_value
-    return "\n".join(f"[{s}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in kv.items()) for s, kv in d.items())
 
 
 def _metrics(d):
@@ -48,7 +37,7 @@ def _metrics(d):
 @pytest.mark.parametrize("family", list(POLICIES))
 def test_a_tiny_moe_learns_through_fasttrain_run(family, tmp_path):
     path = tmp_path / "moe.toml"
-    path.write_text(_toml(recipe(tmp_path / "runs", family, 12)))
+    path.write_text(recipe_toml(recipe(tmp_path / "runs", family, 12)))
     res = CliRunner().invoke(app, ["run", str(path), "--no-progress"])
     assert res.exit_code == 0, res.output
     rows = _metrics(next((tmp_path / "runs").iterdir()))

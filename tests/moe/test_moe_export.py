@@ -15,7 +15,6 @@ fused 3-D file for a Qwen3_5MoeForConditionalGeneration checkpoint, whose factor
 decodes them (lora_A reshaped to (E, r, in), lora_B to (out, r, E) and permuted) are fasttrain's."""
 import copy
 import json
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -23,17 +22,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fasttrain.models.hf_oracle import hf_float64_oracle
 from fasttrain.models.moe import moe_surgery
-from fasttrain.models.moe_oracle import hf_routing
 from fasttrain.models.moe_tiny import tiny_qwen3_5_moe, tiny_qwen3_moe
 from fasttrain.nn import attach_adapters, save_adapter
 from fasttrain.nn.moe_experts import moe_expert_layers
 from fasttrain.nn.moe_export import vllm_expert_lora
 from fasttrain.train.export import export_run, merged_tensors
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from test_hybrid_loading import _tokenizer  # noqa: E402
+from support.checkpoints import word_tokenizer
+from support.hf_oracle import hf_float64_oracle
+from support.moe_oracle import hf_routing
+from support.tolerances import forward_tol
 
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "qwen3_5_moe": tiny_qwen3_5_moe}
 IDS = torch.tensor([[5, 9, 11, 40, 3, 7, 8, 60, 2, 33]])
@@ -41,7 +40,7 @@ U32, RANK = 2.0 ** -24, 3
 
 
 def _tol(c, S=IDS.shape[1]):
-    return c.num_hidden_layers * (c.hidden_size + 2 * S * 16) * 2.0 ** -53 * 1e3
+    return forward_tol(c, S, head_dim=16)
 
 
 def _adapted(family, nf4):
@@ -118,7 +117,7 @@ def _source(family: str, path: Path) -> Path:
         save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
                   metadata={"format": "pt"})
         cfg.save_pretrained(path)
-    _tokenizer(path)
+    word_tokenizer(path)
     return path
 
 

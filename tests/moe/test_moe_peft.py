@@ -10,12 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fasttrain.models.hf_oracle import hf_float64_oracle
 from fasttrain.models.moe import moe_surgery
-from fasttrain.models.moe_oracle import hf_routing
 from fasttrain.models.moe_tiny import tiny_qwen3_5_moe, tiny_qwen3_moe
 from fasttrain.nn import adaptable_model, attach_adapters, load_adapter, save_adapter
 from fasttrain.nn.moe_experts import moe_expert_layers
+
+from support.hf_oracle import hf_float64_oracle
+from support.moe_oracle import hf_routing
+from support.tolerances import forward_tol
 
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "qwen3_5_moe": tiny_qwen3_5_moe}
 TARGETS = ("q_proj", "v_proj", "o_proj", "experts")
@@ -52,7 +54,7 @@ def test_peft_loads_the_expert_adapter_on_the_transformers_model_with_equal_logi
     ids = torch.tensor([[5, 9, 11, 40, 3, 7, 8, 60, 2, 33]])
     want, got = _logits(peft, ids, hf=True), _logits(model, ids)
     c = hf.config
-    tol = c.num_hidden_layers * (c.hidden_size + 2 * ids.shape[1] * 16) * 2.0**-53 * 1e3
+    tol = forward_tol(c, ids.shape[1], head_dim=16)
     assert (want - got).abs().max() <= tol
     with torch.no_grad(), peft.disable_adapter():               # the adapter does act
         assert (_logits(peft, ids, hf=True) - got).abs().max() > 1e3 * tol

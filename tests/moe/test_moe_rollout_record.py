@@ -6,9 +6,6 @@ the update's log-probs equal the oracle forced to the recorded experts. Both fam
 tolerances and helpers as tests/moe/test_moe_models.py. The compiled step runs under the
 "aot_eager" backend (the traced graph without code generation), as tests/rollout does; its record
 equals the eager decode's with the prompts prefilled one chunk at a time."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,9 +13,8 @@ from fasttrain.rollout import sample
 from fasttrain.rollout.moe_routing import ReplayRouting
 from fasttrain.rollout.multi_turn import sample_turns
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_moe_models import (FAMILIES, PROMPTS, _forwarded, _move_router, _oracle, _pair, _sets_differ, _tol,  # noqa: E402
-                             _update)
+from support.moe_pairs import (FAMILIES, PROMPTS, forwarded, move_router, oracle_forward, oracle_tol, pair,
+                               sets_differ, update_logprobs)
 
 TOOL = [20, 21, 22, 23]           # a tool turn's tokens, fed after each row's first model turn
 
@@ -45,38 +41,38 @@ def _rollout(model, kind):
 
 def _check_record_and_replay(hf, model, roll):
     B, S = roll.input_ids.shape
-    fwd = _forwarded(roll)
-    _, own = _oracle(hf, roll)
+    fwd = forwarded(roll)
+    _, own = oracle_forward(hf, roll)
     assert roll.routing is not None and roll.routing.shape[:2] == (B, S)
     for i, c in enumerate(own.chosen):                       # the record: the oracle's own top-k sets
-        assert not _sets_differ(c.view(B, S, -1)[fwd], roll.routing[:, :, i][fwd]).any(), i
-    _move_router(hf, model)                                   # the router moves between rollout and update
+        assert not sets_differ(c.view(B, S, -1)[fwd], roll.routing[:, :, i][fwd]).any(), i
+    move_router(hf, model)                                   # the router moves between rollout and update
     forced = [roll.routing[:, :, i].long().reshape(B * S, -1) for i in range(roll.routing.shape[2])]
-    lp_forced, _ = _oracle(hf, roll, forced)
+    lp_forced, _ = oracle_forward(hf, roll, forced)
     rec = ReplayRouting(roll.routing, replay=True)
-    got = _update(model, roll, rec)
+    got = update_logprobs(model, roll, rec)
     want = lp_forced.gather(2, roll.completion_ids[..., None])[..., 0]
     m = roll.completion_mask
-    assert (got - want)[m].abs().max() <= _tol(hf, S)
+    assert (got - want)[m].abs().max() <= oracle_tol(hf, S)
     differ, pairs, _ = rec.counts(hf.config.num_experts)
     assert differ > 0 and pairs == int(fwd.sum()) * len(forced)      # the moved router does disagree
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_compiled_decodes_record_is_the_oracles_routing_and_replays(family):
-    hf, model = _pair(family)
+    hf, model = pair(family)
     roll = _rollout(model, "compiled")
     eager = sample(model, PROMPTS, group_size=2, max_new_tokens=5, temperature=1.0, eos_token_ids=[2], seed=0,
                    prefill_chunk=1)                            # the prompts prefilled one at a time, recorded whole
     assert torch.equal(roll.completion_ids, eager.completion_ids)
-    fwd = _forwarded(roll)
+    fwd = forwarded(roll)
     assert torch.equal(roll.routing[fwd], eager.routing[fwd])
     _check_record_and_replay(hf, model, roll)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_tool_rollouts_record_covers_tool_tokens_and_replays(family):
-    hf, model = _pair(family)
+    hf, model = pair(family)
     roll = _rollout(model, "turns")
     context = roll.completion_mask & ~roll.action_mask
     assert bool(context.any())                                # tool-result tokens were forwarded

@@ -2,8 +2,6 @@
 expert's slices are quantized as they are read, and the result holds the same bytes (codes and
 scales of every expert) and gives the same logits as loading the 16-bit model whole and quantizing
 it afterwards (fasttrain.models.moe.moe_surgery)."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,7 @@ from fasttrain.models.moe_tiny import tiny_qwen3_5_moe, tiny_qwen3_moe
 from fasttrain.nn import quantize_model
 from fasttrain.nn.moe_experts import moe_expert_layers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
-from qwen3_style import qwen3_style_tokenizer  # noqa: E402
+from support.qwen3_style import qwen3_style_tokenizer
 
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "qwen3_5_moe": tiny_qwen3_5_moe}
 

@@ -11,9 +11,10 @@ import torch
 
 from fasttrain.models import tiny_qwen3_5
 from fasttrain.models.families import QWEN3_5
-from fasttrain.models.hf_oracle import hf_float64_oracle
 from fasttrain.nn import attach_adapters, load_adapter, quantize_model, save_adapter
 from fasttrain.nn.nf4_linear import NF4Linear
+
+from support.hf_oracle import hf_float64_oracle
 
 
 def _float_copy(qmodel, like):

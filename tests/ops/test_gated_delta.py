@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 import fasttrain.ops as F
 from fasttrain.ops import reference as R
 
+from support.tolerances import U64
+
 SETTINGS = settings(max_examples=15, deadline=None, print_blob=True)
-U64 = 2.0 ** -53
 
 
 def _inputs(B, T, Hk, rep, Dk, Dv, seed, dtype=torch.float64):

@@ -6,7 +6,7 @@ How it stays cheap (seconds, not the 18-20 minutes one 1,024-token step of the r
 - Widths. Each model keeps its layout (SmolLM2: Llama, 3 query heads per KV head, tied embeddings,
   2 layers; the hybrid: 3 Gated DeltaNet layers and 1 gated attention layer, 4 query heads per KV
   head, 3 value heads per q/k head, untied head) at small widths and a byte vocabulary
-  (tests/plan/padded_world.py). The plan's formulas take every width and the layer count as
+  (tests/support/padded_world.py). The plan's formulas take every width and the layer count as
   inputs; what long answers add are the terms that grow with the tokens (the KV cache with
   prompt + answer, the update's inputs and logits head with the answer, attention with its
   square), and those are what this checks. The real widths at 1,024 new tokens are in
@@ -67,13 +67,13 @@ CASES = [(T, m) for T in (1024, 2048, 4096) for m in ("smollm2_shape_as_loaded",
 
 
 @pytest.mark.parametrize("T,model", CASES)
-def test_phases_match_measured_peaks_at_long_answers(worlds, tmp_path, monkeypatch, model, T):
-    from conftest_recipe import tiny_recipe
-    from measured_step import planned_and_measured
+def test_phases_match_measured_peaks_at_long_answers(tmp_path, monkeypatch, model, T):
+    from support.recipes import tiny_recipe
+    from support.measured_step import planned_and_measured
     from fasttrain.train import Trainer, load_config
 
     r = tiny_recipe(tmp_path, 1, 2, T, 2)
-    r["policy"]["model"] = f"padded_world:{model}"
+    r["policy"]["model"] = f"support.padded_world:{model}"
     r["probe"]["every"] = 100                   # no probe in the two steps
     trainer = Trainer(load_config(r), progress=False)
     calls = _full_length_answers(monkeypatch, VOCAB)

@@ -64,13 +64,13 @@ def test_plan_prints_every_moe_part_and_the_record(m30):
     assert ASSUMPTION in t.assumptions and all(v >= 0 for v in t.seconds.values()) and t.total > 0
 
 
-def test_time_from_measured_host_rates_runs_for_moe(m30, worlds):
+def test_time_from_measured_host_rates_runs_for_moe(m30):
     """With a host's measured rates (fasttrain.plan.host_speed) the MoE plan is timed too, its routed
     experts from fasttrain.ops.moe_experts' own rates (here the host's reference ones: the rates'
     clock is not one a plan measures with; tests/plan/test_moe_time.py checks the arithmetic)."""
     from dataclasses import replace
 
-    from test_planned_time import _fake_rates          # tests/plan is on the path (the worlds fixture)
+    from support.rates import fake_rates as _fake_rates
     s = RunShape(prompts=2, group=4, prompt_tokens=64, new_tokens=16, micro_batch=4, passes=1)
     t = plan_time(m30, s, replace(gpu_spec("cpu"), rates=_fake_rates(clock="given")), compute_dtype="float32")
     assert t.total > 0 and any("MoE: the routed experts timed from fasttrain.ops.moe_experts" in a for a in t.assumptions)

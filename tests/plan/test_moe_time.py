@@ -25,15 +25,14 @@ from fasttrain.plan import moe_memory, moe_speed
 from fasttrain.plan.host_speed import measured_step_time
 from fasttrain.plan.run_shape import RunShape
 
-pytestmark = pytest.mark.usefixtures("worlds")     # tests/plan and tests/train on the path
 R = 4
 S = RunShape(prompts=2, group=4, prompt_tokens=16, new_tokens=6, micro_batch=4, passes=2, dtype="float32",
              rank=R, alpha=8.0)
 
 
 def _rates(**kw):
-    from test_planned_time import _fake_rates           # tests/plan is on the path
-    return _fake_rates(**{"clock": "given", **kw})     # "given": not a clock, so nothing is measured
+    from support.rates import fake_rates
+    return fake_rates(**{"clock": "given", **kw})     # "given": not a clock, so nothing is measured
 
 
 _MODELS: dict = {}
@@ -43,7 +42,7 @@ def _model(name="qwen3-30b-a3b", quantize="nf4", **kw):
     """The ModelShape of the bundled `name` at small width (moe_scaled), built once."""
     key = (name, quantize, tuple(sorted(kw.items())))
     if key not in _MODELS:
-        from moe_scaled import scaled_moe
+        from support.moe_scaled import scaled_moe
 
         from fasttrain.plan import meta_policy
         _MODELS[key] = meta_policy(scaled_moe(name, **kw).config, name=name, dtype="float32", rank=R, alpha=8.0,
@@ -160,7 +159,7 @@ def test_the_rates_at_the_models_shapes_come_from_running_the_op(monkeypatch):
 def test_an_old_cache_entry_without_the_moe_rates_is_measured_again(tmp_path, monkeypatch):
     import fasttrain.plan.host_rates as hr
     import fasttrain.train.calibrate as cal
-    from test_planned_time import _fake_rates
+    from support.rates import fake_rates as _fake_rates
 
     monkeypatch.setenv("FASTTRAIN_CACHE", str(tmp_path))
     old = {k: v for k, v in asdict(_fake_rates()).items() if not k.startswith("moe_")}
@@ -195,10 +194,7 @@ def test_the_cuda_kernels_allocations_are_the_planned_bytes(monkeypatch, dtype, 
     """The launch code on the emulator: forward (saving for the backward, and not) and backward,
     every byte it allocates against cuda_forward_bytes / cuda_backward_bytes (bf16 tokens add their
     float32 copies, LoRA its products)."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "cuda_emu"))
-    from emulator import emu
+    from cuda_emu.emulator import emu
 
     from fasttrain.selftest.cases.moe import moe_inputs
     N, H, I, E, k = 5, 64, 32, 4, 2

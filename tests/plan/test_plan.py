@@ -118,8 +118,8 @@ def test_plan_never_imports_the_trainer():
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_trainer_prints_the_plan_and_warns_when_it_will_not_fit(worlds, tmp_path, monkeypatch):
-    from conftest_recipe import tiny_recipe
+def test_trainer_prints_the_plan_and_warns_when_it_will_not_fit(tmp_path, monkeypatch):
+    from support.recipes import tiny_recipe
     from rich.console import Console
 
     import fasttrain.plan.gpus as gpus
@@ -133,7 +133,7 @@ def test_trainer_prints_the_plan_and_warns_when_it_will_not_fit(worlds, tmp_path
     tr._setup()
     console.file.close()
     text = (tmp_path / "out.txt").read_text()
-    assert "plan: tiny_world:tiny_policy on this host's CPU: peak" in text and "DOES NOT FIT" in text
+    assert "plan: support.tiny_world:tiny_policy on this host's CPU: peak" in text and "DOES NOT FIT" in text
     assert any("DOES NOT FIT" in w["message"] for w in tr.warnings)
 
 
@@ -211,7 +211,7 @@ def test_a_bad_quantize_value_is_a_clear_error():
         meta_policy(model_config("smollm2-135m"), quantize="int8")
 
 
-def test_top_p_sort_is_counted_in_the_rollouts_memory_and_time(worlds):
+def test_top_p_sort_is_counted_in_the_rollouts_memory_and_time():
     """top_p without top_k sorts each row: 25 bytes per logit beside the draw's buffer (the sorted float64
     row, its exps' running sum, one more exp temporary, the dropped-token mask; any other truncation 9: the
     mask and the largest dropped logit's float64 temporary), and each draw runs at the
@@ -222,7 +222,7 @@ def test_top_p_sort_is_counted_in_the_rollouts_memory_and_time(worlds):
     from fasttrain.plan.host_speed import measured_step_time
     from fasttrain.plan.memory import _decode_step
     from fasttrain.plan.run_shape import run_shape
-    from test_planned_time import _fake_rates
+    from support.rates import fake_rates as _fake_rates
 
     m = meta_policy(model_config("qwen2.5-7b"), name="qwen2.5-7b")
     B, S, V = SHAPE.rows, SHAPE.seq, m.vocab

@@ -33,10 +33,11 @@ import torch
 import fasttrain.ops as ops
 from fasttrain.ops import reference as R
 
+from support.tolerances import U32, U64
+
 V = 5
 BETA = 0.5
 CAP, EPS_LOW, EPS_HIGH = 1.2, 0.2, 0.28
-U64, U32 = 2.0 ** -53, 2.0 ** -24
 LOSSES = ["cispo", "dapo", "grpo"]
 
 

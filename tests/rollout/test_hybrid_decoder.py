@@ -1,5 +1,5 @@
 """The hybrid (Qwen3.5) rollout against the oracle: transformers' own Qwen3_5ForCausalLM in float64
-with its delta rule and conv computed by fasttrain.ops.reference (fasttrain.models.hf_oracle).
+with its delta rule and conv computed by fasttrain.ops.reference (support.hf_oracle).
 
 The decoder's behaviour log-probs of the tokens it sampled equal the oracle's full forward over the
 same left-padded rows; greedy decoding picks the oracle's argmax; rows held for several steps
@@ -11,16 +11,17 @@ reached through `layers` blocks whose sums have at most H + S·(head dims) terms
 bound is layers·(H + 2·S·D)·u·M with u = 2^-53 and M = 1e3 a bound on the magnitudes summed (unit
 scale activations, |logit| < 10, norms' 1/rms < 1e2): about 1e-9 for these sizes. `sample` takes the
 log-softmax of float32 logits (as in a run), which adds up to 8·u32·(max|z| + log V), u32 = 2^-24."""
-import math
 
 import pytest
 import torch
 
 from fasttrain.models import tiny_qwen3_5
-from fasttrain.models.hf_oracle import hf_float64_oracle
 from fasttrain.rollout import sample
 from fasttrain.rollout.families import decoder_for
 from fasttrain.rollout.hybrid_decoder import HybridDecoder
+
+from support.hf_oracle import hf_float64_oracle
+from support.tolerances import forward_tol, fp32_logsoftmax_tol
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
 LAYOUTS = {
@@ -31,9 +32,7 @@ LAYOUTS = {
 
 
 def _tol(model, S):
-    c = model.config
-    D = max(c.head_dim, c.linear_key_head_dim)
-    return c.num_hidden_layers * (c.hidden_size + 2 * S * D) * 2.0**-53 * 1e3
+    return forward_tol(model.config, S)
 
 
 def model64(layout, seed=0):
@@ -48,7 +47,7 @@ def oracle_logprobs(model, ids, mask, pos, temperature=1.0):
 
 def _fp32_logsoftmax_tol(lp):
     """8·u32·(max|z| + log V) from the oracle's log-probs (|z| - max z = -log p bounds the spread)."""
-    return 8 * 2.0**-24 * (float(lp.abs().max()) + math.log(lp.shape[-1]))
+    return fp32_logsoftmax_tol(lp)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

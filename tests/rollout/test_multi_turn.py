@@ -121,9 +121,9 @@ def test_a_row_does_not_depend_on_its_neighbours_turns(model):
 def test_a_hybrid_models_sampled_tokens_have_the_oracles_logprob():
     """Qwen3.5 hybrids take the same per-row step (HybridDecoder.step_rows: a held token leaves the
     conv window and the recurrent state as they were); the oracle is transformers' model in float64
-    with fasttrain's float64 delta rule and conv (fasttrain.models.hf_oracle)."""
+    with fasttrain's float64 delta rule and conv (support.hf_oracle)."""
     from fasttrain.models import tiny_qwen3_5
-    from fasttrain.models.hf_oracle import hf_float64_oracle
+    from support.hf_oracle import hf_float64_oracle
     hybrid = tiny_qwen3_5(vocab_size=48, hidden=32, layers=4, interval=2, heads=4, kv_heads=2, head_dim=8,
                           linear_k_heads=2, value_heads_per_key=2, linear_head_dim=8, seed=3, dtype=torch.float64)
     prompts = [[1, 11, 12, 13, 14], [1, 20, 21]]

@@ -39,14 +39,15 @@ import torch
 
 from fasttrain.models import tiny_llama, tiny_qwen3_5
 from fasttrain.models.families import nf4_targets
-from fasttrain.models.hf_oracle import hf_float64_oracle
 from fasttrain.nn import adaptable_model, attach_adapters, merge_adapters, quantize_model
 from fasttrain.rollout import sample
 from fasttrain.rollout.families import decoder_for
 from fasttrain.rollout.hybrid_decoder import HybridDecoder
 from fasttrain.rollout.multi_turn import sample_turns
 
-from chi_square import ALPHA, chi2_quantile, chi_square, detectable_tv, ncx2_sf
+from support.chi_square import ALPHA, chi2_quantile, chi_square, detectable_tv, ncx2_sf
+
+from support.hf_oracle import hf_float64_oracle
 
 N_FIRST, N_AFTER_TOOL = 20_000, 10_000
 T = 0.7

@@ -3,15 +3,10 @@
 import pytest
 import torch
 
-from fasttrain.models import chat_prompt_ids, eos_token_ids, extract_answer, load_policy
+from fasttrain.models import chat_prompt_ids, eos_token_ids, extract_answer
 from fasttrain.rollout import sample
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_policy()
 
 
 def test_greedy_matches_hf_generate_smollm2(smollm2):

@@ -1,7 +1,7 @@
 """Truncated sampling (top_k, top_p, min_p): the kept set is transformers', the draw follows the kept set's
 renormalised softmax and never leaves it, and the record (keep_delta) names the set.
 
-The chi-square test is tests/rollout/chi_square.py's, as the sampler's distribution test uses it: N = 20,000
+The chi-square test is tests/support/chi_square.py's, as the sampler's distribution test uses it: N = 20,000
 rows of one logit row draw one token each; alpha = 1e-4; bins of expected count < 5 merged. Its power:
 a sampler whose distribution is at total variation d from the truncated softmax is detected with
 probability 0.95 for d >= `detectable_tv` (about 0.025 at the k <= 20 degrees of freedom here; the test
@@ -18,7 +18,7 @@ import torch
 from fasttrain.rollout import sampling
 from fasttrain.rollout.sampling import Truncation, draw_tokens, kept_cut
 
-from chi_square import ALPHA, chi2_quantile, chi_square, detectable_tv
+from support.chi_square import ALPHA, chi2_quantile, chi_square, detectable_tv
 
 V = 64
 N = 20_000

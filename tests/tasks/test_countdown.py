@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from fasttrain.tasks import countdown as cd
 from fasttrain.tasks.countdown import CountdownError, check, parse
+from fasttrain.train.run_files import read_jsonl
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -30,8 +31,8 @@ def test_packaged_files_are_the_generators_output(tmp_path):
 
 
 def test_every_packaged_problem_is_solvable_and_the_probe_is_unseen():
-    train = [json.loads(l) for l in cd.TRAIN_FILE.read_text().splitlines()]
-    probe = [json.loads(l) for l in cd.PROBE_FILE.read_text().splitlines()]
+    train = read_jsonl(cd.TRAIN_FILE)
+    probe = read_jsonl(cd.PROBE_FILE)
     assert (len(train), len(probe)) == (1000, 100)
     for r in train + probe:
         assert check(r["solution"], r["nums"], r["target"]) == (True, "solved"), r

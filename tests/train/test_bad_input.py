@@ -110,13 +110,12 @@ def test_a_model_fasttrain_cannot_load_is_one_paragraph(case, tmp_path, monkeypa
 
 
 def test_an_environment_with_tools_counts_the_tool_schemas(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "agents"))
     monkeypatch.chdir(tmp_path)
     assert CliRunner().invoke(app, ["init", "calc", "--tools"]).exit_code == 0
-    from agent_files import tiny_tool_policy
+    from support.agent_files import tiny_tool_policy
     from fasttrain.models import chat_messages_ids
     from fasttrain.train.prompt_length import _rendered_lengths
-    cfg = load_config(str(tmp_path / "calc" / "recipe.toml"), ["policy.model=agent_files:tiny_tool_policy"])
+    cfg = load_config(str(tmp_path / "calc" / "recipe.toml"), ["policy.model=support.agent_files:tiny_tool_policy"])
     tr = Trainer(cfg, progress=False)
     _, tok = tiny_tool_policy()
     prompts = tr.train_prompts[:3]

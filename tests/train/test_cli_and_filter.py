@@ -8,10 +8,7 @@ from fasttrain.cli import app
 from fasttrain.train import load_config
 from fasttrain.train.prompt_filter import filter_prompts
 
-
-def _toml(d: dict) -> str:
-    from fasttrain.train.config import _toml_value
-    return "\n".join(f"[{s}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in kv.items()) for s, kv in d.items())
+from support.recipes import recipe_toml
 
 
 def test_filter_keeps_mixed_prompts_or_closest_to_half(tiny, tiny_recipe, monkeypatch):
@@ -44,7 +41,7 @@ def test_filter_keeps_mixed_prompts_or_closest_to_half(tiny, tiny_recipe, monkey
 def test_cli_run_resume_eval_ladder_and_errors(tiny, tiny_recipe):
     r = CliRunner()
     recipe = tiny / "tiny.toml"
-    recipe.write_text(_toml(tiny_recipe(tiny / "runs", **{"run.steps": 2, "probe.every": 0})))
+    recipe.write_text(recipe_toml(tiny_recipe(tiny / "runs", **{"run.steps": 2, "probe.every": 0})))
     res = r.invoke(app, ["run", str(recipe), "--no-progress", "--set", "run.steps=1"])
     assert res.exit_code == 0, res.output
     (run_dir,) = (tiny / "runs").iterdir()

@@ -7,10 +7,11 @@ import math
 
 import pytest
 
+from fasttrain.envs import Score
 from fasttrain.envs.reasoning_gym import ReasoningGymEnvironment
 from fasttrain.envs.rg_curriculum import Curriculum, top_level
-from fasttrain.envs import Score
 from fasttrain.train import Trainer, load_config
+from fasttrain.train.run_files import read_jsonl
 
 GENS = {"gcd": {}, "basic_arithmetic": {"weight": 1.0}}
 
@@ -76,7 +77,7 @@ def _env():
 
 
 def _recipe(out, steps):
-    from conftest import make_tiny_recipe
+    from support.recipes import make_tiny_recipe
     return make_tiny_recipe(out, **{"env.name": "reasoning-gym", "env.generators": GENS, "env.curriculum": True,
                                     "env.curriculum_window": 1, "env.curriculum_upper": 0.5,
                                     "env.curriculum_lower": 0.2, "env.train_rows": 16, "env.probe_rows": 2,
@@ -100,7 +101,7 @@ def test_curriculum_logged_and_resumed_exactly(tiny):
     assert a == b
     levels = [(r["curriculum_level_gcd"], r["curriculum_level_basic_arithmetic"]) for r in a]
     assert len(set(levels)) > 1                                                      # a level moved
-    samples = [json.loads(l) for l in (full.dir / "samples.jsonl").read_text().splitlines()]
+    samples = read_jsonl(full.dir / "samples.jsonl")
     for r, s in zip(a, samples):                 # each step's rows were drawn at the level it logs
         for pid in s["prompt_ids"]:
             gen = pid.split("/")[1]
@@ -123,7 +124,7 @@ def test_init_reasoning_gym_writes_a_recipe_that_trains(tiny, monkeypatch):
     assert res.exit_code != 0 and "close names: spell_backward" in " ".join(res.output.split())
     assert not (tiny / "other").exists()
     cfg = load_config(str(tiny / "rgtask" / "recipe.toml"),
-                      ["policy.model=tiny_world:tiny_policy", "policy.dtype=float32", "policy.rank=4",
+                      ["policy.model=support.tiny_world:tiny_policy", "policy.dtype=float32", "policy.rank=4",
                        "run.steps=1", f"run.out={tiny / 'runs'}", "run.device=cpu", "run.threads=1",
                        "rollout.max_new_tokens=4", "rollout.group_size=2", "probe.prompts=2", "probe.samples=1",
                        "env.train_rows=20", "env.probe_rows=4", "rollout.dynamic_sampling=true",
@@ -131,5 +132,5 @@ def test_init_reasoning_gym_writes_a_recipe_that_trains(tiny, monkeypatch):
     assert cfg.env.generators == {"gcd": {"weight": 1.0}, "spell_backward": {"weight": 1.0}}
     tr = Trainer(cfg, progress=False)
     tr.train()
-    row = json.loads((tr.dir / "metrics.jsonl").read_text().splitlines()[0])
+    row = read_jsonl(tr.dir / "metrics.jsonl")[0]
     assert row["curriculum_level_gcd"] == 0 and "dynamic_groups" in row and "reward_format" in row

@@ -7,16 +7,18 @@ import pytest
 from typer.testing import CliRunner
 
 pytest.importorskip("datasets")
+
 from fasttrain.cli import app  # noqa: E402
 from fasttrain.starter import write_starter  # noqa: E402
 from fasttrain.train import ConfigError, Trainer, load_config  # noqa: E402
+from fasttrain.train.run_files import read_jsonl
 
 TESTS = Path(__file__).parent.parent
-TINY = ["--set", "policy.model=tiny_world:tiny_policy", "--set", "policy.dtype=float32", "--set", "run.threads=1"]
+TINY = ["--set", "policy.model=support.tiny_world:tiny_policy", "--set", "policy.dtype=float32", "--set", "run.threads=1"]
 
 
 def _jsonl(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return read_jsonl(path)
 
 
 def test_init_starter_trains_three_steps_on_the_tiny_model(tiny, monkeypatch):
@@ -54,7 +56,7 @@ def test_init_starter_trains_three_steps_on_the_tiny_model(tiny, monkeypatch):
 
 def test_the_probe_rows_are_never_drawn_for_training(tiny):
     write_starter(tiny / "task")
-    cfg = load_config(str(tiny / "task" / "recipe.toml"), ["policy.model=tiny_world:tiny_policy"])
+    cfg = load_config(str(tiny / "task" / "recipe.toml"), ["policy.model=support.tiny_world:tiny_policy"])
     tr = Trainer(cfg, progress=False)
     probe = [p.id for p in tr.probe_prompts]
     assert probe == [f"dataset/{i}" for i in range(200, 216)]      # the probe's first 16 of the last 100
@@ -80,7 +82,7 @@ def test_env_paths_are_read_next_to_the_recipe(tmp_path, monkeypatch):
 
 def test_a_run_whose_rewards_fail_or_hang_still_finishes(tiny, tiny_recipe):
     write_starter(tiny / "task")
-    rewards = str(TESTS / "envs" / "dataset_rewards.py")
+    rewards = str(TESTS / "support" / "dataset_rewards.py")
     recipe = tiny_recipe(tiny / "runs", **{
         "run.steps": 2, "probe.every": 0, "probe.prompts": 4,
         "env.name": "dataset", "env.dataset": str(tiny / "task" / "data.jsonl"), "env.probe_rows": 4,

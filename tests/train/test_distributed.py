@@ -1,6 +1,6 @@
 """Data-parallel training with torchrun on CPU (gloo, one thread per rank) equals one process.
 
-The tiny recipe runs 3 steps in this process and as 2 torchrun ranks (tests/train/dist_driver.py
+The tiny recipe runs 3 steps in this process and as 2 torchrun ranks (tests/support/dist_driver.py
 records each rank's advantages, answer-token entropies, top-entropy mask, gradients and adapters
 per step). Then a 2-rank run through the command line loses rank 1 to SIGKILL in step 2 and is
 resumed; the first comparison runs again on a 16-bit base with DoRA. A 2-rank run whose tracker
@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fasttrain.train.run_files import read_jsonl
+
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 U = 2.0 ** -24                       # fp32 unit roundoff
@@ -28,12 +30,12 @@ STEPS = 3
 # that at a load of 10; the limit only catches a hang (each rank's collectives wait run.dist_timeout).
 HANG_S = 1200
 
-# the tiny world's sizes (tests/train/tiny_world.py): what the longest fp32 sums run over
+# the tiny world's sizes (tests/support/tiny_world.py): what the longest fp32 sums run over
 LAYERS, HIDDEN, INTERMEDIATE, VOCAB = 2, 64, 128, 259
 
 
 def _recipe(out: Path, **over) -> dict:
-    from conftest import make_tiny_recipe
+    from support.recipes import make_tiny_recipe
     base = {"run.steps": STEPS, "probe.every": 0, "probe.prompts": 2, "rollout.prompts_per_step": 4,
             "loss.token_mask": "top_entropy", "loss.rho": 0.3}
     return make_tiny_recipe(out, **{**base, **over})
@@ -41,7 +43,7 @@ def _recipe(out: Path, **over) -> dict:
 
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(HERE)])}
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests")])}     # fasttrain, support
 
 
 def _torchrun(*args, timeout=HANG_S, **kw) -> subprocess.CompletedProcess:
@@ -50,7 +52,7 @@ def _torchrun(*args, timeout=HANG_S, **kw) -> subprocess.CompletedProcess:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def _strip(rows):
@@ -61,24 +63,21 @@ def _record_runs(tmp_path_factory, **over):
     """(one-process records, [rank 0, rank 1] records, one-process run dir, 2-rank run dir)."""
     from safetensors.torch import load_file
 
-    sys.path.insert(0, str(HERE))
+    from support import dist_driver
+
+    tmp = tmp_path_factory.mktemp("dist")
+    n = torch.get_num_threads()
     try:
-        import dist_driver
-        tmp = tmp_path_factory.mktemp("dist")
-        n = torch.get_num_threads()
-        try:
-            one = dist_driver.run(_recipe(tmp / "one", **over), tmp / "rec1")
-        finally:
-            torch.set_num_threads(n)
-        recipe = tmp / "recipe.json"
-        recipe.write_text(json.dumps(_recipe(tmp / "two", **over)))
-        p = _torchrun(str(HERE / "dist_driver.py"), str(recipe), str(tmp / "rec2"))
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        ranks = [load_file(str(tmp / "rec2" / f"rank{r}.safetensors")) for r in (0, 1)]
-        (one_dir,), (two_dir,) = list((tmp / "one").iterdir()), list((tmp / "two").iterdir())
-        return one, ranks, one_dir, two_dir
+        one = dist_driver.run(_recipe(tmp / "one", **over), tmp / "rec1")
     finally:
-        sys.path.remove(str(HERE))
+        torch.set_num_threads(n)
+    recipe = tmp / "recipe.json"
+    recipe.write_text(json.dumps(_recipe(tmp / "two", **over)))
+    p = _torchrun(dist_driver.__file__, str(recipe), str(tmp / "rec2"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ranks = [load_file(str(tmp / "rec2" / f"rank{r}.safetensors")) for r in (0, 1)]
+    (one_dir,), (two_dir,) = list((tmp / "one").iterdir()), list((tmp / "two").iterdir())
+    return one, ranks, one_dir, two_dir
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +216,7 @@ def test_killed_rank_stops_the_others_and_resume_continues(runs, tmp_path):
     _, _, _, two_dir = runs
     # run.dist_timeout far beyond the test's own timeout: rank 0 does not wait for it
     cfg = load_config(_recipe(tmp_path / "runs", **{"run.checkpoint_every": 1, "run.dist_timeout": 3600,
-                                                    "env.name": "dist_driver:make_dying_env"}))
+                                                    "env.name": "support.dist_driver:make_dying_env"}))
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(config_to_toml(cfg))
     env = {**_env(), "DIE_AT_CALL": "3"}             # rank 1's scoring calls: probe 0, step 1, step 2
@@ -254,7 +253,7 @@ def _signalled_run(tmp_path, how: str, **over) -> tuple[subprocess.CompletedProc
     """A 2-rank run whose rank 1 sends SIGTERM to torchrun's agent while it scores step 2."""
     from fasttrain.train.config import config_to_toml, load_config
     cfg = load_config(_recipe(tmp_path / "runs", **{"run.dist_timeout": 3600,
-                                                    "env.name": "dist_driver:make_dying_env", **over}))
+                                                    "env.name": "support.dist_driver:make_dying_env", **over}))
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(config_to_toml(cfg))
     env = {**_env(), "DIE_AT_CALL": "3", "DIE_HOW": how}
@@ -309,7 +308,7 @@ def test_a_group_samples_the_same_answers_whatever_shares_its_batch(tiny):
     batch (nor their padding), which is what lets ranks split a step."""
     from fasttrain.rollout import sample
     from fasttrain.train.answers import group_seeds
-    from tiny_world import tiny_policy
+    from support.tiny_world import tiny_policy
 
     model, tok = tiny_policy()
     prompts = [tok.encode(f"Say a word number {i}." + " pad" * i) for i in range(4)]
@@ -331,7 +330,6 @@ def test_a_tracker_that_cannot_start_on_rank_0_stops_every_rank(tmp_path, monkey
     left waiting in its first collective until run.dist_timeout)."""
     from fasttrain.train.config import config_to_toml, load_config
 
-    monkeypatch.syspath_prepend(str(HERE))
     cfg = load_config(_recipe(tmp_path / "runs", **{"run.report_to": ["mlflow"]}))
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(config_to_toml(cfg))

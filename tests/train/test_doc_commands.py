@@ -22,8 +22,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN_ID = "runs/<run-id>"
 
 # Appended after a command's own --set (so its keys are still checked): train on the tiny world.
-TINY = ["policy.model=tiny_world:tiny_policy", "policy.dtype=float32", "policy.rank=2", "policy.gradient_checkpointing=false",
-        "env.name=tiny_world:make_env", "run.device=cpu", "run.threads=1", "run.steps=1", "rollout.prompts_per_step=1",
+TINY = ["policy.model=support.tiny_world:tiny_policy", "policy.dtype=float32", "policy.rank=2", "policy.gradient_checkpointing=false",
+        "env.name=support.tiny_world:make_env", "run.device=cpu", "run.threads=1", "run.steps=1", "rollout.prompts_per_step=1",
         "rollout.group_size=2", "rollout.max_new_tokens=4", "optim.micro_batch=2", "probe.prompts=1", "probe.every=0",
         "filter.samples=2", "filter.max_prompts=2", "filter.min_keep=1"]
 TRAINS = ("ladder", "filter")
@@ -77,13 +77,12 @@ def _all_blocks() -> list[tuple[str, list[DocCommand]]]:
 
 
 def _tiny_run(folder: Path, runner: CliRunner) -> Path:
-    from test_cli_and_filter import _toml
-    from conftest import make_tiny_recipe
+    from support.recipes import make_tiny_recipe, recipe_toml
     if (folder / "tiny_runs").is_dir():                  # one per block
         (run_dir,) = (folder / "tiny_runs").iterdir()
         return run_dir
     recipe = folder / "tiny.toml"
-    recipe.write_text(_toml(make_tiny_recipe(folder / "tiny_runs", **{"run.steps": 1, "probe.every": 0})))
+    recipe.write_text(recipe_toml(make_tiny_recipe(folder / "tiny_runs", **{"run.steps": 1, "probe.every": 0})))
     res = runner.invoke(app, ["run", str(recipe), "--no-progress"])
     assert res.exit_code == 0, res.output
     (run_dir,) = (folder / "tiny_runs").iterdir()

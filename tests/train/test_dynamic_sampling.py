@@ -16,6 +16,7 @@ from fasttrain.envs import Prompt, Score
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers
 from fasttrain.train import Trainer, load_config
 from fasttrain.train.dynamic_sampling import draw_prompts, kept_advantages, live_groups
+from fasttrain.train.run_files import read_jsonl
 
 HERE = Path(__file__).parent
 G = 4
@@ -84,15 +85,15 @@ def test_prompt_stream_never_repeats_a_prompt_in_a_step_and_wraps_epochs():
 
 
 def _recipe(out, **over):
-    from conftest import make_tiny_recipe
-    base = {"env.name": "signal_world:make_env", "rollout.dynamic_sampling": True, "rollout.prompts_per_step": 4,
+    from support.recipes import make_tiny_recipe
+    base = {"env.name": "support.signal_world:make_env", "rollout.dynamic_sampling": True, "rollout.prompts_per_step": 4,
             "rollout.dynamic_max_rounds": 2, "advantages.priorities": {}, "advantages.floor": -1e9,
             "probe.every": 0}
     return make_tiny_recipe(out, **{**base, **over})
 
 
 def _rows(run):
-    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    return read_jsonl(run / "metrics.jsonl")
 
 
 def _strip(rows):
@@ -103,7 +104,7 @@ def test_steps_train_on_live_groups_and_log_it(tiny):
     tr = Trainer(load_config(_recipe(tiny, **{"run.steps": 3})), progress=False)
     tr.train()
     env = tr.env
-    samples = [json.loads(l) for l in (tr.dir / "samples.jsonl").read_text().splitlines()]
+    samples = read_jsonl(tr.dir / "samples.jsonl")
     rows = _rows(tr.dir)
     by_id = {p.id: p for p in env.prompts("train")}
     saw_extra = False
@@ -151,12 +152,14 @@ def test_two_ranks_keep_the_same_number_of_groups(tiny, tmp_path):
     import os
     import subprocess
     from safetensors.torch import load_file
+
+    from support import dist_driver
     rec = tmp_path / "recipe.json"
     rec.write_text(json.dumps(_recipe(tmp_path / "two", **{"run.steps": 3, "loss.token_mask": "top_entropy", "loss.rho": 0.3})))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "python"), str(HERE)])}
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "python"), str(HERE.parent)])}     # fasttrain, support
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(HERE / "dist_driver.py"), str(rec), str(tmp_path / "rec")], env=env,
+                        dist_driver.__file__, str(rec), str(tmp_path / "rec")], env=env,
                        capture_output=True, text=True, timeout=1200, cwd=HERE)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     ranks = [load_file(str(tmp_path / "rec" / f"rank{r}.safetensors")) for r in (0, 1)]

@@ -1,5 +1,5 @@
 """End to end on a Qwen3.5 hybrid: a tiny random hybrid over bytes learns a toy reward through
-`fasttrain run` with a plug-in environment (tests/train/hybrid_world.py), a resumed run repeats the
+`fasttrain run` with a plug-in environment (tests/support/hybrid_world.py), a resumed run repeats the
 uninterrupted one bit for bit, and resuming it on another family's model is refused by name."""
 import json
 
@@ -9,14 +9,13 @@ from typer.testing import CliRunner
 from fasttrain.cli import app
 from fasttrain.train import Trainer, load_config
 
-HYBRID = {"policy.model": "hybrid_world:tiny_hybrid_policy", "env.name": "hybrid_world:make_env",
+from support.recipes import recipe_toml
+
+pytestmark = pytest.mark.one_thread         # tiny models (tests/conftest.py)
+
+HYBRID = {"policy.model": "support.hybrid_world:tiny_hybrid_policy", "env.name": "support.hybrid_world:make_env",
           "rollout.group_size": 8, "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 8,
           "optim.lr": 0.02, "optim.micro_batch": 16, "loss.passes": 1, "probe.every": 0}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread_for_tiny_models):
-    """Tiny models: one thread (see tests/conftest.py)."""
 
 
 def recipe(tiny_recipe, out, **over):
@@ -29,11 +28,6 @@ def _metrics(d):
     return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
 
 
-def _toml(d: dict) -> str:
-    from fasttrain.train.config import _toml_value
-    return "\n".join(f"[{s}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in kv.items()) for s, kv in d.items())
-
-
 def test_a_tiny_hybrid_learns_the_toy_reward_through_fasttrain_run(tiny, tiny_recipe):
     """12 steps of 2 prompts x 8 answers, seeds 1-5 (chosen before any run): the lowercase share of
     steps 10-12 over that of steps 1-2, averaged over the seeds, gains more than 0.15. One seed is
@@ -44,7 +38,7 @@ def test_a_tiny_hybrid_learns_the_toy_reward_through_fasttrain_run(tiny, tiny_re
     for seed in range(1, 6):
         path = tiny / f"hybrid{seed}.toml"
         out = tiny / f"runs{seed}"
-        path.write_text(_toml(recipe(tiny_recipe, out, **{"run.steps": 12, "run.seed": seed})))
+        path.write_text(recipe_toml(recipe(tiny_recipe, out, **{"run.steps": 12, "run.seed": seed})))
         res = CliRunner().invoke(app, ["run", str(path), "--no-progress"])
         assert res.exit_code == 0, res.output
         rows = _metrics(next(out.iterdir()))
@@ -65,10 +59,10 @@ def test_hybrid_resume_equals_uninterrupted_and_another_family_is_refused(tiny, 
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("seconds_")} for r in rows]  # noqa: E731
     assert strip(_metrics(full.dir)) == strip(_metrics(part.dir))
     res = CliRunner().invoke(app, ["run", "--resume", str(part.dir), "--set", "run.steps=6",
-                                   "--set", "policy.model=tiny_world:tiny_policy", "--no-progress"])
+                                   "--set", "policy.model=support.tiny_world:tiny_policy", "--no-progress"])
     assert res.exit_code != 0
     text = " ".join(res.output.split())
-    assert "policy.model" in text and "tiny_world:tiny_policy" in text and "Traceback" not in text
+    assert "policy.model" in text and "support.tiny_world:tiny_policy" in text and "Traceback" not in text
     # the checkpoint records its family: a folder whose model changed family under the same name
     # is refused by name too
     from fasttrain.train.checkpoint import check_family, newest_checkpoint_name

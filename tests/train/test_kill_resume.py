@@ -74,20 +74,20 @@ def _recipe(tiny_recipe, out: Path, env: dict) -> dict:
 def _dataset_env(tiny) -> dict:
     from fasttrain.starter import write_starter
     write_starter(tiny / "task")
-    rewards = TESTS / "envs" / "dataset_rewards.py"
+    rewards = TESTS / "support" / "dataset_rewards.py"
     return {"env.name": "dataset", "env.dataset": str(tiny / "task" / "data.jsonl"), "env.probe_rows": 4,
             "env.rewards": [f"{tiny / 'task' / 'rewards.py'}:correct", f"{rewards}:unreliable"],
             "advantages.priorities": {"correct": 3.0}, "probe.prompts": 4}
 
 
-ENVS = {"flaky_plugin": lambda tiny: {"env.name": "fault_world:flaky_env"},
-        "stateful_plugin": lambda tiny: {"env.name": "fault_world:novelty_env"},
+ENVS = {"flaky_plugin": lambda tiny: {"env.name": "support.fault_world:flaky_env"},
+        "stateful_plugin": lambda tiny: {"env.name": "support.fault_world:novelty_env"},
         "dataset": _dataset_env}
 
 
 @pytest.mark.parametrize("kind", list(ENVS))
 def test_sigkill_at_several_points_then_resume_equals_the_uninterrupted_run(kind, tiny, tiny_recipe, monkeypatch):
-    from fault_world import run_in_child
+    from support.fault_world import run_in_child
     env = ENVS[kind](tiny)
     full = Trainer(load_config(_recipe(tiny_recipe, tiny / "full", env)), progress=False)
     full.train()

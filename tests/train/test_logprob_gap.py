@@ -17,6 +17,8 @@ from fasttrain.rl.logprob_gap import logprob_gap_parts
 from fasttrain.rollout import sample
 from fasttrain.train.policy_update import answer_logprobs
 
+pytestmark = pytest.mark.one_thread         # tiny models (tests/conftest.py)
+
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
 
 
@@ -57,7 +59,3 @@ def test_bf16_hybrid_gap_at_most_twice_a_plain_transformers():
     h_max, p_max = max(x[1] for x in h), max(x[1] for x in p)
     assert h_mean <= 2 * p_mean and h_max <= 2 * p_max, (h_mean, p_mean, h_max, p_max)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread_for_tiny_models):
-    """Tiny models: one thread (see tests/conftest.py)."""

@@ -22,7 +22,7 @@ class RecordingSGD(torch.optim.SGD):
 def _adapted_tiny_policy(dtype: str, seed: int, quantize: str = "nf4", kind: str = "lora"):
     """The tiny policy in NF4 (or its own weights: quantize "none") with adapters whose B is non-zero
     (so they matter for log p)."""
-    import tiny_world
+    from support import tiny_world
     from fasttrain.nn import adaptable_model, attach_adapters, quantize_model
     model, tok = tiny_world.tiny_policy(dtype)
     for p in model.parameters():
@@ -39,7 +39,7 @@ def _adapted_tiny_policy(dtype: str, seed: int, quantize: str = "nf4", kind: str
 
 
 def _setup(tiny):
-    import tiny_world
+    from support import tiny_world
     from fasttrain.train.answers import sample_answers
     model, tok, params = _adapted_tiny_policy("float32", 3)
     env = tiny_world.make_env()

@@ -39,7 +39,7 @@ def _signal_in(fn_name: str, call: int, signum: int, monkeypatch) -> None:
 
 
 def test_sigterm_and_sigusr1_checkpoint_the_last_step_and_resume_exactly(tiny, tiny_recipe, monkeypatch, capfd):
-    from fault_world import run_in_child
+    from support.fault_world import run_in_child
     # checkpoints only at the end: what a signal saves is the stop's own checkpoint
     recipe = tiny_recipe(tiny / "runs", **{"run.steps": STEPS, "run.checkpoint_every": 100, "probe.every": 0})
     full = Trainer(load_config(recipe), progress=False)

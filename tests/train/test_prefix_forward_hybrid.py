@@ -14,9 +14,13 @@ import torch
 
 from fasttrain.models import tiny_qwen3_5
 from fasttrain.models.families import nf4_targets
-from fasttrain.models.hf_oracle import hf_float64_oracle
 from fasttrain.nn import attach_adapters, quantize_model
 from fasttrain.train.prefix_forward import shared_prefix_hidden
+
+from support.hf_oracle import hf_float64_oracle
+from support.tolerances import forward_tol
+
+pytestmark = pytest.mark.one_thread         # tiny models (tests/conftest.py)
 
 LAYOUTS = {
     "interval4-gqa-rep2": dict(layers=4, interval=4, heads=4, kv_heads=2, value_heads_per_key=2),
@@ -58,8 +62,7 @@ def batch(G=3):
 
 
 def tol(model, S):
-    c = model.config
-    return c.num_hidden_layers * (c.hidden_size + 2 * S * max(c.head_dim, c.linear_key_head_dim)) * 2.0**-53 * 1e3
+    return forward_tol(model.config, S)
 
 
 def run(model, params, fn, cot, mask):
@@ -128,7 +131,3 @@ def test_checkpointed_layers_keep_only_their_inputs():
         kept.append(numel[0])
     assert kept[1] < kept[0] / 4
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread_for_tiny_models):
-    """Tiny models: one thread (see tests/conftest.py)."""

@@ -29,6 +29,10 @@ from fasttrain.nn import adaptable_model, attach_adapters, quantize_model
 from fasttrain.train.answer_packing import SLACK, bucket_masks, pack_answers
 from fasttrain.train.policy_update import answer_logprobs
 
+from support.tolerances import forward_tol
+
+pytestmark = pytest.mark.one_thread         # tiny models (tests/conftest.py)
+
 U32 = torch.finfo(torch.float32).eps
 
 # answer tokens per row (three prompts, three rows each): 20 and 20 (neighbours: a view bucket), 2,
@@ -177,10 +181,7 @@ def _hybrid(kind: str):
 
 
 def _tol(model, S: int) -> float:
-    c = model.config
-    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    D = max(D, getattr(c, "linear_key_head_dim", 0) or 0)
-    return c.num_hidden_layers * (c.hidden_size + c.intermediate_size + 2 * S * D) * 2.0**-53 * 1e3
+    return forward_tol(model.config, S, mlp=True)
 
 
 def _compare(model, params, hole: bool, checkpointing: bool):
@@ -255,7 +256,3 @@ def test_hybrid_with_a_pad_inside_an_answer_runs_padded():
         hook.remove()
     assert tokens == [len(PROMPTS) * P + B * (T - 1)]
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread_for_tiny_models):
-    """Tiny models: one thread (see tests/conftest.py)."""

@@ -4,7 +4,7 @@ loaded back into a fresh fasttrain model and into PEFT.
 
 Lean on purpose (CI runs it): the model is loaded and trained once per module, one prompt x four
 answers of 8 tokens, two steps with two passes each. The environment is the short-prompt letter
-environment of tests/train/tiny_world.py, not signal-a: a signal-a prompt is ~330 tokens in the
+environment of tests/support/tiny_world.py, not signal-a: a signal-a prompt is ~330 tokens in the
 chat template (six times the forward cost), and the untrained 135M model's short answers there are
 all invalid, so every group's advantages are zero and nothing would move (measured: step 1 of a
 signal-a version of this test had a non-zero-advantage share of 0). The letter environment's
@@ -12,13 +12,12 @@ length channel differs between any two answers of different length, so every gro
 """
 from __future__ import annotations
 
-import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from fasttrain.train.run_files import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +31,7 @@ def _recipe(out) -> dict:
                 "threads": 2},
         "policy": {"model": "smollm2-135m", "dtype": "bfloat16", "quantize": "nf4", "adapter": "lora",
                    "rank": 8, "alpha": 16.0, "gradient_checkpointing": False},
-        "env": {"name": "tiny_world:make_env"},
+        "env": {"name": "support.tiny_world:make_env"},
         "rollout": {"prompts_per_step": 1, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0},
         # projection guard on invalid (too short) answers; the letter core has no floor
         "advantages": {"priorities": {"core": 3.0}, "guard": "projection", "floor": float("-inf")},
@@ -49,18 +48,13 @@ def trained(tmp_path_factory):
     from fasttrain.train.trainer import Trainer
 
     out = tmp_path_factory.mktemp("runs")
-    here = str(Path(__file__).parent)
-    sys.path.insert(0, here)                           # tiny_world: the letter environment
-    try:
-        trainer = Trainer(load_config(_recipe(out)), progress=False)
-    finally:
-        sys.path.remove(here)
+    trainer = Trainer(load_config(_recipe(out)), progress=False)
     trainer._setup()
     # The thermostat holds its initial zeta through its warm-up; start it at ZETA so that both steps
     # rescale tokens (from zeta 0 it would take more than two steps to switch REPO-R on).
     trainer.thermostat.zeta = ZETA
     trainer.train()
-    rows = [json.loads(line) for line in (trainer.dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(trainer.dir / "metrics.jsonl")
     return trainer, rows
 
 

@@ -12,11 +12,11 @@ pass: step s is within (1 + s·passes)·ε of the metric's scale (its largest ma
 Sampled tokens, rewards and every count are equal exactly: a sample flips only when a probability
 moves across a uniform draw: at most about (tokens sampled)·ε = 128·3.5e-4 ≈ 0.04 at this size, and
 not happening with these seeds (the test would show it as a different answer)."""
-import json
 
 import pytest
 
 from fasttrain.train import Trainer, load_config
+from fasttrain.train.run_files import read_jsonl
 
 EXACT = ("reward", "reward_core", "reward_action_cost", "reward_format", "core", "success", "valid", "cost",
          "nonzero_adv_share", "guarded_share", "adv_abs_mean", "tokens", "loss_tokens", "mean_length", "skipped")
@@ -35,8 +35,8 @@ def _run(tiny, tiny_recipe, kernels):
             mp.setattr(R, name, lambda *a, _n=name, _f=real, **k: (calls.append(_n), _f(*a, **k))[1])
         tr = Trainer(cfg, progress=False)
         tr.train()
-    rows = [json.loads(line) for line in (tr.dir / "metrics.jsonl").read_text().splitlines()]
-    samples = [json.loads(line) for line in (tr.dir / "samples.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tr.dir / "metrics.jsonl")
+    samples = read_jsonl(tr.dir / "samples.jsonl")
     return cfg, rows, samples, set(calls)
 
 
@@ -45,7 +45,7 @@ def test_reference_kernels_reach_the_same_metrics(tiny, tiny_recipe):
     cfg, fused, fused_samples, fused_calls = _run(tiny, tiny_recipe, "fused")
     _, ref, ref_samples, ref_calls = _run(tiny, tiny_recipe, "reference")
     assert fused_calls == set() and ref_calls == {"fused_logprob", "policy_loss", "nf4_linear"}
-    from tiny_world import tiny_policy
+    from support.tiny_world import tiny_policy
     mc = tiny_policy()[0].config
     eps = (7 * mc.num_hidden_layers + 1) * (mc.vocab_size + max(mc.hidden_size, mc.intermediate_size)) * 2.0**-24
     assert [r["step"] for r in ref] == [1, 2]

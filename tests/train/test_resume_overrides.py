@@ -1,15 +1,15 @@
 """Non-finite steps and what a resumed run may change: optim.max_skipped_steps, no checkpoint of
 non-finite adapters, `--resume --set` honoured for the mid-run settings and refused for others."""
-import json
 
 import pytest
 import torch
 
 from fasttrain.train import ConfigError, Trainer, TrainingStopped, load_config
+from fasttrain.train.run_files import read_jsonl
 
 
 def _metrics(run):
-    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    return read_jsonl(run / "metrics.jsonl")
 
 
 def test_max_skipped_steps_is_the_limit(tiny, tiny_recipe, monkeypatch):

@@ -64,7 +64,7 @@ def test_a_16bit_run_trains_its_adapters_on_the_models_own_weights(tiny, tiny_re
     """policy.quantize = "none": the projections keep the model's weights (DenseLinear), the dense
     rollout copy follows the same rule as for NF4, and the shipped adapter loads back."""
     from fasttrain.nn import DenseLinear, NF4Linear, load_adapter
-    from tiny_world import tiny_policy
+    from support.tiny_world import tiny_policy
     cfg = load_config(tiny_recipe(tiny / "runs", **{"policy.quantize": "none", "run.steps": 2, "probe.every": 2,
                                                    "rollout.base_weights": "dequantized"}))
     tr = Trainer(cfg, progress=False)

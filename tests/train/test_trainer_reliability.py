@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fasttrain.train import ConfigError, Trainer, TrainingStopped, load_config
+from fasttrain.train.run_files import read_jsonl
 
 
 def test_three_non_finite_losses_stop_the_run(tiny, tiny_recipe, monkeypatch):
@@ -14,7 +15,7 @@ def test_three_non_finite_losses_stop_the_run(tiny, tiny_recipe, monkeypatch):
                         lambda self, s: (torch.full_like(real(self, s)[0], float("nan")), real(self, s)[1]))
     with pytest.raises(TrainingStopped, match="3 non-finite losses in a row"):
         tr.train()
-    rows = [json.loads(l) for l in (tr.dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tr.dir / "metrics.jsonl")
     assert [r["skipped"] for r in rows] == [True, True, True]
     assert tr.nonfinite_in_row == 3 and len(tr.warnings) == 3
 

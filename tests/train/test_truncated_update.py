@@ -23,6 +23,8 @@ from fasttrain.rollout.moe_routing import ReplayRouting
 from fasttrain.rollout.multi_turn import sample_turns
 from fasttrain.train.policy_update import answer_logprobs
 
+pytestmark = pytest.mark.one_thread         # tiny models (tests/conftest.py)
+
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
 TRUNC = Truncation(top_k=20, top_p=0.8, min_p=0.1)
 V, HID, D, NEW = 97, 64, 16, 16
@@ -116,7 +118,3 @@ def test_trainer_steps_with_the_knobs_and_logs_the_gap(tiny, tiny_recipe, replay
         else:
             assert r["rollout_logprob_gap"] > 1e-2, r
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread_for_tiny_models):
-    """Tiny models: one thread (see tests/conftest.py)."""

@@ -83,7 +83,7 @@ class DyingEnv:
     with SIGTERM and SIGUSR1 ignored (a rank stuck in C code) until the agent kills it."""
 
     def __init__(self):
-        from tiny_world import make_env
+        from support.tiny_world import make_env
         self.inner = make_env()
         self.name, self.channels = self.inner.name, self.inner.channels
         self.data_slices, self.answer_format = self.inner.data_slices, self.inner.answer_format

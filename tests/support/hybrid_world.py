@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from fasttrain.envs import Channel, Prompt, Score
-from tiny_world import ByteTokenizer
+from support.tiny_world import ByteTokenizer
 
 
 def tiny_hybrid_policy(dtype: str = "float32"):

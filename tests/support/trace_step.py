@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from fake_cuda import host_unwatched
+from support.fake_cuda import host_unwatched
 from fasttrain.models.tiny import tiny_llama, tiny_qwen3_5
 
 VOCAB = 96
@@ -25,7 +25,7 @@ GROUP, NEW_TOKENS = 2, 2                              # the prefill, then one de
 
 
 def llama(dtype: str = "bfloat16"):
-    """The policy factory (`policy.model = "trace_step:llama"`): (model, tokenizer), built on the
+    """The policy factory (`policy.model = "support.trace_step:llama"`): (model, tokenizer), built on the
     host as a checkpoint is read there; build_policy moves it to the device."""
     with host_unwatched():
         return tiny_llama(vocab_size=VOCAB, hidden=64, layers=1, heads=4, kv_heads=2, seed=3,
@@ -40,7 +40,7 @@ def qwen3_5(dtype: str = "bfloat16"):
                             dtype=getattr(torch, dtype)), types.SimpleNamespace(chat_template="")
 
 
-FAMILIES = {"llama": ("trace_step:llama", "dora"), "qwen3_5": ("trace_step:qwen3_5", "lora")}
+FAMILIES = {"llama": ("support.trace_step:llama", "dora"), "qwen3_5": ("support.trace_step:qwen3_5", "lora")}
 
 
 def config(family: str):

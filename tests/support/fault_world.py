@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import traceback
 
-from tiny_world import LetterEnv
+from support.tiny_world import LetterEnv
 
 from fasttrain.envs import Score
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tiny_world import ByteTokenizer
+from support.tiny_world import ByteTokenizer
 
 
 def tiny_qwen3_moe_policy(dtype: str = "float32"):

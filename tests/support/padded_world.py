@@ -1,6 +1,6 @@
 """The tiny world with prompts of different lengths, so every micro-batch that spans two prompts
 is left-padded (as real prompts are) and attention runs with a padding mask."""
-from tiny_world import LetterEnv, tiny_policy  # noqa: F401
+from support.tiny_world import LetterEnv, tiny_policy  # noqa: F401
 from fasttrain.envs import Prompt
 
 
@@ -37,7 +37,7 @@ def _hybrid_as_loaded(dtype: str, **shape):
     from transformers import Qwen3_5ForCausalLM
 
     from fasttrain.models import tiny_qwen3_5
-    from tiny_world import ByteTokenizer
+    from support.tiny_world import ByteTokenizer
 
     model = tiny_qwen3_5(vocab_size=259, seed=0, **shape)
     loaded = Qwen3_5ForCausalLM._from_config(model.config, dtype=getattr(torch, dtype))
@@ -69,7 +69,7 @@ def smollm2_shape_as_loaded(dtype: str = "float32"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tiny_world import ByteTokenizer
+    from support.tiny_world import ByteTokenizer
 
     cfg = LlamaConfig(vocab_size=259, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=3, num_key_value_heads=1, head_dim=32, max_position_embeddings=CONTEXT,

@@ -1,14 +1,10 @@
 """`module:factory` hooks returning tiny models of kinds fasttrain drives or refuses, each with
-the bundled-free byte tokenizer of tests/models/qwen3_style.py (offline)."""
+the bundled-free byte tokenizer of tests/support/qwen3_style.py (offline)."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
-from qwen3_style import qwen3_style_tokenizer  # noqa: E402
+from support.qwen3_style import qwen3_style_tokenizer
 
 
 def _pair(model):

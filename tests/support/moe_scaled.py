@@ -46,12 +46,12 @@ def scaled_moe(name: str, dtype: str = "float32", hidden: int | None = None, lay
 
 
 def qwen3_30b_a3b_policy(dtype: str = "float32"):
-    """(model, tokenizer) for a recipe's policy.model = "moe_scaled:qwen3_30b_a3b_policy"."""
-    from tiny_world import ByteTokenizer
+    """(model, tokenizer) for a recipe's policy.model = "support.moe_scaled:qwen3_30b_a3b_policy"."""
+    from support.tiny_world import ByteTokenizer
     return scaled_moe("qwen3-30b-a3b", dtype), ByteTokenizer()
 
 
 def qwen3_5_35b_a3b_policy(dtype: str = "float32"):
-    """(model, tokenizer) for a recipe's policy.model = "moe_scaled:qwen3_5_35b_a3b_policy"."""
-    from tiny_world import ByteTokenizer
+    """(model, tokenizer) for a recipe's policy.model = "support.moe_scaled:qwen3_5_35b_a3b_policy"."""
+    from support.tiny_world import ByteTokenizer
     return scaled_moe("qwen3.5-35b-a3b", dtype), ByteTokenizer()
