@@ -35,7 +35,7 @@ import torch
 from fasttrain.ops import reference as R
 
 from cuda_emu.emulator import GRID_CAP, U, U32, assert_within, emu, module, peer, sum_bound
-from test_kernels_policy_loss import CAP, EPS_HIGH, EPS_LOW, LOSS, ZETA, batch, token_magnitude
+from support.policy_batches import CAP, EPS_HIGH, EPS_LOW, LOSS, ZETA, batch, token_magnitude
 
 pytestmark = pytest.mark.cuda_emu
 THREADS = 256  # kThreads of both kernels' files
