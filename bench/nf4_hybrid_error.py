@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.hf_oracle import hf_float64_oracle  # noqa: E402
 from fasttrain.models.tiny import tiny_qwen3_5  # noqa: E402
 from fasttrain.nn.nf4_linear import NF4Linear  # noqa: E402
-from fasttrain.nn.surgery import _set_module  # noqa: E402
+from fasttrain.nn.surgery import set_module  # noqa: E402
 
 LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -68,7 +68,7 @@ def quantized(model, targets: tuple[str, ...]):
         if isinstance(mod, torch.nn.Linear) and name != "lm_head":
             tot += mod.weight.numel()
             if name.rpartition(".")[2] in targets:
-                _set_module(q, name, NF4Linear.from_linear(mod))
+                set_module(q, name, NF4Linear.from_linear(mod))
                 n += mod.weight.numel()
     return q, n / tot
 

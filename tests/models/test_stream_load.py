@@ -110,8 +110,8 @@ def test_the_bundled_converted_checkpoint_names_its_dtype():
     The conversion is made here when no earlier test made it (under pytest-xdist the test that
     loads the model first may run on the other worker, or after this one)."""
     from fasttrain.models.bundled import bundled_gguf
-    from fasttrain.models.loading import _gguf_as_dir
-    cfg = _gguf_as_dir(bundled_gguf()) / "config.json"          # converts once, then cached
+    from fasttrain.models.loading import gguf_as_dir
+    cfg = gguf_as_dir(bundled_gguf()) / "config.json"          # converts once, then cached
     assert json.loads(cfg.read_text()).get("dtype") == "float32"
     assert meta_policy(model_config(str(cfg.parent)), dtype="bfloat16").stored_w == 4
 

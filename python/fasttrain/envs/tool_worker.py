@@ -29,8 +29,8 @@ _loops: list = []
 
 def _get(spec: str):
     if spec not in _loaded:
-        from fasttrain.envs.worker_pool import _import, parse_spec
-        _loaded[spec] = _import(parse_spec(spec))
+        from fasttrain.envs.worker_pool import import_spec, parse_spec
+        _loaded[spec] = import_spec(parse_spec(spec))
     return _loaded[spec]
 
 

@@ -421,7 +421,7 @@ class WorkerPool:
 
 
 # ---- worker side ---------------------------------------------------------------------------------
-def _import(spec: Spec):
+def import_spec(spec: Spec):
     import importlib
     import importlib.util
 
@@ -476,7 +476,7 @@ def _serve() -> None:
 
     def function(spec: Spec):
         if spec.spec not in fns:
-            fns[spec.spec] = _import(spec)
+            fns[spec.spec] = import_spec(spec)
         return fns[spec.spec]
 
     while True:

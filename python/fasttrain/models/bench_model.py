@@ -49,14 +49,14 @@ def _build(name: str, dtype, seed: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .bundled import bundled_gguf
-    from .loading import _gguf_as_dir, _offline
+    from .loading import gguf_as_dir, set_offline
 
-    _offline()
+    set_offline()
     cfg = bench_config(name)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg)
-    tok = AutoTokenizer.from_pretrained(_gguf_as_dir(bundled_gguf()), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(gguf_as_dir(bundled_gguf()), local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

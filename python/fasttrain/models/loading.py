@@ -13,21 +13,21 @@ from .families import SUPPORTED_FAMILIES, family_of_type, text_config  # noqa: F
 from .gguf_conversion import convert_gguf, is_converted
 
 
-def _offline() -> None:
+def set_offline() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _gguf_as_dir(gguf: Path) -> Path:
+def gguf_as_dir(gguf: Path) -> Path:
     out = converted_dir_for(gguf)
     if not is_converted(out):
         convert_gguf(gguf, out)
     return out
 
 
-def _resolve(spec: str | os.PathLike | None) -> Path:
+def resolve_model_path(spec: str | os.PathLike | None) -> Path:
     if spec is None or str(spec) == BUNDLED_NAME:
-        return _gguf_as_dir(bundled_gguf())
+        return gguf_as_dir(bundled_gguf())
     path = Path(spec).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -37,7 +37,7 @@ def _resolve(spec: str | os.PathLike | None) -> Path:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"load_policy(spec={str(spec)!r}): a file spec must be a .gguf file")
-        return _gguf_as_dir(path)
+        return gguf_as_dir(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"load_policy(spec={str(spec)!r}): the directory has no config.json; expected a "
@@ -65,10 +65,10 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
     the model in `dtype`. A block-FP8 checkpoint (fasttrain.models.block_fp8) is decoded tensor by
     tensor into either; any other quantized checkpoint is refused with a message.
     """
-    _offline()
+    set_offline()
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = _resolve(spec)
+    path = resolve_model_path(spec)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     family = family_of_type(config.model_type, f"load_policy(spec={str(spec)!r})")
     from .block_fp8 import block_fp8_format
@@ -103,8 +103,8 @@ def _expert_collector(family, config):
 def load_tokenizer(spec: str | os.PathLike | None = None):
     """The tokenizer `load_policy(spec)` returns, without loading the model (tests pair the
     bundled SmolLM2's tokenizer with a tiny random model of the same vocabulary)."""
-    _offline()
-    return _tokenizer(_resolve(spec))
+    set_offline()
+    return _tokenizer(resolve_model_path(spec))
 
 
 def _tokenizer(path: Path):

@@ -81,7 +81,7 @@ def moe_surgery(model: nn.Module, nf4: bool, blocksize: int = 64, double_quant: 
     """Replace every transformers sparse MoE block of `model` by a MoEBlock (in place; see the module
     header). The model is frozen afterwards. A model without such blocks (a dense model) is returned
     unchanged."""
-    from fasttrain.nn.surgery import _set_module
+    from fasttrain.nn.surgery import set_module
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = hf_sparse_blocks(base)
     if not blocks:
@@ -89,7 +89,7 @@ def moe_surgery(model: nn.Module, nf4: bool, blocksize: int = 64, double_quant: 
     renorm = renormalizes(base)
     top_k = int(base.config.num_experts_per_tok)
     for name, block in blocks:
-        _set_module(base, name, moe_block(block, top_k, renorm, nf4, blocksize, double_quant))
+        set_module(base, name, moe_block(block, top_k, renorm, nf4, blocksize, double_quant))
         del block
     for p in base.parameters():
         p.requires_grad_(False)

@@ -69,7 +69,7 @@ class ExpertCollector:
         """Every transformers sparse block whose experts arrived becomes a MoEBlock (in place)."""
         from fasttrain.models.moe import hf_sparse_blocks
         from fasttrain.nn.moe_experts import MoEBlock, MoEExperts
-        from fasttrain.nn.surgery import _set_module
+        from fasttrain.nn.surgery import set_module
         if self.waiting:
             (path, e), got = next(iter(self.waiting.items()))
             raise ValueError(f"the checkpoint has part of expert {e} of {path} (got {sorted(got)} of gate, up)")
@@ -84,7 +84,7 @@ class ExpertCollector:
                                      f"{stack} weights")
             experts = MoEExperts(*(ExpertStack.from_quantized([got[s][e] for e in range(E)], dtype)
                                    for s in ("gate_up", "down")))
-            _set_module(model, name, MoEBlock(block.gate.weight, experts, self.top_k, self.renormalize,
+            set_module(model, name, MoEBlock(block.gate.weight, experts, self.top_k, self.renormalize,
                                               getattr(block, "shared_expert", None),
                                               getattr(block, "shared_expert_gate", None)))
         self.quantized.clear()

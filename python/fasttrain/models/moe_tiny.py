@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiny import _spread_logits
+from .tiny import spread_logits
 
 __all__ = ["tiny_qwen3_moe", "tiny_qwen3_5_moe"]
 
@@ -70,7 +70,7 @@ def _build(cls, config, hidden: int, router_std: float, seed: int, dtype: torch.
         model = cls(config)
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(seed + 1)
-        _spread_logits(model, hidden)
+        spread_logits(model, hidden)
         _spread_router(model, hidden, router_std)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0

@@ -227,7 +227,7 @@ def load_streamed(path: str | os.PathLike, dtype: torch.dtype = torch.float32, q
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from fasttrain.nn.nf4_linear import NF4Linear
-    from fasttrain.nn.surgery import PROJECTIONS, _set_module
+    from fasttrain.nn.surgery import PROJECTIONS, set_module
 
     from .block_fp8 import block_fp8_format
     from .families import text_config, text_tower_key
@@ -280,7 +280,7 @@ def load_streamed(path: str | os.PathLike, dtype: torch.dtype = torch.float32, q
                 _check_shape(info, like, shard, key)
                 got[leaf] = read(dtype)
                 if "weight" in got and (lin.bias is None or "bias" in got):
-                    _set_module(model, owner, _nf4(NF4Linear, lin, pending.pop(owner), blocksize))
+                    set_module(model, owner, _nf4(NF4Linear, lin, pending.pop(owner), blocksize))
                 continue
             try:
                 mod = model.get_submodule(owner)

@@ -27,7 +27,7 @@ def tiny_llama(vocab_size: int = 49152, hidden: int = 64, layers: int = 2, heads
         model = LlamaForCausalLM(config)
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(seed + 1)
-        _spread_logits(model, hidden)
+        spread_logits(model, hidden)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model.to(dtype).eval()
@@ -58,7 +58,7 @@ def tiny_qwen3_5(vocab_size: int = 49152, hidden: int = 64, layers: int = 4, int
         model = Qwen3_5ForCausalLM(config)
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(seed + 1)
-        _spread_logits(model, hidden)
+        spread_logits(model, hidden)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
@@ -67,7 +67,7 @@ def tiny_qwen3_5(vocab_size: int = 49152, hidden: int = 64, layers: int = 4, int
     return model.to(dtype).eval()
 
 
-def _spread_logits(model, hidden: int) -> None:
+def spread_logits(model, hidden: int) -> None:
     """HF's init (std 0.02) makes a tiny model's logits nearly flat (greedy ties decided by
     rounding, sampling close to uniform); unit-scale embeddings and an untied lm_head of std
     2/sqrt(hidden) give logits of std ~1, so runs differ by prompt and argmax is separated. Draws

@@ -20,7 +20,7 @@ from fasttrain.nn.nf4_linear import NF4Linear
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
@@ -43,7 +43,7 @@ def _swap_linears(model: nn.Module, targets: tuple[str, ...], make, caller: str)
     if not found:
         raise ValueError(f"{caller}: no nn.Linear named any of {targets} in {type(model).__name__}")
     for name, lin in found:
-        _set_module(model, name, make(lin))
+        set_module(model, name, make(lin))
         del lin
     for p in model.parameters():
         p.requires_grad_(False)
@@ -114,7 +114,7 @@ def merge_adapters(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.
             if layer.bias is not None:
                 lin.bias.copy_(layer.bias.to(dtype))
         lin.requires_grad_(False)
-        _set_module(model, name, lin)
+        set_module(model, name, lin)
     return model
 
 

@@ -27,7 +27,7 @@ from fasttrain.ops import decode_fused as _fused
 from fasttrain.ops.decode_attention import decode_attention, decode_attention_backend
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -200,8 +200,8 @@ class LlamaFamilyDecoder:
             if self.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             if per_row:
                 cache[i][0].transpose(1, 2)[rows, start] = k.transpose(1, 2)   # [B, S, kv, D] at (b, col)
                 cache[i][1].transpose(1, 2)[rows, start] = v.transpose(1, 2)

@@ -39,7 +39,7 @@ from fasttrain.nn.dense_linear import rollout_head
 from fasttrain.ops.decode_attention import decode_attention
 from fasttrain.ops.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_rule, gated_delta_step_
 
-from .decoder import LlamaFamilyDecoder, _rotate_half
+from .decoder import LlamaFamilyDecoder, rotate_half
 
 __all__ = ["HybridCache", "HybridDecoder"]
 
@@ -314,6 +314,6 @@ def rotate_partial(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The rotary embedding on the first cos.shape[-1] dims of x (the rest pass through)."""
     r = cos.shape[-1]
     if r == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + rotate_half(x) * sin
     xr, xp = x[..., :r], x[..., r:]
-    return torch.cat([xr * cos + _rotate_half(xr) * sin, xp], dim=-1)
+    return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .families import decoder_for
-from .sampling import Rollout, Truncation, _check, _default_pad, draw_tokens, left_padded
+from .sampling import Rollout, Truncation, check_sample_args, default_pad, draw_tokens, left_padded
 
 # end_of_turn(rows, turn_ids, room) -> one entry per row: context token ids to append, or None
 EndOfTurn = Callable[[list[int], list[list[int]], list[int]], list["list[int] | None"]]
@@ -68,11 +68,11 @@ def sample_turns(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
         raise ValueError(f"sample_turns: multi-turn answers (tools) need a decoder with a per-row step; "
                          f"{type(dec).__name__} has no step_rows")
     vocab = model.config.vocab_size
-    _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
+    check_sample_args(prompt_ids, group_size, max_new_tokens, temperature, vocab)
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
     if not eos:
         raise ValueError("sample_turns: eos_token_ids is empty; a model turn must be able to end")
-    pad = _default_pad(model, eos) if pad_token_id is None else int(pad_token_id)
+    pad = default_pad(model, eos) if pad_token_id is None else int(pad_token_id)
     device = dec.device
     n_p, G = len(prompt_ids), group_size
     B, P, M = n_p * G, max(len(p) for p in prompt_ids), max_new_tokens

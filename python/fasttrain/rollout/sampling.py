@@ -165,7 +165,7 @@ def kept_cut(d: Tensor, m: Tensor, trunc: Truncation) -> Tensor:
     return cut
 
 
-def _check(prompt_ids, group_size, max_new_tokens, temperature, vocab):
+def check_sample_args(prompt_ids, group_size, max_new_tokens, temperature, vocab):
     if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
         raise ValueError("sample: prompt_ids must be a non-empty list of token-id lists")
     for i, p in enumerate(prompt_ids):
@@ -181,7 +181,7 @@ def _check(prompt_ids, group_size, max_new_tokens, temperature, vocab):
         raise ValueError(f"sample: temperature must be finite and >= 0, got {temperature!r}")
 
 
-def _default_pad(model, eos: list[int]) -> int:
+def default_pad(model, eos: list[int]) -> int:
     for src in (getattr(getattr(model, "generation_config", None), "pad_token_id", None),
                 getattr(model.config, "pad_token_id", None)):
         if isinstance(src, int):
@@ -303,14 +303,14 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], *, group_size: int, max_n
     if hasattr(dec, "start_record"):       # a mixture of experts' routing record (a kept decoder's too)
         dec.start_record()
     vocab = model.config.vocab_size
-    _check(prompt_ids, group_size, max_new_tokens, temperature, vocab)
+    check_sample_args(prompt_ids, group_size, max_new_tokens, temperature, vocab)
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
     stops = [str(x) for x in stop_strings]
     if any(not x for x in stops):
         raise ValueError("sample: stop_strings must be non-empty strings")
     if stops and token_text is None:
         raise ValueError("sample: stop_strings need token_text (a token id -> its text)")
-    pad = _default_pad(model, eos) if pad_token_id is None else int(pad_token_id)
+    pad = default_pad(model, eos) if pad_token_id is None else int(pad_token_id)
     device = dec.device
     n, G = len(prompt_ids), group_size
     B = n * G

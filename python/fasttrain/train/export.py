@@ -102,13 +102,13 @@ def _source(cfg) -> tuple[Path | None, object | None]:
     for a `module:factory` model."""
     from transformers import AutoConfig
 
-    from fasttrain.models.loading import _resolve
-    from fasttrain.train.policy import _is_factory
+    from fasttrain.models.loading import resolve_model_path
+    from fasttrain.train.policy import is_factory
 
-    if _is_factory(cfg.policy.model):
+    if is_factory(cfg.policy.model):
         return None, None
     spec = cfg.policy.model
-    path = _resolve(None if spec in ("", "default") else spec)
+    path = resolve_model_path(None if spec in ("", "default") else spec)
     return path, AutoConfig.from_pretrained(path, local_files_only=True)
 
 

@@ -19,7 +19,7 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def _is_factory(spec: str) -> bool:
+def is_factory(spec: str) -> bool:
     """Whether policy.model names a `module:factory` hook rather than a model to load."""
     return ":" in spec and not Path(spec).exists() and "/" not in spec.split(":")[0]
 
@@ -27,7 +27,7 @@ def _is_factory(spec: str) -> bool:
 def _load_base(spec: str, dtype: str, quantize: str = "none"):
     """`module:factory` (a user hook returning (model, tokenizer)) or a fasttrain.models spec, which
     loads with its projections already in NF4 when `quantize` is "nf4" (layer by layer)."""
-    if _is_factory(spec):
+    if is_factory(spec):
         mod, _, fn = spec.partition(":")
         try:
             factory = getattr(importlib.import_module(mod), fn)

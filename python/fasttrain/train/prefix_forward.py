@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from fasttrain.ops.attention import masked_attention
-from fasttrain.rollout.decoder import LlamaFamilyDecoder, _rotate_half
+from fasttrain.rollout.decoder import LlamaFamilyDecoder, rotate_half
 from fasttrain.train.answer_packing import AnswerPacking, bucket_masks, pack_answers
 
 __all__ = ["shared_prefix_hidden", "shared_prefix_selected", "llama_prefix_hidden", "llama_packed_hidden",
@@ -279,14 +279,14 @@ def _layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor, sin_p
         return o.view(n, nh, s_, D).transpose(1, 2).reshape(n * s_, nh * D)
 
     q_p, k_p, v_p = heads(q, nh, U, P, 0, n_p), heads(k, nkv, U, P, 0, n_p), heads(v, nkv, U, P, 0, n_p)
-    q_p = q_p * cos_p + _rotate_half(q_p) * sin_p
-    k_p = k_p * cos_p + _rotate_half(k_p) * sin_p
+    q_p = q_p * cos_p + rotate_half(q_p) * sin_p
+    k_p = k_p * cos_p + rotate_half(k_p) * sin_p
     outs = [attend(q_p, k_p, v_p, prompt_mask)]
     if A > 0:
         q_a, k_a, v_a = (heads(q, nh, B, A, n_p, None), heads(k, nkv, B, A, n_p, None),
                          heads(v, nkv, B, A, n_p, None))
-        q_a = q_a * cos_a + _rotate_half(q_a) * sin_a
-        k_a = k_a * cos_a + _rotate_half(k_a) * sin_a
+        q_a = q_a * cos_a + rotate_half(q_a) * sin_a
+        k_a = k_a * cos_a + rotate_half(k_a) * sin_a
         keys = torch.cat([per_row(k_p, inverse), k_a], dim=2)          # [B, kv, P+A, D]
         values = torch.cat([per_row(v_p, inverse), v_a], dim=2)
         outs.append(attend(q_a, keys, values, answer_mask))
@@ -322,12 +322,12 @@ def _packed_layer(dec: LlamaFamilyDecoder, layer, inverse: Tensor, cos_p: Tensor
     q_p = q[:n_p].view(U, P, nh, D).transpose(1, 2)
     k_p = k[:n_p].view(U, P, nkv, D).transpose(1, 2)
     v_p = v[:n_p].view(U, P, nkv, D).transpose(1, 2)
-    q_p = q_p * cos_p + _rotate_half(q_p) * sin_p
-    k_p = k_p * cos_p + _rotate_half(k_p) * sin_p
+    q_p = q_p * cos_p + rotate_half(q_p) * sin_p
+    k_p = k_p * cos_p + rotate_half(k_p) * sin_p
     outs = [attend(q_p, k_p, v_p, prompt_mask).reshape(n_p, nh * D)]
     q_a, k_a, v_a = q[n_p:].view(N, nh, D), k[n_p:].view(N, nkv, D), v[n_p:].view(N, nkv, D)
-    q_a = q_a * cos_a + _rotate_half(q_a) * sin_a
-    k_a = k_a * cos_a + _rotate_half(k_a) * sin_a
+    q_a = q_a * cos_a + rotate_half(q_a) * sin_a
+    k_a = k_a * cos_a + rotate_half(k_a) * sin_a
     per_bucket = []
     for bucket, mask in zip(pk.buckets, masks):
         group = inverse[bucket.rows]
