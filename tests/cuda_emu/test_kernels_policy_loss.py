@@ -21,7 +21,8 @@ import torch
 from fasttrain.ops import reference as R
 
 from cuda_emu.emulator import peer, U, U32, assert_within, emu, sum_bound
-from support.policy_batches import CAP, EPS_HIGH, EPS_LOW, KL, LOSS, ZETA, batch, token_magnitude
+from support.policy_batches import (CAP, EPS_HIGH, EPS_LOW, KL, LOSS, ZETA, batch, expected_rowscale,
+                                    token_magnitude)
 
 pytestmark = pytest.mark.cuda_emu
 OP = torch.ops.fasttrain  # the CPU ops (their own checks); peer(): what the emulator is compared with
@@ -41,13 +42,7 @@ def test_policy_loss_kernels_match_the_float64_reference_and_the_cpu_op(loss, pe
                                 eps_high=EPS_HIGH, cispo_cap=CAP, zeta=ZETA, kl=kl)
     out64.backward()
     m_t = token_magnitude(logp, old, adv, ref, beta, KL[kl]) * mask
-    w = mask.double()
-    if loss == "grpo":
-        row_w = w.sum(1)
-        rows = float((row_w > 0).sum())
-        rowscale = torch.where(row_w > 0, 1 / (row_w.clamp(min=1) * rows), torch.zeros(()).double())
-    else:
-        rowscale = torch.full((B,), 1 / float(w.sum())).double()
+    rowscale = expected_rowscale(mask, loss)
     # gradient = coef · rowscale: the token's roundings plus rowscale's and the product's
     grad_bound = 16 * U32 * m_t * rowscale[:, None] + 3 * U32 * lp64.grad.abs()
     g_e = emu().policy_loss_backward(torch.ones(()), c_e, r_e, torch.float32)

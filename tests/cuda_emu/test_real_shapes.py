@@ -35,7 +35,8 @@ import torch
 from fasttrain.ops import reference as R
 
 from cuda_emu.emulator import GRID_CAP, U, U32, assert_within, emu, module, peer, sum_bound
-from support.policy_batches import CAP, EPS_HIGH, EPS_LOW, LOSS, ZETA, batch, token_magnitude
+from support.policy_batches import (CAP, EPS_HIGH, EPS_LOW, LOSS, ZETA, batch, expected_rowscale,
+                                    token_magnitude)
 
 pytestmark = pytest.mark.cuda_emu
 THREADS = 256  # kThreads of both kernels' files
@@ -153,13 +154,7 @@ def test_policy_loss_finalize_over_more_rows_than_threads(loss, schedule):
                                 eps_high=EPS_HIGH, cispo_cap=CAP, zeta=ZETA)
     out64.backward()
     m_t = token_magnitude(logp, old, adv, ref, beta) * mask
-    w = mask.double()
-    if loss == "grpo":
-        row_w = w.sum(1)
-        rows = float((row_w > 0).sum())
-        rowscale = torch.where(row_w > 0, 1 / (row_w.clamp(min=1) * rows), torch.zeros(()).double())
-    else:
-        rowscale = torch.full((B,), 1 / float(w.sum())).double()
+    rowscale = expected_rowscale(mask, loss)
     # every row's scale is written (a row the finalize loop skipped would keep the scratch's poison)
     assert_within("rowscale", r_e, rowscale, U32 * rowscale)
     if loss == "grpo":

@@ -33,3 +33,14 @@ def token_magnitude(logp, old, adv, ref, beta, kl_type=0):
     kl_scale = r.clamp(min=1) if kl_type == KL["k3_ratio"] else 1
     return a.abs() * (1 + 20 * ZETA) * torch.maximum(r, torch.full_like(r, CAP)) * (1 + logp.abs()) + beta * (
         d.exp() + d.abs() + 1) * kl_scale
+
+
+def expected_rowscale(mask, loss: str) -> torch.Tensor:
+    """Each row's gradient scale [B] in float64: 1 / active tokens of the batch (CISPO, DAPO), or GRPO's
+    1 / (the row's active tokens x the rows with one), 0 for a row with none."""
+    w = mask.double()
+    if loss == "grpo":
+        row_w = w.sum(1)
+        rows = float((row_w > 0).sum())
+        return torch.where(row_w > 0, 1 / (row_w.clamp(min=1) * rows), torch.zeros(()).double())
+    return torch.full((mask.shape[0],), 1 / float(w.sum())).double()
