@@ -11,8 +11,8 @@ wrong? Each mutant is one edit of one site in csrc/cuda/kernels/*.cuh or csrc/cu
            the AddressSanitizer + UBSan build, since such a mutant reads or writes out of bounds
 
 Everything happens in a copy of the sources (build/emu-mutations/src: csrc, CMakeLists.txt,
-setup.py, pyproject.toml, python/fasttrain with its built modules, tests/conftest.py and
-tests/cuda_emu), never in the working tree. The copy's _C_emu is built non-unity (one object per
+setup.py, pyproject.toml, python/fasttrain with its built modules, tests/conftest.py,
+tests/support and tests/cuda_emu), never in the working tree. The copy's _C_emu is built non-unity (one object per
 csrc/cuda_emu/*.cpp), so a mutant in kernels/X.cuh recompiles only cuda_emu/X.cpp and relinks;
 then only that op's emulator tests run (OPS below), with -x, against the mutant module
 (FASTTRAIN_EMU_LIB). Outcomes: killed (the first failing test is recorded), or survived; a
@@ -270,6 +270,7 @@ def make_copy(py: str) -> None:
     shutil.copytree(ROOT / "python", SRC / "python", ignore=ign, symlinks=True)
     (SRC / "tests").mkdir()
     shutil.copy2(ROOT / "tests" / "conftest.py", SRC / "tests" / "conftest.py")
+    shutil.copytree(ROOT / "tests" / "support", SRC / "tests" / "support", ignore=ign)   # the tests' helpers
     shutil.copytree(ROOT / "tests" / "cuda_emu", SRC / "tests" / "cuda_emu", ignore=ign)
 
 
