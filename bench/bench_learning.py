@@ -109,7 +109,8 @@ def fasttrain_config(a, seed: int, algo: str, out: str):
                 "rewards": [f"{TASK['rewards_file']}:{r}" for r in TASK["rewards"]], "core": TASK["core"],
                 "system_prompt": TASK["system_prompt"]},
         "rollout": {"prompts_per_step": a.prompts, "group_size": a.group, "max_new_tokens": a.new,
-                    "temperature": a.temperature},
+                    "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
+                    "replay_kept_set": a.replay == "on"},
         "advantages": {"priorities": dict(zip(TASK["rewards"], TASK["weights"])), "guard": "none",
                        "batch_normalize": True},
         "loss": {**PAIRS[algo]["fasttrain"], "beta": a.beta, "token_mask": "all", "passes": a.passes, "repo_r": False,
@@ -133,8 +134,8 @@ def worker_fasttrain(a, seed: int, algo: str, out: Path) -> dict:
     tr = Trainer(fasttrain_config(a, seed, algo, str(out)), progress=False)
     tr.train()
     metrics = read_jsonl(tr.dir / "metrics.jsonl")
-    steps = [{"step": m["step"], "seconds": m["seconds_step"], "reward_core": m[f"reward_{TASK['core']}"]}
-             for m in metrics]
+    steps = [{"step": m["step"], "seconds": m["seconds_step"], "reward_core": m[f"reward_{TASK['core']}"],
+              "gap": m.get("rollout_logprob_gap")} for m in metrics]
     cum = _cumulative([s["seconds"] for s in steps])
     adapters = [{"step": s, "seconds": cum[s - 1], "path": str(tr.dir / "probes" / f"step_{s:06d}" / "adapter")}
                 for s in _save_steps(a)]
@@ -143,6 +144,9 @@ def worker_fasttrain(a, seed: int, algo: str, out: Path) -> dict:
 
 
 def worker_trl(a, seed: int, algo: str, out: Path) -> dict:
+    if knob_args(a):
+        raise SystemExit("the TRL worker samples with temperature alone here (top_p 1, top_k off): "
+                         "run the sampling knobs with --trainers fasttrain")
     import importlib.util
 
     import torch
@@ -379,6 +383,25 @@ def summarize(results: dict, base_scores: list[float], scores: dict[str, list[fl
 EQUIVALENCE_MEAN, EQUIVALENCE_MARGIN, TIME_RATIO = -0.02, 0.12, 0.33
 
 
+def seed_t_interval(algo: str, diffs: list[float]) -> list[str]:
+    """The targets on the t-interval over seeds: each seed's held-out difference (the mean over the
+    evaluated rows, fasttrain minus TRL) is one value, and the interval is Student's t with n - 1
+    degrees of freedom. It also says the smallest true difference this many seeds detect with 80%
+    power in a two-sided 5% test, (t_0.975 + t_0.80) x sd / sqrt(n), with the seeds' own sd."""
+    from fasttrain.train.intervals import mean_interval, t_quantile
+    iv = mean_interval(diffs)
+    n = len(diffs)
+    if n < 2:
+        return [f"- {algo}: t-interval over seeds: one seed, none"]
+    sd = statistics.stdev(diffs)
+    detect = (t_quantile(0.975, n - 1) + t_quantile(0.80, n - 1)) * sd / math.sqrt(n)
+    met = iv.mean >= EQUIVALENCE_MEAN and -EQUIVALENCE_MARGIN <= iv.low and iv.high <= EQUIVALENCE_MARGIN
+    return [f"- {algo}: the same difference, 95% t-interval over the {n} seeds (per-seed means; sd {sd:.3f}): "
+            f"{iv.mean:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}] -> {'met' if met else 'NOT met'}; a true difference of "
+            f"{detect:.3f} or more would be detected with 80% power (two-sided, 5%)",
+            f"- {algo}: per seed: " + ", ".join(f"{d:+.3f}" for d in diffs)]
+
+
 def claim(results: dict, base_scores, scores, a, busy: str | None) -> list[str]:
     """The pre-registered targets, checked on each pair that both trainers ran with the same seeds,
     and whether fasttrain is ahead of TRL at equal training time."""
@@ -396,6 +419,8 @@ def claim(results: dict, base_scores, scores, a, busy: str | None) -> list[str]:
         out.append(f"- {algo}: held-out after, fasttrain minus TRL (paired by seed, 95% over seeds and rows): "
                    f"{diff.show('+.3f')} (target: mean >= {EQUIVALENCE_MEAN}, interval within "
                    f"+-{EQUIVALENCE_MARGIN}) -> {'met' if met else 'NOT met'}")
+        out.extend(seed_t_interval(algo, [statistics.fmean(scores[f["adapters"][-1]["path"]]) -
+                                          statistics.fmean(scores[t["adapters"][-1]["path"]]) for f, t in zip(ft, trl)]))
         if busy:
             out.append(f"- {algo}: time claims not reportable: {busy}")
             continue
@@ -575,6 +600,10 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=1.0, help="fasttrain's rollout.top_p (the TRL side refuses it)")
+    ap.add_argument("--top-k", type=int, default=0, help="fasttrain's rollout.top_k (0: off)")
+    ap.add_argument("--replay", choices=["on", "off"], default="on",
+                    help="fasttrain's rollout.replay_kept_set (off: the update scores the full vocabulary, as TRL does)")
     ap.add_argument("--save-every", type=int, default=0, help="adapter every N steps (default steps / 4)")
     ap.add_argument("--eval-rows", type=int, default=100)
     ap.add_argument("--eval-samples", type=int, default=2)
@@ -625,6 +654,19 @@ def main() -> int:
     return run_all(a)
 
 
+def knob_args(a) -> list[str]:
+    """The sampling knobs' flags for a worker, only where they differ from temperature alone (so the
+    argv of a run made before the knobs existed, by which a finished run is reused, stays the same)."""
+    out = []
+    if a.top_p != 1.0:
+        out.append(f"--top-p={a.top_p}")
+    if a.top_k != 0:
+        out.append(f"--top-k={a.top_k}")
+    if a.replay != "on":
+        out.append(f"--replay={a.replay}")
+    return out
+
+
 def run_all(a) -> int:
     import torch
     from harness import machine_name, versions
@@ -642,7 +684,7 @@ def run_all(a) -> int:
     common = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
               ("steps", "precision", "quantize", "rank", "alpha", "lr", "beta", "prompts", "group", "micro_batch", "passes", "new",
                "temperature", "save_every", "threads")] + (["--trl-conventions"] if a.trl_conventions else []) \
-        + ([f"--task={a.task}"] if a.task != "starter" else [])
+        + ([f"--task={a.task}"] if a.task != "starter" else []) + knob_args(a)
     results: dict[str, list[dict]] = {}
     t0 = time.time()
     for algo in a.pairs:

@@ -121,6 +121,16 @@ SIMPLIFIED = [
      "each thread reads back (into the checkpoint) only the state elements it wrote itself before the "
      "loop's first barrier, and step_columns, which reads other threads' elements, runs after that barrier; "
      "removed, with that comment in the source"),
+    ("barrier:csrc/cuda/kernels/gated_delta.cuh backward_kernel, after a chunk's checkpoint fill", "__syncthreads();",
+     "the removal survived: as in the forward, each thread copies forward only the state elements it wrote "
+     "itself, step_columns reads other threads' elements only after the barrier that follows the q and k "
+     "loads, and the previous chunk's reads of the same elements all came before its last barrier; "
+     "removed, with that comment in the source"),
+    ("barrier:csrc/cuda/kernels/gated_delta.cuh backward_kernel, after thread 0's dbeta and dg sums",
+     "__syncthreads();",
+     "the removal survived: thread 0 reads only part_b and part_g, which no thread writes again before "
+     "the barrier after the next token's loads (or the next chunk's replay), a barrier thread 0 reaches "
+     "only after its reads; removed, with that comment in the source"),
 ]
 
 # Seconds assumed before any mutant of a kind was measured: a unit's compile (torch headers) and link

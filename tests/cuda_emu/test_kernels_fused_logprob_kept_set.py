@@ -22,12 +22,15 @@ from cuda_emu.emulator import peer, U32, assert_within, emu, sum_bound
 from fasttrain.ops.reference import fused_logprob as reference
 
 pytestmark = pytest.mark.cuda_emu
-V, N, H = 5_003, 6, 16
+V, N = 5_003, 6
+# H = 16 keeps the case cheap; H = 520 (> kThreads = 256: three trips, 8 lanes in the last) runs the
+# cut kernel's hidden-width loop (h < H, step kThreads) and the other kernels' H loops more than once
+WIDTHS = (16, 520)
 C = 1_024          # the vocabulary chunk the budget below gives (5 chunks, the last partial)
 T = 0.7
 
 
-def case(dtype, seed=0):
+def case(dtype, H, seed=0):
     g = torch.Generator().manual_seed(seed)
     h = (torch.randn(N, H, generator=g, dtype=torch.float64) * 2).to(dtype)
     w = (torch.randn(V, H, generator=g, dtype=torch.float64) / H**0.5).to(dtype)
@@ -52,9 +55,10 @@ def reference_grads(h, w, b, t, delta, g):
     return logp.detach(), ent.detach(), hh.grad, ww.grad, bb.grad
 
 
+@pytest.mark.parametrize("H", WIDTHS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_kept_set_kernels_match_the_reference_and_the_cpu(dtype, schedule):
-    h, w, b, t, delta = case(dtype)
+def test_kept_set_kernels_match_the_reference_and_the_cpu(dtype, H, schedule):
+    h, w, b, t, delta = case(dtype, H)
     d = delta.to(dtype)
     budget = N * C * (4 + 4) * (2 if dtype == torch.float64 else 1)
     lp_e, ent_e, st_e, gv_e = emu().fused_logprob_forward(h, w, t, b, T, -100, True, budget, d)

@@ -42,6 +42,10 @@ CASES = {
     # kernels' bin loops (step 256) twice; 528 pairs run the position, SwiGLU and routing-gradient
     # grid-stride loops past the emulator's grid cap; H = 64 runs the routing gradient's lane loop twice
     "256-experts-top8": (66, 64, 32, 256, 8, 2, torch.float32, True),
+    # 70 tokens over two experts (the third empty): 70 pairs an expert, so the LoRA gradients' reduction
+    # over an expert's pairs (wgrad_kernel, kTK = 64 pairs a shared-memory step) takes a second, partial
+    # step, and the barrier before the next step's tile load is needed
+    "70-pairs-an-expert-lora": (70, 64, 32, 3, 2, 2, torch.float32, False),
 }
 
 
@@ -151,22 +155,37 @@ def test_an_expert_index_outside_the_stack_makes_its_token_nan_and_no_other():
     assert int(offsets[-1]) == bad.numel() - 1 and int(order[-1]) == 2 * 2 + 1
 
 
-def test_pairs_outside_a_256_expert_stack_in_two_chunks_sort_last_in_order():
+# (token, slot) of the pairs routed outside the stack, and their pair numbers (token x 8 + slot)
+OUTSIDE = {
+    "both-chunks": ([(10, 3), (60, 5)], [83, 485]),
+    # chunk 0 has no outside pair, so no pair of it writes the outside bucket's count: that count is the
+    # rank kernel's zero fill, second trip (bucket 256 = kChunk), and chunk 1's outside pair starts there
+    "second-chunk-only": ([(60, 5)], [485]),
+    "first-chunk-only": ([(10, 3)], [83]),
+}
+
+
+@pytest.mark.parametrize("where", list(OUTSIDE))
+def test_pairs_outside_a_256_expert_stack_in_two_chunks_sort_last_in_order(where):
     """257 buckets (the last: pairs outside the stack) over two 256-pair chunks: the rank and scan
     kernels' bucket loops run a second trip for the outside bucket, whose per-chunk bases place the
-    two outside pairs last, in pair order."""
+    outside pairs last, in pair order, whichever chunks hold them."""
     N, H, I, E, k, r, dtype, nf4 = CASES["256-experts-top8"]
     x, idx, w, gu, dn, gul, dnl, _ = moe_inputs(N, H, I, E, k, 0, dtype, nf4, seed=7)
     rest = op_args(x, idx, w, gu, dn, None, None)
     y_ok = emu().moe_experts(x, idx, w, *rest, False)[0]
     bad = idx.clone()
-    bad[10, 3], bad[60, 5] = E, E + 44  # pairs 83 (chunk 0) and 485 (chunk 1)
+    slots, pairs = OUTSIDE[where]
+    for j, (n, s) in enumerate(slots):
+        bad[n, s] = E + 44 * j  # E itself, then an index past it
     y, order, offsets, _, _ = emu().moe_experts(x, bad, w, *rest, False)
     bucket = bad.reshape(-1).clamp(max=E)
     assert torch.equal(order, torch.argsort(bucket, stable=True))
-    assert order[-2:].tolist() == [83, 485] and int(offsets[-1]) == bad.numel() - 2
-    assert bool(torch.isnan(y[[10, 60]]).all())
-    keep = (torch.arange(N) != 10) & (torch.arange(N) != 60)
+    assert order[-len(pairs):].tolist() == pairs and int(offsets[-1]) == bad.numel() - len(pairs)
+    tokens = [n for n, _ in slots]
+    assert bool(torch.isnan(y[tokens]).all())
+    keep = torch.ones(N, dtype=torch.bool)
+    keep[tokens] = False
     assert torch.equal(y[keep], y_ok[keep])
 
 

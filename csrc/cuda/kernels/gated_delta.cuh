@@ -107,8 +107,11 @@ __global__ void backward_kernel(const T* __restrict__ dO, const T* __restrict__ 
   for (int64_t e = threadIdx.x; e < DD; e += blockDim.x) dS[e] = dSf != nullptr ? dSf[w * DD + e] : T(0);
   for (int64_t n = N - 1; n >= 0; --n) {
     const int64_t t0 = n * C, L = min(C, dm.T - t0);
+    // No barrier after this fill: each thread copies forward (S[e] = S[e - DD] below) only the elements
+    // it wrote itself, and step_columns, which reads other threads' elements, runs after the barrier that
+    // follows the q and k loads. Every read of these elements in the previous chunk's pass (Sp at its
+    // first token) came before that pass's last barrier.
     for (int64_t e = threadIdx.x; e < DD; e += blockDim.x) states[e] = ckpt[(w * N + n) * DD + e];
-    __syncthreads();
     for (int64_t tt = 0; tt < L; ++tt) {
       const int64_t t = t0 + tt;
       T* S = states + (tt + 1) * DD;
@@ -183,7 +186,8 @@ __global__ void backward_kernel(const T* __restrict__ dO, const T* __restrict__ 
         dbeta[dm.gb(b, t, h)] = sb;
         dg[dm.gb(b, t, h)] = sg;
       }
-      __syncthreads();
+      // No barrier here: thread 0 reads only part_b and part_g, which no thread writes again before the
+      // barrier after the next token's q, k and dO loads, and thread 0 reaches that barrier after its reads.
     }
   }
 }
