@@ -40,13 +40,15 @@ Run: python bench/bench_learning.py --quick              (end to end in minutes:
                                                           (the seeded rerun: seeds 1 to 5 chosen before it ran,
                                                           every seed reported; add --trl-conventions for
                                                           fasttrain with TRL's loss conventions)
-     python bench/bench_learning.py --steps 24 --seeds 11-18 --work runs/learn24x8
-     python bench/bench_learning.py --task countdown --pairs dapo --beta 0 --steps 24 --seeds 11-18 \
+     python bench/bench_learning.py --steps 24 --seeds 11-18 --save-every 24 --work runs/learn24x8
+     python bench/bench_learning.py --task countdown --pairs dapo --beta 0 --steps 24 --seeds 11-18 --save-every 24 \
                                     --work runs/learn-countdown24x8
                                                           (the pre-registered rerun with the KL default "k3_ratio":
                                                           seeds 11 to 18 chosen before any run with them, all
                                                           reported, none rerun; resumable: a finished run in the
-                                                          --work folder is kept)
+                                                          --work folder is kept; --save-every 24 saves only the
+                                                          final adapters, all the targets score, and cuts the
+                                                          evaluation to a quarter)
      python bench/bench_learning.py --first-step --steps 24 --seeds 1   (both samplers before any update:
                                                           the mean reward of each on the same prompts, paired)
      python bench/bench_learning.py --replot bench/results/<stem>.json   (the figure of a finished run)
