@@ -28,7 +28,7 @@ def _view(model) -> LlamaView | None:
     return None if trains_with_dropout(view) else view
 
 
-def _prefix_decoder(model, P: int, T: int) -> LlamaView | None:
+def _prefix_view(model, P: int, T: int) -> LlamaView | None:
     """The model's Llama-family view, or None where the shared-prefix forward does not apply
     (not that family, or a sliding window shorter than prompt + answer)."""
     dec = _view(model)
@@ -41,7 +41,7 @@ def llama_prefix_hidden(model, input_ids: Tensor, attention_mask: Tensor, positi
                         T: int, prompt_index: Tensor | None = None, wrap=None, routing=None) -> Tensor | None:
     """shared_prefix_hidden of the Llama family's layers (the attention of every layer is full;
     `routing`: unused here)."""
-    dec = _prefix_decoder(model, prompt_len, T)
+    dec = _prefix_view(model, prompt_len, T)
     if dec is None:
         return None
     P = prompt_len
@@ -83,7 +83,7 @@ def llama_packed_hidden(model, input_ids: Tensor, attention_mask: Tensor, positi
                         T: int, inverse: Tensor, first: Tensor, pk: AnswerPacking) -> Tensor | None:
     """llama_prefix_hidden with the answers packed as `pk` says: the hidden states [n, H] of pk's
     wanted positions (pk.source), or None where llama_prefix_hidden would return None."""
-    dec = _prefix_decoder(model, prompt_len, T)
+    dec = _prefix_view(model, prompt_len, T)
     if dec is None:
         return None
     P = prompt_len
