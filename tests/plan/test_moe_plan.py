@@ -7,7 +7,9 @@ the activations against measured steps of tiny MoEs of both families.)"""
 import pytest
 
 from fasttrain.plan import Device, gpu_spec, meta_policy, model_config, plan_memory
-from fasttrain.plan.moe_memory import ASSUMPTION, PARTS
+from fasttrain.plan.meta_model import MoEShape
+from fasttrain.plan.moe_memory import PARTS
+from fasttrain.plan.moe_speed import ASSUMPTION
 from fasttrain.plan.run_shape import RunShape
 from fasttrain.plan.speed import plan_time
 
@@ -30,7 +32,7 @@ def m35_16bit():
 
 def test_30b_experts_router_and_lora_bytes(m30):
     assert m30.architecture == "Qwen3MoeForCausalLM" and round(m30.params / 1e9, 2) == 30.53   # the card's 30.5 B
-    assert m30.moe == (128, 8, 768, 48, 0)                      # E, k, expert width, MoE layers, no shared expert
+    assert m30.moe == MoEShape(128, 8, 768, 48, 0)                      # E, k, expert width, MoE layers, no shared expert
     H, I, E, L = 2048, 768, 128, 48
     assert m30.resident["moe_experts"] == L * E * (_nf4(2 * I * H) + _nf4(H * I))
     assert m30.resident["moe_router"] == L * E * H * 2         # bf16 router, no shared-expert gate
@@ -42,7 +44,7 @@ def test_35b_16bit_stacks_and_shared_expert(m35_16bit):
     m = m35_16bit
     assert m.architecture == "Qwen3_5MoeForCausalLM" and m.model_type == "qwen3_5_moe_text"
     assert round(m.params / 1e9, 2) == 34.66                    # the text tower of the 35B
-    assert m.moe == (256, 8, 512, 40, 512) and (m.layers, m.kv_layers) == (40, 10)
+    assert m.moe == MoEShape(256, 8, 512, 40, 512) and (m.layers, m.kv_layers) == (40, 10)
     H, I, E, L = 2048, 512, 256, 40
     assert m.resident["moe_experts"] == L * E * 3 * I * H * 2   # the bf16 stacks themselves
     assert m.resident["moe_router"] == L * (E * H + H) * 2      # router + shared-expert gate, bf16

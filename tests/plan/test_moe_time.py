@@ -67,7 +67,7 @@ def _by_hand(m, s, nf4=True):
     + backward that + 6·I·H + 12·I + 3·H + 4r(2H + 3I); a decode step reads the experts its rows
     touch, E·(1 - (1 - k/E)^B) of each layer's E, every one's NF4 codes + absmax per 64 weights (or
     16-bit weights) and fp32 LoRA."""
-    E, k, I, n, _ = m.moe
+    E, k, I, n = m.moe.experts, m.moe.active, m.moe.width, m.moe.layers
     H, r, B, P, T = m.hidden, R, s.rows, s.prompt_tokens, s.new_tokens
     rates = _rates()
     f, b, d = (rates.moe_fwd_nf4, rates.moe_fb_nf4, rates.moe_decode_nf4) if nf4 else \
@@ -99,12 +99,12 @@ def test_experts_seconds_are_the_counted_work_over_the_given_rates(variant):
 def test_a_moe_plans_time_grows_with_k_and_the_experts_width_as_counted():
     """Half k: half the pairs (the same work a pair); twice the experts' width: a pair's work as counted."""
     base, k4, wide = _model(), _model(top_k=4), _model(width=2.0)
-    assert (base.moe[1], k4.moe[1], 2 * base.moe[2]) == (8, 4, wide.moe[2])
+    assert (base.moe.active, k4.moe.active, 2 * base.moe.width) == (8, 4, wide.moe.width)
     t = {name: measured_step_time(mm, S, _rates(), "float32", True, False, measure_shapes=False)[0]
          for name, mm in (("base", base), ("k4", k4), ("wide", wide))}
     e = {name: _experts_seconds(mm, S) for name, mm in (("base", base), ("k4", k4), ("wide", wide))}
     assert math.isclose(e["base"]["update"], 2 * e["k4"]["update"], rel_tol=1e-9)
-    H, I, r, rates = base.hidden, base.moe[2], R, _rates()
+    H, I, r, rates = base.hidden, base.moe.width, R, _rates()
 
     def pair(i):    # an update's pair: forward + backward, and the forward recomputed under checkpointing
         fwd = 6 * i * H + 4 * i + 2 * H + 2 * r * (2 * H + 3 * i)
@@ -127,7 +127,7 @@ def test_the_measured_path_says_what_timed_the_experts():
     assert "not timed" not in text and min(t.seconds["rollout"], t.seconds["scores"], t.seconds["update"]) > 0
     assert "routed experts timed from fasttrain.ops.moe_experts' own rates, the host's reference MoE layer" in text
     paper = plan_time(m, S, gpu_spec("h100-sxm-80gb"))
-    assert moe_memory.ASSUMPTION in paper.assumptions and "timed on paper" in moe_memory.ASSUMPTION
+    assert moe_speed.ASSUMPTION in paper.assumptions and "timed on paper" in moe_speed.ASSUMPTION
 
 
 def test_the_rates_at_the_models_shapes_come_from_running_the_op(monkeypatch):
@@ -145,7 +145,7 @@ def test_the_rates_at_the_models_shapes_come_from_running_the_op(monkeypatch):
     monkeypatch.setattr(face, "moe_experts", counted)
     moe_speed._measured.cache_clear()
     m = _model()
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     _, notes = measured_step_time(m, S, _rates(clock="process_time"), "float32", True, False, measure_shapes=True)
     assert "this model's experts (NF4 128 x 48, LoRA r 4, float32 tokens) measured now" in notes[-1], notes[-1]
     # the update micro-batch's 36 tokens x 8 / 16 experts = 18 pairs per expert -> 16 (a power of two):

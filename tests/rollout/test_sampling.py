@@ -308,19 +308,19 @@ def test_a_plain_bf16_models_projections_take_the_hosts_fast_path(monkeypatch, n
     Both paths are forced by the flag fasttrain.nn.dense_linear reads, so every host runs both."""
     import torch.nn.functional as F
 
+    import fasttrain.models.family_view as view
     import fasttrain.nn.dense_linear as dl
-    import fasttrain.rollout.decoder as dec
 
     monkeypatch.setattr(dl, "_NATIVE_BF16", native)
     model = tiny_llama(vocab_size=96, seed=0).to(torch.bfloat16)
     proj = [m for n, m in model.named_modules() if type(m) is torch.nn.Linear and "lm_head" not in n]
     calls = []
-    real = dec.linear_bf16_as_fp32
+    real = view.linear_bf16_as_fp32
 
     def counted(x, w, out_dtype=None):
         calls.append(w.data_ptr())
         return real(x, w, out_dtype)
-    monkeypatch.setattr(dec, "linear_bf16_as_fp32", counted)
+    monkeypatch.setattr(view, "linear_bf16_as_fp32", counted)
     r = sample(model, PROMPTS[:2], group_size=1, max_new_tokens=3, temperature=0, eos_token_ids=[], seed=0)
     seen = set(calls)
     if native:
@@ -328,5 +328,5 @@ def test_a_plain_bf16_models_projections_take_the_hosts_fast_path(monkeypatch, n
     else:
         assert {m.weight.data_ptr() for m in proj} <= seen
         h = torch.randn(3, proj[0].in_features, dtype=torch.bfloat16)
-        assert torch.equal(dec._plain(proj[0], h), F.linear(h.float(), proj[0].weight.float()).bfloat16())
+        assert torch.equal(view.plain_linear(proj[0], h), F.linear(h.float(), proj[0].weight.float()).bfloat16())
     assert r.completion_ids.shape == (2, 3)

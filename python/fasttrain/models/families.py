@@ -25,6 +25,12 @@ class Family:
     keep_16bit: tuple[str, ...]      # of those, the ones left in 16-bit under NF4 (they still take adapters)
     layer_kinds: tuple[str, ...]     # the token mixers its decoder layers use
     moe: bool = False                # routed experts in (some of) its layers (models/moe.py)
+    mlp_width: str = "intermediate_size"   # the config key of its MLP width (a MoE: an expert's)
+    # a mixture of experts' top-k routing weights renormalised to sum 1: True always, False as the
+    # config's norm_topk_prob says
+    renormalize_topk: bool = False
+    # its checkpoints may be vision-language ones whose text tower (config.text_config) is the model
+    composite: bool = False
 
 
 LLAMA = Family(
@@ -43,7 +49,7 @@ QWEN3_5 = Family(
     name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text"),
     projections=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                  "out_proj", "gate_proj", "up_proj", "down_proj"),
-    keep_16bit=("in_proj_b", "in_proj_a"), layer_kinds=("linear_attention", "full_attention"))
+    keep_16bit=("in_proj_b", "in_proj_a"), layer_kinds=("linear_attention", "full_attention"), composite=True)
 
 # Mixtures of experts (models/moe.py builds their expert blocks): the routed experts are fused 3-D
 # stacks, not nn.Linear; they take NF4 and LoRA through fasttrain.nn.moe_experts. The projections
@@ -52,10 +58,11 @@ QWEN3_5 = Family(
 # they stay 16-bit and frozen (docs/models.md: the measured logit error of each in NF4).
 QWEN3_MOE = Family(
     name="qwen3_moe", model_types=("qwen3_moe",), projections=LLAMA.projections, keep_16bit=(),
-    layer_kinds=("full_attention",), moe=True)
+    layer_kinds=("full_attention",), moe=True, mlp_width="moe_intermediate_size")
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe", model_types=("qwen3_5_moe", "qwen3_5_moe_text"), projections=QWEN3_5.projections,
-    keep_16bit=QWEN3_5.keep_16bit, layer_kinds=QWEN3_5.layer_kinds, moe=True)
+    keep_16bit=QWEN3_5.keep_16bit, layer_kinds=QWEN3_5.layer_kinds, moe=True, renormalize_topk=True, composite=True,
+    mlp_width="moe_intermediate_size")
 
 FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE)
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
@@ -76,6 +83,10 @@ def family_of(model, where: str = "model") -> Family:
         model = model.get_base_model()
     cfg = getattr(model, "config", model)
     return family_of_type(getattr(cfg, "model_type", None), where)
+
+
+def _family_or_none(model_type) -> Family | None:
+    return next((f for f in FAMILIES if model_type in f.model_types), None)
 
 
 def adapter_targets(model) -> tuple[str, ...]:
@@ -100,7 +111,8 @@ def nf4_targets(model) -> tuple[str, ...]:
 def text_config(config):
     """The config of the text tower: a composite vision-language config (qwen3_5, qwen3_5_moe) gives its
     text_config (the vision tower is never built or loaded); any other config is returned as is."""
-    sub = getattr(config, "text_config", None) if config.model_type in ("qwen3_5", "qwen3_5_moe") else None
+    family = _family_or_none(config.model_type)
+    sub = getattr(config, "text_config", None) if family is not None and family.composite else None
     return sub if sub is not None else config
 
 
@@ -120,7 +132,8 @@ def is_composite(config) -> bool:
 def text_tower_key(key: str, config) -> str | None:
     """The text model's name for checkpoint tensor `key` of a checkpoint with `config`, or None for a
     tensor outside the text tower (the vision tower, the MTP head). Other configs: the key itself."""
-    if config.model_type not in QWEN3_5.model_types + QWEN3_5_MOE.model_types:
+    family = _family_or_none(config.model_type)
+    if family is None or not family.composite:
         return key
     if key.startswith(_NOT_TEXT):
         return None

@@ -72,6 +72,7 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     family = family_of_type(config.model_type, f"load_policy(spec={str(spec)!r})")
     from .block_fp8 import block_fp8_format
+    from .family_surgery import streamed_claim
     from .stream_load import load_streamed, wants_nf4
     fp8 = block_fp8_format(config, where=f"load_policy(spec={str(spec)!r})") is not None
     if wants_nf4(quantize) or fp8:
@@ -80,7 +81,7 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
         # vision-language checkpoint (qwen3_5) gives its text tower (vision weights skipped)
         model = load_streamed(path, dtype, quantize=quantize,
                               targets=tuple(t for t in family.projections if t not in family.keep_16bit),
-                              claim=_expert_collector(family, config) if wants_nf4(quantize) else None)
+                              claim=streamed_claim(family, config) if wants_nf4(quantize) else None)
     else:
         # a 16-bit checkpoint kept 16-bit: transformers' own load (a vision-language checkpoint loads
         # the causal LM of its text config, whose weight names transformers maps from the checkpoint's)
@@ -88,16 +89,6 @@ def load_policy(spec: str | os.PathLike | None = None, dtype: torch.dtype = torc
             path, config=text_config(config), local_files_only=True, dtype=dtype, use_safetensors=True)
     model.to(device).eval()
     return model, _tokenizer(path)
-
-
-def _expert_collector(family, config):
-    """The streamed load's piece for a mixture of experts (each expert quantized as read), or None."""
-    if not family.moe:
-        return None
-    from .moe import family_renormalizes
-    from .moe_stream import ExpertCollector
-    config = text_config(config)          # a vision-language checkpoint's MoE facts are its text tower's
-    return ExpertCollector(config.num_experts_per_tok, family_renormalizes(family, config))
 
 
 def load_tokenizer(spec: str | os.PathLike | None = None):

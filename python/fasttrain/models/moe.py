@@ -42,7 +42,7 @@ def renormalizes(model) -> bool:
 
 def family_renormalizes(family, config) -> bool:
     """renormalizes() from a family and a (text) config."""
-    return family.name == "qwen3_5_moe" or bool(getattr(config, "norm_topk_prob", False))
+    return family.renormalize_topk or bool(getattr(config, "norm_topk_prob", False))
 
 
 def hf_sparse_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

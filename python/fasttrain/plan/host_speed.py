@@ -28,7 +28,7 @@ the per-layer framework costs are measured on a dense micro model.
 from __future__ import annotations
 
 from fasttrain.plan.host_rates import HostRates
-from fasttrain.plan import moe_memory, moe_speed
+from fasttrain.plan.family_time import family_time
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
 
@@ -50,10 +50,8 @@ def _lora(m: ModelShape) -> float:
 def _mlp_width(m: ModelShape) -> float:
     """The dense MLP's width, averaged over the layers: a MoE layer's is its shared expert's (0
     without one; its routed experts are fasttrain.plan.moe_speed's)."""
-    if not m.moe:
-        return m.intermediate
-    n = m.moe[3]
-    return ((m.layers - n) * m.intermediate + n * m.moe[4]) / m.layers
+    experts = family_time(m).experts
+    return m.intermediate if experts is None else experts.dense_mlp_width(m)
 
 
 def _elementwise(m: ModelShape, lora: bool = True) -> float:
@@ -66,10 +64,8 @@ def _elementwise(m: ModelShape, lora: bool = True) -> float:
     gate (sigmoid, product, sum: 3·H), averaged over the layers."""
     qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     out = sum(o for o, _ in m.projections) / m.layers
-    moe = 0.0
-    if m.moe:
-        E, _, _, n, shared = m.moe
-        moe = n * (4.0 * E + (3.0 * m.hidden if shared else 0.0)) / m.layers
+    experts = family_time(m).experts
+    moe = experts.router_elementwise(m) if experts else 0.0
     return 16.0 * m.hidden + 7.0 * qd + 5.0 * kd + 2.0 * _mlp_width(m) + (2.0 * out if lora else 0.0) + moe
 
 
@@ -107,8 +103,9 @@ def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: 
     cb = 2 if compute_dtype == "bfloat16" else 4
     mm, bw = r.matmul(compute_dtype), r.bandwidth
     head_rate = r.matmul("float32") if cpu else mm
-    moe = moe_memory.is_moe(m)
-    router = 2.0 * moe_speed.router_params(m) if moe else 0.0
+    experts = family_time(m).experts       # the routed experts' terms (fasttrain.plan.moe_speed), or None
+    moe = experts is not None
+    router = 2.0 * experts.router_params(m) if moe else 0.0
     proj = 2.0 * m.linear_params + _lora(m) + router        # GEMM FLOPs per token
     nf4_bytes = m.resident["nf4_base"]
     dequant = (nf4_bytes + m.linear_params * cb) / bw       # one dequantisation of every projection
@@ -120,10 +117,10 @@ def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: 
     kd = m.kv_heads * m.head_dim
     rep = 2.0 * m.heads * m.head_dim if m.heads != m.kv_heads else 0.0   # the prefill repeats K/V per head
     if moe:     # the routed experts' rates, at the update's largest call and this decode's rows
-        er = moe_speed.expert_rates(m, r, max(U * P + rows * max(T - 1, 0) for rows, U in _micro_batches(s)), B,
+        er = experts.expert_rates(m, r, max(U * P + rows * max(T - 1, 0) for rows, U in _micro_batches(s)), B,
                                     measure_shapes)
     rollout += n * P * proj / mm + _attn(m, n * P * P) / r.attention(compute_dtype, False)
-    rollout += moe_speed.forward_seconds(m, n * P, er) if moe else 0.0
+    rollout += experts.forward_seconds(m, n * P, er) if moe else 0.0
     rollout += L * n * P * (_elementwise(m, not dense_rollout) + rep) / ew
     chunks = -(-n // s.prefill_prompts)                     # prefill chunks: each pays the per-call costs
     rollout += chunks * ((0 if dense_rollout else dequant) + L * r.forward_layer + r.forward_call)
@@ -141,7 +138,7 @@ def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: 
         reads = (weights + B * kv_col * keys) / bw
         attn = _attn(m, B * keys) / decode_attn
         rollout += max(arith, reads) + attn + (0 if dense_rollout else dequant)
-        rollout += moe_speed.decode_seconds(m, B, er) if moe else 0.0
+        rollout += experts.decode_seconds(m, B, er) if moe else 0.0
         rollout += B * V / draw + L * r.decode_layer + r.decode_call
         rollout += L * B * (_elementwise(m, not dense_rollout) + 2.0 * kd) / ew
     # one shared-prefix pass over the batch: each micro-batch runs its distinct prompts once
@@ -153,8 +150,8 @@ def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: 
         tokens = U * P + rows * A
         fwd_arith += tokens * proj / mm
         if moe:
-            fwd_moe += moe_speed.forward_seconds(m, tokens, er)
-            train_moe += moe_speed.train_seconds(m, tokens, er)
+            fwd_moe += experts.forward_seconds(m, tokens, er)
+            train_moe += experts.train_seconds(m, tokens, er)
         fwd_attn += _attn(m, U * P * P + rows * A * (P + A))
         # elementwise work; each answer row gathers its prompt's keys and values ([P] each) and
         # concatenates them with its own
@@ -182,5 +179,5 @@ def measured_step_time(m: ModelShape, s: RunShape, r: HostRates, compute_dtype: 
              f"{r.sampling / 1e6:.0f} M logits/s; per layer {r.decode_layer * 1e3:.2f} ms a decode step, "
              f"{r.forward_layer * 1e3:.2f} ms a forward, {r.train_layer * 1e3:.2f} ms forward + backward"]
     if moe:
-        notes.append(moe_speed.note(m, er))
+        notes.append(experts.note(m, er))
     return {"rollout": rollout, "scores": scores, "update": update}, notes

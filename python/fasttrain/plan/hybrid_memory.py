@@ -36,7 +36,7 @@ from math import ceil
 
 from fasttrain.plan.meta_model import ModelShape, fasttrain_attention_call
 
-__all__ = ["CHUNK", "is_hybrid", "update_rule_form", "prefix_inputs", "prefix_layer_live", "prefix_saved",
+__all__ = ["CHUNK", "update_rule_form", "prefix_inputs", "prefix_layer_live", "prefix_saved",
            "backward_peak", "backward_temps", "prefill_layer_peak", "decode_locals", "decode_mlp"]
 
 CHUNK = 32          # fasttrain.ops.gated_delta_rule's chunk_size: a state is kept every CHUNK tokens
@@ -55,7 +55,7 @@ def _chunk_terms(m: ModelShape, rows: int, T: int) -> tuple[int, int, int, int, 
     """Bytes of one chunked-form call over `rows` sequences of T tokens, padded to N chunks of
     CHUNK: (X_k, X_v, X_c, X_1, s, N) of fasttrain.ops.gated_delta._ChunkedRule's accounting, i.e.
     [rows, Hv, N·CHUNK] cells times Dk, Dv, CHUNK and 1 elements of f, and one state per row."""
-    _, Dk, Hv, Dv, _ = m.delta
+    Dk, Hv, Dv = m.delta.key_dim, m.delta.value_heads, m.delta.value_dim
     f = _dims(m)[1]
     N = ceil(T / CHUNK)
     cells = rows * Hv * N * CHUNK * f
@@ -93,13 +93,9 @@ def _chunked_backward_peak(m: ModelShape, rows: int, T: int) -> int:
     return max(loop, scores, products, values)
 
 
-def is_hybrid(m: ModelShape) -> bool:
-    return bool(m.delta)
-
-
 def _dims(m: ModelShape) -> tuple[int, int, int, int, int, int, int, int]:
     """(w, f, Hk·Dk, Z = Hv·Dv, C = conv channels, Hv, state elements per sequence Hv·Dk·Dv, K)."""
-    Hk, Dk, Hv, Dv, K = m.delta
+    Hk, Dk, Hv, Dv, K = m.delta.key_heads, m.delta.key_dim, m.delta.value_heads, m.delta.value_dim, m.delta.conv_kernel
     w = m.w
     f = 8 if w == 8 else 4
     kq = Hk * Dk
@@ -341,7 +337,7 @@ def _rule_grads(m: ModelShape, U: int, P: int, B: int, A: int, c_xa: int) -> int
     w, f, kq, Z, C, Hv, st, K = _dims(m)
     H, I = m.hidden, m.intermediate
     N = U * P + B * A
-    grads = N * (2 * (Hv * m.delta[1]) * f + 3 * Z * f + 2 * Hv * f + C * f) + 2 * B * st * f
+    grads = N * (2 * (Hv * m.delta.key_dim) * f + 3 * Z * f + 2 * Hv * f + C * f) + 2 * B * st * f
     if update_rule_form() == "chunked":
         handed = N * 2 * Z * f
         answers = handed + _chunked_backward_peak(m, B, A) if A else 0

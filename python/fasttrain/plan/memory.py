@@ -63,6 +63,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from fasttrain.models.families import family_of_type
 from fasttrain.nn.rollout_weights import use_dense
 from fasttrain.plan import hybrid_memory, moe_memory
 from fasttrain.plan.load import load_phase
@@ -363,12 +364,36 @@ class _PlainLayers:
         return B * 3 * m.intermediate * m.w
 
 
+@dataclass(frozen=True)
+class FamilyMemory:
+    """A family's memory terms: `layers`, the terms of its layer kinds (_PlainLayers, or
+    fasttrain.plan.hybrid_memory for a hybrid's two kinds); `experts`, its routed experts' terms
+    (fasttrain.plan.moe_memory: their resident parts, their activations around `layers`' as the
+    device runs them, the routing record), None for a dense family."""
+
+    layers: object
+    experts: object | None = None
+
+
+MEMORY_TERMS: dict[str, FamilyMemory] = {
+    "llama": FamilyMemory(_PlainLayers),
+    "qwen3_5": FamilyMemory(hybrid_memory),
+    "qwen3_moe": FamilyMemory(_PlainLayers, experts=moe_memory),
+    "qwen3_5_moe": FamilyMemory(hybrid_memory, experts=moe_memory),
+}
+
+
+def family_memory(m: ModelShape) -> FamilyMemory:
+    """The memory terms of m's family (m.model_type names it)."""
+    return MEMORY_TERMS[family_of_type(m.model_type, m.name).name]
+
+
 def _layers_of(m: ModelShape, dev: Device):
-    """The piece that knows m's layers: _PlainLayers, or fasttrain.plan.hybrid_memory for a hybrid;
-    for a mixture of experts fasttrain.plan.moe_memory's around either (its experts as the device
-    runs them, moe_memory.form_for: fasttrain's CPU kernel, its CUDA kernel, or the torch form)."""
-    base = hybrid_memory if hybrid_memory.is_hybrid(m) else _PlainLayers
-    return moe_memory.MoELayers(base, moe_memory.form_for(dev.kind, m)) if moe_memory.is_moe(m) else base
+    """The piece that knows m's layers: its family's layer terms; for a mixture of experts
+    fasttrain.plan.moe_memory's around them (its experts as the device runs them,
+    moe_memory.form_for: fasttrain's CPU kernel, its CUDA kernel, or the torch form)."""
+    f = family_memory(m)
+    return f.layers if f.experts is None else f.experts.MoELayers(f.layers, f.experts.form_for(dev.kind, m))
 
 
 def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int, grad: bool = False) -> int:
@@ -592,7 +617,8 @@ def resident_base(m: ModelShape, s: RunShape, dev: Device) -> dict:
     # CPU: the NF4 kernels' reusable dequantisation scratch (thread-local, kept). CUDA: the dequantised
     # weight of one projection, a temporary of every prefill/training call (M > 64), counted in every phase
     # (an expert's under the torch form; the CUDA kernel decodes its experts inside its projections).
-    experts = moe_memory.expert_shapes(m) if moe_memory.is_moe(m) and moe_memory.form_for(dev.kind, m) != "cuda" else []
+    routed = family_memory(m).experts
+    experts = routed.expert_shapes(m) if routed and routed.form_for(dev.kind, m) != "cuda" else []
     largest = max(o * i for o, i in m.projections + experts)
     workspace = largest * m.w if dev.kind == "cuda" else 0
     if dev.kind == "cpu":
@@ -666,9 +692,10 @@ def _with_moe_line(phase, m: ModelShape, s: RunShape, dev: Device) -> dict | Non
     """phase(m, s, dev), for a mixture of experts with what the routed experts add to the peak's
     activations on its own line (the same phase without them, less, as the difference)."""
     parts = phase(m, s, dev)
-    if parts is None or not moe_memory.is_moe(m):
+    routed = family_memory(m).experts
+    if parts is None or routed is None:
         return parts
-    plain = phase(moe_memory.without_routed(m), s, dev)
+    plain = phase(routed.without_routed(m), s, dev)
     shown = ("activations", "logprob_head", "sampling")
     extra = max(0, sum(parts[k] for k in shown) - sum(plain[k] for k in shown))
     return {**parts, **{k: plain[k] for k in shown}, "moe_activations": extra}

@@ -18,7 +18,7 @@ import torch
 
 from fasttrain.models import SUPPORTED_FAMILIES
 
-__all__ = ["ModelShape", "bundled_configs", "model_config", "meta_policy", "hybrid_state"]
+__all__ = ["ModelShape", "MoEShape", "DeltaShape", "bundled_configs", "model_config", "meta_policy", "hybrid_state"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
            "float64": torch.float64}
@@ -52,6 +52,28 @@ def model_config(spec: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"--model {s!r}: config.json must hold a JSON object")
     return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture of experts' routed experts (fasttrain.plan.moe_memory)."""
+
+    experts: int                     # E experts per MoE layer
+    active: int                      # k experts a token runs through
+    width: int                       # I, an expert's intermediate width
+    layers: int                      # MoE layers
+    shared: int                      # the dense MLP of a MoE layer: the shared expert's width (0: none)
+
+
+@dataclass(frozen=True)
+class DeltaShape:
+    """A hybrid's Gated DeltaNet heads (fasttrain.plan.hybrid_memory)."""
+
+    key_heads: int                   # Hk
+    key_dim: int                     # Dk
+    value_heads: int                 # Hv
+    value_dim: int                   # Dv
+    conv_kernel: int                 # K, the causal conv's taps
 
 
 @dataclass
@@ -89,13 +111,12 @@ class ModelShape:
     conv_bytes: int = 0              # per row: the conv windows of every Gated DeltaNet layer (model dtype)
     recurrent_bytes: int = 0         # per row: the recurrent states [Hv, Dk, Dv] of every such layer (float32)
     state_flops: float = 0.0
-    delta: tuple = ()                # Gated DeltaNet heads: (Hk, Dk, Hv, Dv, conv kernel K); () for none
+    delta: DeltaShape | None = None  # Gated DeltaNet heads; None for a model without such layers
     trailing_full: int = 0           # full-attention layers after the last Gated DeltaNet layer
     rotary_dim: int = 0              # dims the rotary embedding turns (0: all of head_dim)
     context: int = 0                 # max_position_embeddings (prompt + answer); 0: not given
-    # mixtures of experts (fasttrain.plan.moe_memory): (E experts, k active, expert width I, MoE
-    # layers, dense MLP of a MoE layer: the shared expert's width, 0 for none); () for a dense model
-    moe: tuple = ()
+    # mixtures of experts (fasttrain.plan.moe_memory): the routed experts; None for a dense model
+    moe: MoEShape | None = None
     moe_active_params: int = 0       # expert weights one token runs through (k of E per MoE layer)
     # the update's attention backward is fasttrain's (fasttrain.ops.attention's rule for this model
     # on the planned device) for every call whose one row of scores fits its chunk: set by
@@ -147,7 +168,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
             raise ValueError(f"{name}: model_type {mt!r} is not supported by fasttrain; supported: "
                              f"{', '.join(SUPPORTED_FAMILIES)}")
         from fasttrain.models.families import family_of_type
-        widths = ("moe_intermediate_size",) if family_of_type(mt, name).moe else ("intermediate_size",)
+        widths = (family_of_type(mt, name).mlp_width,)
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") + widths:
             if not isinstance(data.get(key), int) or data[key] <= 0:
                 raise ValueError(f"{name}: config.json needs a positive integer {key!r}")
@@ -172,8 +193,8 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
             ids.add(id(p))
             params += p.numel()
     from fasttrain.models.families import adapter_targets, nf4_targets
-    from fasttrain.models.moe import moe_surgery
-    moe_surgery(model, nf4=quantize == "nf4")          # the MoE families' experts, as build_policy (dense: no-op)
+    from fasttrain.models.family_surgery import family_surgery
+    family_surgery(model, nf4=quantize == "nf4")       # the family's own (the MoE families' experts), as build_policy
     if quantize == "nf4":
         quantize_model(model, targets=nf4_targets(model), double_quant=double_quant)
     kept = tuple(t for t in adapter_targets(model) if quantize == "none" or t not in nf4_targets(model))
@@ -209,7 +230,7 @@ def meta_policy(config: dict | object, name: str = "model", dtype: str = "bfloat
             continue
         other[id(t)] = _bytes(t)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelShape(**hybrid_state(cfg, td), moe=moe.get("moe", ()), moe_active_params=moe.get("active", 0),
+    return ModelShape(**hybrid_state(cfg, td), moe=MoEShape(**moe["moe"]) if moe else None, moe_active_params=moe.get("active", 0),
         name=name, model_type=cfg.model_type, architecture=type(model).__name__,
         layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=moe.get("intermediate", getattr(
             cfg, "intermediate_size", 0)),
@@ -248,7 +269,7 @@ def hybrid_state(cfg, dtype: torch.dtype) -> dict:
     trailing = len(kinds) - 1 - max(i for i, k in enumerate(kinds) if k == "linear_attention")
     return {"full_layers": len(kinds) - n_lin, "trailing_full": trailing, "state_bytes": n_lin * (conv + recurrent),
             "conv_bytes": n_lin * conv, "recurrent_bytes": n_lin * recurrent,
-            "state_flops": n_lin * (8.0 * Hv * Dk * Dv + 2.0 * K * channels), "delta": (Hk, Dk, Hv, Dv, K),
+            "state_flops": n_lin * (8.0 * Hv * Dk * Dv + 2.0 * K * channels), "delta": DeltaShape(Hk, Dk, Hv, Dv, K),
             "rotary_dim": int(head_dim * factor)}
 
 

@@ -42,10 +42,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-__all__ = ["PARTS", "moe_shape", "is_moe", "describe", "MoELayers", "form_for", "expert_rank", "cuda_forward_bytes",
+__all__ = ["PARTS", "moe_shape", "describe", "MoELayers", "form_for", "expert_rank", "cuda_forward_bytes",
            "cuda_backward_bytes", "resident_parts", "expert_shapes", "record_rollout",
-           "record_batch", "record_micro_batch", "without_routed", "active_params", "expert_lora_flops",
-           "decode_expert_bytes", "load_parts"]
+           "record_batch", "record_micro_batch", "without_routed", "load_parts"]
 
 PARTS = {
     "moe_experts": "MoE experts (NF4: 4-bit + absmax; none: 16-bit)",
@@ -62,7 +61,7 @@ def _bytes(t) -> int:
 
 
 def moe_shape(model, cfg) -> dict:
-    """The MoE facts of a built (meta) model: {"moe": ModelShape.moe, "active": expert weights per
+    """The MoE facts of a built (meta) model: {"moe": the fields of ModelShape.moe (a MoEShape), "active": expert weights per
     token, "resident": {part: bytes}, "tensors": ids of the tensors counted here, "intermediate":
     the dense MLP width}, or {} for a dense model."""
     from fasttrain.nn.moe_experts import moe_blocks
@@ -88,19 +87,16 @@ def moe_shape(model, cfg) -> dict:
         if b.shared_expert_gate is not None:
             for t in b.shared_expert_gate.parameters():
                 count("moe_router", t)
-    return {"moe": (E, k, I, len(blocks), shared), "active": len(blocks) * k * 3 * I * H, "resident": parts,
+    return {"moe": {"experts": E, "active": k, "width": I, "layers": len(blocks), "shared": shared},
+            "active": len(blocks) * k * 3 * I * H, "resident": parts,
             "tensors": seen, "intermediate": getattr(cfg, "intermediate_size", None) or shared}
-
-
-def is_moe(m) -> bool:
-    return bool(m.moe)
 
 
 def describe(m) -> str:
     """The model line's MoE part ("" for a dense model)."""
     if not m.moe:
         return ""
-    E, k, I, n, shared = m.moe
+    E, k, I, n, shared = m.moe.experts, m.moe.active, m.moe.width, m.moe.layers, m.moe.shared
     return (f"; {n} MoE layers of {E} experts ({k} active) of width {I}" + (f" + a shared expert of {shared}"
             if shared else "") + f", {m.moe_active_params / 1e9:.2f} B expert weights active per token")
 
@@ -119,7 +115,7 @@ def load_parts(m) -> tuple[dict, int]:
     stacks each layer's quantized experts into that layer's stacks (one layer's NF4 bytes twice)."""
     if not m.moe:
         return {}, 0
-    E, _, I, n, _ = m.moe
+    E, I, n = m.moe.experts, m.moe.width, m.moe.layers
     H, w = m.hidden, m.w
     parts = {"moe_experts": m.resident.get("moe_experts", 0), "moe_router": m.resident.get("moe_router", 0)}
     one = 2 * I * H
@@ -131,14 +127,13 @@ def expert_shapes(m) -> list[tuple[int, int]]:
     """(out, in) of one expert's two projections (what the NF4 kernels' scratch must hold)."""
     if not m.moe:
         return []
-    _, _, I, _, _ = m.moe
+    I = m.moe.width
     return [(2 * I, m.hidden), (m.hidden, I)]
 
 
 def without_routed(m):
     """m with the routed experts' activations removed (k = 0, width 0); the layers keep their kinds."""
-    E, _, _, n, shared = m.moe
-    return replace(m, moe=(E, 0, 0, n, shared))
+    return replace(m, moe=replace(m.moe, active=0, width=0))
 
 
 def _f(m) -> int:
@@ -161,14 +156,14 @@ def _g(m) -> int:
 def _router_live(m, N: int) -> int:
     """route(): the [N, E] logits (model dtype), their float32 copy and softmax, top-k weights and
     indices (and the renormalised weights); what the forward keeps after it: indices and weights."""
-    E, k, _, _, _ = m.moe
+    E, k = m.moe.experts, m.moe.active
     w, f = m.w, _f(m)
     return N * E * (w + (f if w != f else 0) + f) + N * k * (8 + 2 * f)
 
 
 def routed_live(m, N: int) -> int:
     """No-grad peak of the routed experts over N tokens: at the float32 sum (see the module header)."""
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     if not k:
         return 0
     w, f, H = m.w, _f(m), m.hidden
@@ -180,7 +175,7 @@ def routed_live(m, N: int) -> int:
 
 def routed_saved(m, N: int, c_xa: int) -> int:
     """What the routed experts save for the backward over N tokens (see the module header)."""
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     if not k:
         return 0
     w, f, H, r = m.w, _f(m), m.hidden, m.rank
@@ -194,7 +189,7 @@ def routed_saved(m, N: int, c_xa: int) -> int:
 def routed_grads(m, N: int) -> int:
     """The routed experts' gradients live at once in their backward: of the weighted outputs (f) and
     the outputs, of gate_up's output and act, of the gathered inputs, the inputs' [N, H] sum."""
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     if not k:
         return 0
     w, f, H = m.w, _f(m), m.hidden
@@ -209,7 +204,7 @@ def kernel_live(m, N: int) -> int:
     The gathered inputs [P, H] and x·Aᵀ [P, r] of the gate_up step are dropped before the outputs
     are made (that step holds less: P·(H + r + I) against P·(H + r + I + 1) + N·H·(f + w)); the
     decoded weight tiles (256 KiB a thread) are not counted."""
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     if not k:
         return 0
     w, f, g, H, r = m.w, _f(m), _g(m), m.hidden, m.rank
@@ -222,7 +217,7 @@ def kernel_live(m, N: int) -> int:
 def kernel_saved(m, N: int) -> int:
     """What the CPU kernel saves for its backward: the router's softmax and the route, the pairs'
     order and offsets, and gate_up's output [P, 2I] (in the GEMM dtype, _g)."""
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     if not k:
         return 0
     f = _f(m)
@@ -234,7 +229,7 @@ def cuda_kernel_saved(m, N: int) -> int:
     """What the CUDA kernel saves: the router's softmax and the route, the pairs' order and offsets,
     gate_up's output [P, 2I] and the unweighted outputs [P, H] (float32), which its backward reads
     for the routing weights' gradient."""
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     if not k:
         return 0
     f = _f(m)
@@ -253,7 +248,7 @@ def kernel_grads(m, N: int) -> int:
     replay keeps the rollout's load and a balanced router spreads it; a collapsed router that sends
     more than twice its share to one expert exceeds this. Then the [N, H] sum's cast and the
     router's [N, E]."""
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     if not k:
         return 0
     w, f, g, H, r = m.w, _f(m), _g(m), m.hidden, expert_rank(m)
@@ -322,7 +317,7 @@ def cuda_backward_bytes(N: int, H: int, I: int, E: int, k: int, r_gu: int, r_dn:
 def cuda_kernel_live(m, N: int) -> int:
     """No-grad peak of the CUDA kernel over N tokens: the route's indices and weights with the op's
     forward (cuda_forward_bytes), or the router's own peak before it."""
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     if not k:
         return 0
     r, f = expert_rank(m), _f(m)
@@ -331,7 +326,7 @@ def cuda_kernel_live(m, N: int) -> int:
 
 def cuda_kernel_grads(m, N: int) -> int:
     """The CUDA kernel's backward (cuda_backward_bytes) and the router softmax's gradient [N, E]."""
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     if not k:
         return 0
     r = expert_rank(m)
@@ -370,11 +365,11 @@ class MoELayers:
 
     @staticmethod
     def _moe_m(m):
-        return replace(m, intermediate=m.moe[4])
+        return replace(m, intermediate=m.moe.shared)
 
     @staticmethod
     def _dense_layers(m) -> int:
-        return m.layers - m.moe[3]
+        return m.layers - m.moe.layers
 
     def prefix_inputs(self, m, U, P, B, A):
         return self.base.prefix_inputs(m, U, P, B, A)
@@ -385,7 +380,7 @@ class MoELayers:
     def _at_mlp(self, m, N: int, c: int) -> int:
         """What the routed experts add to the MLP's live bytes: they run before the shared expert (the
         dense MLP of a MoE layer), which runs with their output [N, H] held."""
-        I, w = m.moe[4], m.w
+        I, w = m.moe.shared, m.w
         if not I:
             return self.live(m, N)
         shared = N * (3 * I * w + (I * c if c != w else 0))
@@ -398,7 +393,7 @@ class MoELayers:
                                                        grad=grad))
 
     def prefix_saved(self, m, U, P, B, A, c_xa):
-        L, n = m.layers, m.moe[3]
+        L, n = m.layers, m.moe.layers
         N = U * P + B * A
         dense = self.base.prefix_saved(m, U, P, B, A, c_xa) * (L - n) // L if L > n else 0
         return dense + self.base.prefix_saved(self._moe_m(m), U, P, B, A, c_xa) * n // L + n * self.saved(m, N, c_xa)
@@ -424,7 +419,7 @@ class MoELayers:
         """The base layer's backward peak with the routed experts' saved bytes, and their gradients
         where they exceed the dense MLP's ([N, H] and 2 x [N, I], live at the same point)."""
         N = U * P + B * A
-        mlp_grads = N * m.hidden * m.w + 2 * N * m.moe[4] * m.w
+        mlp_grads = N * m.hidden * m.w + 2 * N * m.moe.shared * m.w
         return self._kinds(m, self.base.backward_peak(m, U, P, B, A, c_xa),
                            self.base.backward_peak(self._moe_m(m), U, P, B, A, c_xa) + self.saved(m, N, c_xa)
                            + max(0, self.grads(m, N) - mlp_grads))
@@ -445,11 +440,11 @@ class MoELayers:
 # ---- the routing record ----------------------------------------------------------------------------
 def _per_token(m) -> int:
     """Expert indices per token: MoE layers x k."""
-    return m.moe[3] * m.moe[1] if m.moe else 0
+    return m.moe.layers * m.moe.active if m.moe else 0
 
 
 def _record_w(m) -> int:
-    return 1 if m.moe[0] <= 256 else 2          # fasttrain.rollout.moe_decoder.record_dtype
+    return 1 if m.moe.experts <= 256 else 2          # fasttrain.rollout.moe_decoder.record_dtype
 
 
 def record_rollout(m, n_all: int, n: int, G: int, P: int, T: int) -> tuple[int, int, int]:
@@ -477,34 +472,3 @@ def record_micro_batch(m, mb: int, S: int, N: int) -> int:
         return 0
     per = _per_token(m)
     return mb * S * per * 8 + 2 * N * per * 8
-
-
-# ---- time on paper: an estimate from the datasheet's dense rates (measured: fasttrain.plan.moe_speed) --------
-def active_params(m) -> int:
-    """Expert weights one token's forward multiplies (k experts of each MoE layer)."""
-    return m.moe_active_params
-
-
-def expert_lora_flops(m, tokens: int) -> float:
-    """The experts' LoRA products, forward, per token: x·Aᵀ and (x·Aᵀ)·Bᵀ for its k experts' two stacks."""
-    if not m.moe or not m.rank:
-        return 0.0
-    _, k, I, n, _ = m.moe
-    H = m.hidden
-    return 2.0 * m.rank * n * k * ((H + 2 * I) + (I + H)) * tokens
-
-
-def decode_expert_bytes(m, B: int) -> float:
-    """Expert bytes one decode step of B rows reads: per layer the experts its B·k picks touch,
-    E·(1 - (1 - k/E)^B) of E when the picks are spread evenly (an estimate)."""
-    if not m.moe:
-        return 0.0
-    E, k, _, _, _ = m.moe
-    touched = 1.0 - (1.0 - k / E) ** B
-    return (m.resident.get("moe_experts", 0) + m.resident.get("moe_adapter_masters", 0)) * touched
-
-
-ASSUMPTION = ("MoE: the routed experts timed on paper, as dense GEMMs over the k active experts' weights "
-              "(2 FLOPs a weight a token, their LoRA apart) at the same share of the datasheet's bf16 peak, not from "
-              "fasttrain.ops.moe_experts' rates (none measured on this device: `fasttrain plan --gpu cuda` on the card "
-              "measures them); a decode step reads the experts its rows pick, spread evenly, at the bandwidth floor")

@@ -1,4 +1,6 @@
-"""The routed experts' seconds in a plan timed from measured rates (fasttrain.plan.host_speed): the
+"""The routed experts' time terms: on paper from the datasheet's dense rates (fasttrain.plan.speed:
+active_params, expert_lora_flops, decode_expert_bytes and the ASSUMPTION it prints), and the seconds
+in a plan timed from measured rates (fasttrain.plan.host_speed): the
 work of fasttrain.ops.moe_experts in each phase, at rates measured by running that op on the device
 the run uses (fasttrain.plan.host_rates: a reference layer in the cache, and this model's own expert
 shapes measured again when the plan may measure, as the decode step's GEMMs are).
@@ -36,7 +38,8 @@ from fasttrain.plan import moe_memory
 from fasttrain.plan.meta_model import ModelShape
 
 __all__ = ["ExpertRates", "expert_rates", "pair_flops", "forward_seconds", "train_seconds",
-           "decode_seconds", "router_params", "note"]
+           "decode_seconds", "router_params", "note", "active_params", "expert_lora_flops", "decode_expert_bytes",
+           "ASSUMPTION", "dense_mlp_width", "router_elementwise"]
 
 MEASURE_SECONDS = 0.25                # of the host's fp32 matmul rate: the work one measured call may take
 DECODE_EXPERTS_BYTES = 256 << 20      # at most this many bytes of experts in the decode measurement
@@ -50,18 +53,62 @@ class ExpertRates:
     where: str          # what they were measured at, in words
 
 
+# ---- time on paper: an estimate from the datasheet's dense rates (measured: below) ----------------------
+def active_params(m) -> int:
+    """Expert weights one token's forward multiplies (k experts of each MoE layer)."""
+    return m.moe_active_params
+
+
+def dense_mlp_width(m) -> float:
+    """The dense MLP's width averaged over the layers: a MoE layer's is its shared expert's (0 without
+    one), a dense layer's the model's intermediate width."""
+    n = m.moe.layers
+    return ((m.layers - n) * m.intermediate + n * m.moe.shared) / m.layers
+
+
+def router_elementwise(m) -> float:
+    """Elements a MoE layer's router touches per token outside its GEMM (its logits' float copy,
+    softmax and top-k: about 4·E) and its shared-expert gate (sigmoid, product, sum: 3·H), averaged
+    over the layers."""
+    return m.moe.layers * (4.0 * m.moe.experts + (3.0 * m.hidden if m.moe.shared else 0.0)) / m.layers
+
+
+def expert_lora_flops(m, tokens: int) -> float:
+    """The experts' LoRA products, forward, per token: x·Aᵀ and (x·Aᵀ)·Bᵀ for its k experts' two stacks."""
+    if not m.rank:
+        return 0.0
+    k, I, n = m.moe.active, m.moe.width, m.moe.layers
+    H = m.hidden
+    return 2.0 * m.rank * n * k * ((H + 2 * I) + (I + H)) * tokens
+
+
+def decode_expert_bytes(m, B: int) -> float:
+    """Expert bytes one decode step of B rows reads: per layer the experts its B·k picks touch,
+    E·(1 - (1 - k/E)^B) of E when the picks are spread evenly (an estimate)."""
+    E, k = m.moe.experts, m.moe.active
+    touched = 1.0 - (1.0 - k / E) ** B
+    return (m.resident.get("moe_experts", 0) + m.resident.get("moe_adapter_masters", 0)) * touched
+
+
+ASSUMPTION = ("MoE: the routed experts timed on paper, as dense GEMMs over the k active experts' weights "
+              "(2 FLOPs a weight a token, their LoRA apart) at the same share of the datasheet's bf16 peak, not from "
+              "fasttrain.ops.moe_experts' rates (none measured on this device: `fasttrain plan --gpu cuda` on the card "
+              "measures them); a decode step reads the experts its rows pick, spread evenly, at the bandwidth floor")
+
+
+# ---- time from measured rates ----------------------------------------------------------------------
 def pair_flops(m: ModelShape, backward: bool = False) -> float:
-    return expert_pair_flops(m.hidden, m.moe[2], moe_memory.expert_rank(m), backward)
+    return expert_pair_flops(m.hidden, m.moe.width, moe_memory.expert_rank(m), backward)
 
 
 def router_params(m: ModelShape) -> int:
     """Weights of the routers (and Qwen3.5-MoE's shared-expert gates [1, H]) a token multiplies."""
-    E, _, _, n, shared = m.moe
+    E, n, shared = m.moe.experts, m.moe.layers, m.moe.shared
     return n * (E + (1 if shared else 0)) * m.hidden
 
 
 def _touched(m: ModelShape, B: int) -> float:
-    E, k = m.moe[0], m.moe[1]
+    E, k = m.moe.experts, m.moe.active
     return E * (1.0 - (1.0 - k / E) ** B)
 
 
@@ -91,7 +138,7 @@ def expert_rates(m: ModelShape, r: HostRates, tokens: int, rows: int, measure_sh
     tokens, a decode step of `rows` rows) when measure_shapes and the rates' clock is known, else
     the host's reference rates."""
     nf4 = m.quantize == "nf4"
-    E, k, I, _, _ = m.moe
+    E, k, I = m.moe.experts, m.moe.active, m.moe.width
     H, rank = m.hidden, moe_memory.expert_rank(m)
     kind = "NF4" if nf4 else "16-bit"
     if not measure_shapes or r.clock not in CLOCKS:
@@ -104,11 +151,11 @@ def expert_rates(m: ModelShape, r: HostRates, tokens: int, rows: int, measure_sh
     budget = MEASURE_SECONDS * r.matmul_fp32 / expert_pair_flops(H, I, rank, True)     # pairs
     experts = min(E, max(k, int(budget // per)))
     touched = _touched(m, rows)
-    one = (m.resident.get("moe_experts", 0) + m.resident.get("moe_adapter_masters", 0)) / (m.moe[3] * E)
+    one = (m.resident.get("moe_experts", 0) + m.resident.get("moe_adapter_masters", 0)) / (m.moe.layers * E)
     dec_E = max(k, min(E, _power_of_two(touched), int(DECODE_EXPERTS_BYTES // max(one, 1))))
     dec_per = _power_of_two(rows * k / touched)
     device = "cpu" if r.device_kind == "cpu" else "cuda"
-    fwd, fb, dec = _measured(H, I, experts, k, rank, nf4, per, dec_E, dec_per, m.moe[3], _dtype_name(m), device,
+    fwd, fb, dec = _measured(H, I, experts, k, rank, nf4, per, dec_E, dec_per, m.moe.layers, _dtype_name(m), device,
                              r.clock, torch.get_num_threads())
     return ExpertRates(fwd, fb, dec, where=(
         f"this model's experts ({kind} {H} x {I}, LoRA r {rank}, {_dtype_name(m)} tokens) measured now: "
@@ -117,17 +164,17 @@ def expert_rates(m: ModelShape, r: HostRates, tokens: int, rows: int, measure_sh
 
 def forward_seconds(m: ModelShape, tokens: float, er: ExpertRates) -> float:
     """A no-grad forward of `tokens` tokens through every MoE layer's routed experts."""
-    return m.moe[3] * tokens * m.moe[1] * pair_flops(m) / er.forward
+    return m.moe.layers * tokens * m.moe.active * pair_flops(m) / er.forward
 
 
 def train_seconds(m: ModelShape, tokens: float, er: ExpertRates) -> float:
     """Forward + backward of `tokens` tokens through every MoE layer's routed experts."""
-    return m.moe[3] * tokens * m.moe[1] * pair_flops(m, backward=True) / er.train
+    return m.moe.layers * tokens * m.moe.active * pair_flops(m, backward=True) / er.train
 
 
 def decode_seconds(m: ModelShape, rows: int, er: ExpertRates) -> float:
     """One decode step of `rows` rows: every MoE layer reads the experts its rows pick."""
-    return moe_memory.decode_expert_bytes(m, rows) / er.decode
+    return decode_expert_bytes(m, rows) / er.decode
 
 
 def note(m: ModelShape, er: ExpertRates) -> str:

@@ -218,11 +218,19 @@ def pick_lines(p: Plan) -> list[str]:
          if s.rollout_weights != p.recipe_rollout_weights else [])
 
 
+def _moe_json(moe) -> dict:
+    """The routed experts' shape as the JSON plan names it ({} for a dense model)."""
+    if moe is None:
+        return {}
+    return {"experts": moe.experts, "active": moe.active, "expert_width": moe.width, "moe_layers": moe.layers,
+            "shared_width": moe.shared}
+
+
 def as_json(p: Plan) -> dict:
     return {
         "model": {"name": p.model.name, "architecture": p.model.architecture, "params": p.model.params,
                   "layers": p.model.layers, "hidden": p.model.hidden, "vocab": p.model.vocab,
-                  "moe": dict(zip(("experts", "active", "expert_width", "moe_layers", "shared_width"), p.model.moe))},
+                  "moe": _moe_json(p.model.moe)},
         "run": p.shape.__dict__,
         "gpu": {"name": p.gpu.name, "memory_bytes": p.gpu.memory_bytes, "bf16_flops": p.gpu.bf16_flops,
                 "bandwidth": p.gpu.bandwidth, "context_bytes": p.gpu.context_bytes},

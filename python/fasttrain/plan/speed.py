@@ -17,7 +17,8 @@
             over the same tokens as the scores (the shared prefix runs with or without checkpointing)
 A mixture of experts' routed experts count here as dense GEMMs over the k active experts' weights
 (2 FLOPs a weight a token, their LoRA apart) at the same share of the peak, and a decode step reads
-the experts its rows pick (fasttrain.plan.moe_memory.ASSUMPTION).
+the experts its rows pick (fasttrain.plan.moe_speed.ASSUMPTION; fasttrain.plan.family_time says
+which families take those terms).
 The FLOP share `mfu` is an assumption printed with the result (no GPU run has measured it yet).
 When the plan is for a device of this host whose rates were measured (fasttrain.plan.host_rates),
 fasttrain.plan.host_speed times every phase from those rates instead (the routed experts from
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fasttrain.plan import moe_memory
+from fasttrain.plan.family_time import family_time
 from fasttrain.plan.gpus import GPU
 from fasttrain.plan.meta_model import ModelShape
 from fasttrain.plan.run_shape import RunShape
@@ -55,12 +56,15 @@ class StepTime:
 
 def _lora_flops(m: ModelShape, tokens: int) -> float:
     """Forward x·Aᵀ and (xAᵀ)·Bᵀ per projection: 2·r·(in + out) per token (and per active expert)."""
-    return 2.0 * m.rank * sum(o + i for o, i in m.projections) * tokens + moe_memory.expert_lora_flops(m, tokens)
+    experts = family_time(m).experts
+    return 2.0 * m.rank * sum(o + i for o, i in m.projections) * tokens + (
+        experts.expert_lora_flops(m, tokens) if experts else 0.0)
 
 
 def _matmul_params(m: ModelShape) -> int:
     """Weights one token multiplies: the projections' and a mixture of experts' k active experts'."""
-    return m.linear_params + moe_memory.active_params(m)
+    experts = family_time(m).experts
+    return m.linear_params + (experts.active_params(m) if experts else 0)
 
 
 def prompt_runs(s: RunShape) -> int:
@@ -101,7 +105,9 @@ def _rollout_seconds(m: ModelShape, s: RunShape, n: int, chunk: int, flops: floa
     # step t (0-based) reads the weights, the B rows' KV of P + t + 1 columns and a hybrid's fixed
     # state (read and written): a + k·t seconds at the bandwidth floor, against c at the FLOP floor
     kv_row_col = m.kv_layers * 2 * m.kv_heads * m.head_dim * w
-    a = (weights + moe_memory.decode_expert_bytes(m, B) + B * kv_row_col * (P + 1) + 2 * B * m.state_bytes) / bw
+    routed = family_time(m).experts
+    picked = routed.decode_expert_bytes(m, B) if routed else 0.0
+    a = (weights + picked + B * kv_row_col * (P + 1) + 2 * B * m.state_bytes) / bw
     k = B * kv_row_col / bw
     c = (2.0 * (_matmul_params(m) + V * H) * B + _lora_flops(m, B) + m.state_flops * B) / flops
     return prefill + _sum_of_max(a, k, c, T)
@@ -161,8 +167,9 @@ def plan_time(m: ModelShape, s: RunShape, gpu: GPU, env: str = "", mfu: float = 
                              f"(no GPU run has measured the share reached yet; --decode-share sets it)")
     else:
         t.assumptions.append(f"decode at {decode_share:.0%} of {gpu.bandwidth / 1e12:.2f} TB/s (given)")
-    if moe_memory.is_moe(m):
-        t.assumptions.append(moe_memory.ASSUMPTION)
+    experts = family_time(m).experts
+    if experts:
+        t.assumptions.append(experts.ASSUMPTION)
     # rollout: per wave, the prefill of its prompts (chunk by chunk), then T decode steps
     t.seconds["rollout"] = sum(k * _rollout_seconds(m, s, p, c, flops, bw) for p, c, k in waves(s))
     _verify(s, env, verifier_answers_per_s, t)

@@ -21,46 +21,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fasttrain.nn.dense_linear import fp32_base, linear_bf16_as_fp32, rollout_head
-from fasttrain.nn.rollout_weights import rollout_linear
+from fasttrain.models.family_view import LlamaView, gemm, rotate_half
+from fasttrain.nn.dense_linear import rollout_head
 from fasttrain.ops import decode_fused as _fused
 from fasttrain.ops.decode_attention import decode_attention, decode_attention_backend
 
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+__all__ = ["LlamaFamilyDecoder", "rotate_half"]
 
 
-class LlamaFamilyDecoder:
-    """Forward passes of `model` (a *ForCausalLM of a Llama-family architecture) on a static cache."""
+class LlamaFamilyDecoder(LlamaView):
+    """Forward passes of `model` (a *ForCausalLM of a Llama-family architecture) on a static cache.
+    The model's modules and shape, the projections and the MLP are the family view's
+    (fasttrain.models.family_view.LlamaView); `weights`: the rollout's dense weights (or None)."""
 
     def __init__(self, model, weights=None):
-        if hasattr(model, "get_base_model"):  # a PEFT wrapper: its adapters live in the modules
-            model = model.get_base_model()
-        base = getattr(model, "model", None)
-        if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
-            raise ValueError(f"sample: model {type(model).__name__} is not a Llama-family causal LM "
-                             "(expected .model.layers and .lm_head)")
-        cfg = model.config
-        self.model = model
-        self.embed, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
-        self.rotary = base.rotary_emb
-        self.lm_head = weights.head(model.lm_head) if hasattr(weights, "head") else rollout_head(model.lm_head)
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.group = self.n_heads // self.n_kv
-        attn0 = self.layers[0].self_attn
-        self.scaling = getattr(attn0, "scaling", self.head_dim ** -0.5)
-        self.qk_norm = hasattr(attn0, "q_norm")
-        self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(
-            cfg, "use_sliding_window", True) else None
-        self.dtype = self.embed.weight.dtype
-        self.device = self.embed.weight.device
-        # Optional dense weights by module (fasttrain.nn.RolloutWeights: merged NF4 + adapter
-        # copies); None runs every projection module as it is.
-        self.weights = weights
+        super().__init__(model, weights)
+        self.lm_head = weights.head(self.model.lm_head) if hasattr(weights, "head") else rollout_head(self.model.lm_head)
         self._fusable = weights is not None and _fusable_layers(self)
 
     def new_cache(self, batch: int, seq: int) -> Tensor:
@@ -72,11 +48,6 @@ class LlamaFamilyDecoder:
     def copy_prompts(self, small: Tensor, cache: Tensor, group: int, prompt_len: int) -> None:
         """Give each of the n prompts' cache columns [0, P) (small) to its `group` consecutive rows."""
         cache[:, :, :, :, :prompt_len].unflatten(2, (-1, group)).copy_(small.unsqueeze(3))
-
-    def rotary_table(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [B, S, head_dim] for integer `positions` [B, S]."""
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        return self.rotary(probe, positions)
 
     def prefill(self, input_ids: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor,
                 cache: Tensor) -> Tensor:
@@ -140,13 +111,13 @@ class LlamaFamilyDecoder:
             keys, values = cache[i][0], cache[i][1]
             attn = layer.self_attn
             qk = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon) if self.qk_norm else ()
-            q = _fused.rotary_cache_write_(_gemm(h, w_qkv), cos, sin, keys, values, column, self.n_heads, *qk)
+            q = _fused.rotary_cache_write_(gemm(h, w_qkv), cos, sin, keys, values, column, self.n_heads, *qk)
             o = decode_attention(q, keys[:, :, :end], values[:, :, :end], key_valid, self.scaling)
             post = layer.post_attention_layernorm
-            h = _fused.add_rms_norm_(x, _gemm(o.view(B, -1), w_o), post.weight, post.variance_epsilon)
-            a = _fused.silu_mul(_gemm(h, w_gu))
+            h = _fused.add_rms_norm_(x, gemm(o.view(B, -1), w_o), post.weight, post.variance_epsilon)
+            a = _fused.silu_mul(gemm(h, w_gu))
             nxt = norms[i + 1]
-            h = _fused.add_rms_norm_(x, _gemm(a, w_down), nxt.weight, nxt.variance_epsilon)
+            h = _fused.add_rms_norm_(x, gemm(a, w_down), nxt.weight, nxt.variance_epsilon)
         return h
 
     def decode_static(self, tokens: Tensor, key_valid: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
@@ -193,7 +164,7 @@ class LlamaFamilyDecoder:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q, k, v = self._project(h, (attn.q_proj, attn.k_proj, attn.v_proj))
+            q, k, v = self.project(h, (attn.q_proj, attn.k_proj, attn.v_proj))
             q = q.view(B, S, self.n_heads, D)
             k = k.view(B, S, self.n_kv, D)
             v = v.view(B, S, self.n_kv, D).transpose(1, 2)
@@ -230,28 +201,9 @@ class LlamaFamilyDecoder:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                    scale=self.scaling)
                 o = o.transpose(1, 2).reshape(B, S, self.n_heads * D)
-            x = x + self._project(o, (attn.o_proj,))[0]
-            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
+            x = x + self.project(o, (attn.o_proj,))[0]
+            x = x + self.mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
-
-    def _project(self, h: Tensor, mods: tuple) -> tuple[Tensor, ...]:
-        """Each module of `mods` applied to h: one GEMM over their stacked dense weights when the
-        rollout weights hold them, else the modules themselves."""
-        if self.weights is None:
-            return tuple(_plain(m, h) for m in mods)
-        w = self.weights.fused(mods) if len(mods) > 1 else self.weights.linear(mods[0])
-        if w is None:
-            return tuple(_plain(m, h) if len(mods) == 1 else self._project(h, (m,))[0] for m in mods)
-        y = _gemm(h, w)
-        outs = y.split([m.out_features for m in mods], dim=-1) if len(mods) > 1 else (y,)
-        return tuple(o if m.bias is None else o + m.bias for o, m in zip(outs, mods))
-
-    def _mlp(self, mlp, h: Tensor) -> Tensor:
-        act = getattr(mlp, "act_fn", None)
-        if act is None or not hasattr(mlp, "gate_proj") or (self.weights is None and not _plain_fp32(mlp.gate_proj, h)):
-            return mlp(h)
-        gate, up = self._project(h, (mlp.gate_proj, mlp.up_proj))
-        return self._project(act(gate) * up, (mlp.down_proj,))[0]
 
 
 # The RMSNorm classes whose forward is HF's LlamaRMSNorm (weight · rnd(x / sqrt(mean(x²) + eps))),
@@ -290,23 +242,3 @@ def _fusable_layers(dec: "LlamaFamilyDecoder") -> bool:
                                    n.variance_epsilon == a.q_norm.variance_epsilon for n in (a.q_norm, a.k_norm)):
             return False
     return True
-
-
-def _gemm(h: Tensor, w: Tensor) -> Tensor:
-    """h·wᵀ for a rollout weight, in fp32 sums where the host lacks fast bf16 GEMMs."""
-    return linear_bf16_as_fp32(h, w) if fp32_base(h, w) else rollout_linear(h, w)
-
-
-def _plain_fp32(m, h: Tensor) -> bool:
-    """Whether `m` is a plain nn.Linear whose bf16 product on this CPU is taken with fp32 sums
-    (fasttrain.nn.dense_linear.fp32_base: ATen's bf16 GEMM is many times slower than fp32 on a CPU
-    without native bf16 GEMMs). fasttrain's own layers make that choice themselves."""
-    return type(m) is torch.nn.Linear and fp32_base(h, m.weight)
-
-
-def _plain(m, h: Tensor) -> Tensor:
-    """m(h), in fp32 sums from the bf16 values (rounded once to bf16) where `_plain_fp32` says so."""
-    if not _plain_fp32(m, h):
-        return m(h)
-    y = linear_bf16_as_fp32(h, m.weight)
-    return y if m.bias is None else y + m.bias

@@ -35,13 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fasttrain.models.family_view import HybridView, rotate_partial
 from fasttrain.nn.dense_linear import rollout_head
 from fasttrain.ops.decode_attention import decode_attention
 from fasttrain.ops.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_rule, gated_delta_step_
 
-from .decoder import LlamaFamilyDecoder, rotate_half
+from .decoder import LlamaFamilyDecoder
 
-__all__ = ["HybridCache", "HybridDecoder"]
+__all__ = ["HybridCache", "HybridDecoder", "rotate_partial"]
 
 
 @dataclass
@@ -53,39 +54,14 @@ class HybridCache:
     rec: list[Tensor | None]                 # Gated DeltaNet: [B, Hv, Dk, Dv] float32 (float64 model: float64)
 
 
-def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-class HybridDecoder(LlamaFamilyDecoder):
-    """Forward passes of a Qwen3_5ForCausalLM (or a PEFT wrapper of one) on a HybridCache."""
+class HybridDecoder(HybridView, LlamaFamilyDecoder):
+    """Forward passes of a Qwen3_5ForCausalLM (or a PEFT wrapper of one) on a HybridCache. The
+    model's modules and shape and the layer pieces (projections, attention inputs, the Gated
+    DeltaNet inputs and output) are the family view's (fasttrain.models.family_view.HybridView)."""
 
     def __init__(self, model, weights=None):
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        base = getattr(model, "model", None)
-        cfg = model.config
-        if base is None or not hasattr(cfg, "layer_types") or not hasattr(model, "lm_head"):
-            raise ValueError(f"sample: model {type(model).__name__} is not a Qwen3.5 hybrid causal LM")
-        self.model = model
-        self.embed, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
-        self.rotary = base.rotary_emb
-        self.lm_head = weights.head(model.lm_head) if hasattr(weights, "head") else rollout_head(model.lm_head)
-        self.kinds = list(cfg.layer_types)
-        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.group = self.n_heads // self.n_kv
-        self.scaling = self.head_dim ** -0.5
-        self.sliding_window = None
-        self.qk_norm = True
-        self.Hk, self.Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.Dk, self.Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.conv_k = cfg.linear_conv_kernel_dim
-        self.conv_dim = 2 * self.Hk * self.Dk + self.Hv * self.Dv
-        self.dtype = self.embed.weight.dtype
-        self.device = self.embed.weight.device
-        self.state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        self.weights = weights
+        HybridView.__init__(self, model, weights)
+        self.lm_head = weights.head(self.model.lm_head) if hasattr(weights, "head") else rollout_head(self.model.lm_head)
 
     # ---- the cache ---------------------------------------------------------------------------
     def new_cache(self, batch: int, seq: int) -> HybridCache:
@@ -184,12 +160,12 @@ class HybridDecoder(LlamaFamilyDecoder):
                     keys, values = keys.repeat_interleave(self.group, 1), values.repeat_interleave(self.group, 1)
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
                 o = o.transpose(1, 2).reshape(B, k, -1) * torch.sigmoid(gate)
-                x = x + self._project(o, (attn.o_proj,))[0]
+                x = x + self.project(o, (attn.o_proj,))[0]
             else:
                 y = self._delta_rows(layer.linear_attn, h.gather(1, order[..., None].expand_as(h)),
                                      valid.gather(1, order), n_valid, cache, i)
                 x = x + y.gather(1, back[..., None].expand_as(y))
-            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
+            x = x + self.mlp(layer.mlp, layer.post_attention_layernorm(x))
         return self.norm(x)
 
     def _delta_rows(self, la, h: Tensor, valid: Tensor, n_valid: Tensor, cache: HybridCache, i: int) -> Tensor:
@@ -220,20 +196,8 @@ class HybridDecoder(LlamaFamilyDecoder):
                 if rec is not cache.rec[i]:         # the decode step wrote the state in place already
                     cache.rec[i].copy_(rec)
                 x = x + y
-            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
+            x = x + self.mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
-
-    def attention_inputs(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """h [B, S, H] -> q [B, nh, S, D], k, v [B, kv, S, D] (normed, rotated) and the output gate
-        [B, S, nh·D] (q_proj's output holds query and gate interleaved per head)."""
-        B, S, _ = h.shape
-        D = self.head_dim
-        qg, k, v = self._project(h, (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, gate = qg.view(B, S, self.n_heads, 2 * D).chunk(2, dim=-1)
-        q = attn.q_norm(q).transpose(1, 2)
-        k = attn.k_norm(k.view(B, S, self.n_kv, D)).transpose(1, 2)
-        v = v.view(B, S, self.n_kv, D).transpose(1, 2)
-        return rotate_partial(q, cos, sin), rotate_partial(k, cos, sin), v, gate.reshape(B, S, self.n_heads * D)
 
     def _attention(self, attn, h: Tensor, cos: Tensor, sin: Tensor, kv, start, mask: Tensor) -> Tensor:
         B, S, _ = h.shape
@@ -261,7 +225,7 @@ class HybridDecoder(LlamaFamilyDecoder):
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
             o = o.transpose(1, 2).reshape(B, S, self.n_heads * D)
         o = o * torch.sigmoid(gate)
-        return self._project(o, (attn.o_proj,))[0]
+        return self.project(o, (attn.o_proj,))[0]
 
     def _delta(self, la, h: Tensor, conv: Tensor, rec: Tensor, valid: Tensor | None,
                active: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -283,37 +247,3 @@ class HybridDecoder(LlamaFamilyDecoder):
             o, rec_new = gated_delta_rule(q, k, v, g.to(rec.dtype), beta, initial_state=rec)
             rec_new = rec_new.to(rec.dtype)
         return self.delta_output(la, o, z), conv_new, rec_new
-
-    def delta_inputs(self, la, h: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """h [B, S, H] (valid bool [B, S] zeroes padded positions first, as transformers does) ->
-        qkv [B, S, C] before the conv, z [B, S, Hv·Dv], beta and g [B, S, Hv] (g float32)."""
-        if valid is not None:
-            h = h * valid[..., None].to(h.dtype)
-        qkv, z, b, a = self._project(h, (la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a))
-        g = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
-        return qkv, z, b.sigmoid(), g
-
-    def delta_output(self, la, o: Tensor, z: Tensor) -> Tensor:
-        """The gated RMSNorm of the delta rule's output o [B, S, Hv, Dv] with silu(z), then out_proj."""
-        B, S = o.shape[:2]
-        o = la.norm(o.reshape(-1, self.Dv), z.reshape(-1, self.Dv)).reshape(B, S, -1)
-        return self._project(o, (la.out_proj,))[0]
-
-    def split_qkv(self, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Conv output [B, S, C] -> q, k [B, S, Hk, Dk] L2-normalised in float32 (float64 for a
-        float64 model), v [B, S, Hv, Dv] in the model's dtype."""
-        B, S, _ = y.shape
-        kd = self.Hk * self.Dk
-        q, k, v = y.split([kd, kd, self.Hv * self.Dv], dim=-1)
-        q = _l2norm(q.to(self.state_dtype).view(B, S, self.Hk, self.Dk))
-        k = _l2norm(k.to(self.state_dtype).view(B, S, self.Hk, self.Dk))
-        return q, k, v.reshape(B, S, self.Hv, self.Dv)
-
-
-def rotate_partial(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The rotary embedding on the first cos.shape[-1] dims of x (the rest pass through)."""
-    r = cos.shape[-1]
-    if r == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    xr, xp = x[..., :r], x[..., r:]
-    return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)

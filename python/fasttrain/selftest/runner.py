@@ -21,13 +21,32 @@ from fasttrain.selftest.cases.policy_loss import policy_cases
 from fasttrain.selftest.device import device_info
 from fasttrain.selftest.harness import Check, Row, kernel_faces
 
-__all__ = ["CASES", "run_selftest", "implementations", "case_impl", "run_cases"]
+__all__ = ["CASES", "FAMILY_CASES", "run_selftest", "implementations", "case_impl", "run_cases"]
 
 CASES = {"fused_logprob": logprob_cases, "policy_loss": policy_cases, "nf4_quantize": nf4_cases,
          "nf4_linear": linear_cases, "nf4_dora_norm": norm_cases, "dense_linear": dense_cases,
          "gated_delta_rule": gated_delta_cases, "causal_conv1d": conv_cases, "moe_experts": moe_cases,
          "decode_attention": decode_attention_cases, "decode_fused": decode_fused_cases,
          "masked_attention": attention_cases, "gpu_packages": package_cases}
+
+# The ops of CASES each model family trains and decodes through, by family name: the ops every
+# family runs (the log-prob head, the policy loss, the NF4 and 16-bit adapted projections, the
+# update's attention and the decode attention), and each family's own: the Llama family's fused
+# decode step (its dense MLP layers only) and the GPU packages (their check runs a tiny Llama;
+# Liger-Kernel patches the Llama family's model types), a hybrid's Gated DeltaNet rule and causal
+# conv, a mixture of experts' routed experts. `fasttrain selftest` runs
+# them all; a new family names the ops its layers run here (tests/test_families.py checks each is a
+# case).
+_EVERY_FAMILY = ("fused_logprob", "policy_loss", "nf4_quantize", "nf4_linear", "nf4_dora_norm", "dense_linear",
+                 "masked_attention", "decode_attention")
+_LLAMA_OWN = ("decode_fused", "gpu_packages")
+_HYBRID_OWN = ("gated_delta_rule", "causal_conv1d")
+FAMILY_CASES: dict[str, tuple[str, ...]] = {
+    "llama": _EVERY_FAMILY + _LLAMA_OWN,
+    "qwen3_5": _EVERY_FAMILY + _HYBRID_OWN,
+    "qwen3_moe": _EVERY_FAMILY + ("moe_experts",),
+    "qwen3_5_moe": _EVERY_FAMILY + _HYBRID_OWN + ("moe_experts",),
+}
 
 
 def run_selftest(device: str | torch.device = "cpu", quick: bool = False, ops: list[str] | None = None,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,21 +42,38 @@ from torch import nn
 from fasttrain.train.config import ConfigError, load_config
 from fasttrain.train.run_files import write_json
 
-__all__ = ["export_run", "FORMATS", "VLLM_UNWRAPPED", "MAX_SHARD_BYTES"]
+__all__ = ["export_run", "FORMATS", "FamilyExport", "EXPORTS", "VLLM_UNWRAPPED", "MAX_SHARD_BYTES"]
 
 FORMATS = ("peft", "merged", "vllm")
 MAX_SHARD_BYTES = 2 << 30
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "*.bin", "*.pt", "*.pth", "*.gguf", "config.json")
 
-# Projections vLLM's LoRA does not wrap, by family, as read in vLLM's model code: Qwen3.5's
-# in_proj_qkv is a merged column layer of three outputs that its packed-modules table does not list
-# (that table holds qkv_proj and gate_up_proj only), and vLLM wraps such a layer with no LoRA
-# class, without an error: the adapter's in_proj_qkv would be dropped in serving.
-VLLM_UNWRAPPED = {"qwen3_5": ("in_proj_qkv",), "qwen3_5_moe": ("in_proj_qkv",)}
-# The model classes vLLM's MoE LoRA loader reads 3-D (is_3d_moe_weight = True, as read in vLLM's
-# vllm/model_executor/models/qwen3_5.py; fasttrain.nn.moe_export names the files and version).
-VLLM_3D_MOE = ("Qwen3_5MoeForConditionalGeneration",)
+
+@dataclass(frozen=True)
+class FamilyExport:
+    """A family's export facts (EXPORTS, by family name). `vllm_unwrapped`: projections vLLM's LoRA
+    does not wrap, as read in vLLM's model code (Qwen3.5's in_proj_qkv is a merged column layer of
+    three outputs that its packed-modules table does not list: that table holds qkv_proj and
+    gate_up_proj only, and vLLM wraps such a layer with no LoRA class, without an error, so the
+    adapter's in_proj_qkv would be dropped in serving). `vllm_3d_experts`: the model classes
+    (config.architectures) whose experts vLLM's MoE LoRA loader reads 3-D (is_3d_moe_weight = True,
+    as read in vLLM's vllm/model_executor/models/qwen3_5.py; fasttrain.nn.moe_export names the
+    files and version); the merged model and PEFT's adapter are written alike for every family."""
+
+    vllm_unwrapped: tuple[str, ...] = ()
+    vllm_3d_experts: tuple[str, ...] = ()
+
+
+EXPORTS: dict[str, FamilyExport] = {
+    "llama": FamilyExport(),
+    "qwen3_5": FamilyExport(vllm_unwrapped=("in_proj_qkv",)),
+    "qwen3_moe": FamilyExport(),
+    "qwen3_5_moe": FamilyExport(vllm_unwrapped=("in_proj_qkv",),
+                                vllm_3d_experts=("Qwen3_5MoeForConditionalGeneration",)),
+}
+# the projections vLLM leaves unwrapped, by family (the families with some)
+VLLM_UNWRAPPED = {name: e.vllm_unwrapped for name, e in EXPORTS.items() if e.vllm_unwrapped}
 
 
 def export_run(run_dir: str | Path, to: str | Path, fmt: str = "merged", dtype: str | None = None,
@@ -124,8 +142,9 @@ def _vllm(cfg, shipped: Path, adapter: dict, to: Path) -> None:
                          "DoRA's magnitude included, folded into a 16-bit model that vLLM serves as it is).")
     _, full = _source(cfg)
     tensors = load_file(str(shipped / "adapter_model.safetensors"))
+    family = EXPORTS[family_of_type(full.model_type).name] if full is not None else FamilyExport()
     if full is not None:
-        unwrapped = VLLM_UNWRAPPED.get(family_of_type(full.model_type).name, ())
+        unwrapped = family.vllm_unwrapped
         hit = sorted({k.split(".lora_")[0].rpartition(".")[2] for k in tensors} & set(unwrapped))
         if hit:
             raise ValueError(f"--format vllm: the adapter trains {', '.join(hit)}, which vLLM's LoRA layers for this "
@@ -138,7 +157,7 @@ def _vllm(cfg, shipped: Path, adapter: dict, to: Path) -> None:
     for k in tensors:
         if not (k.startswith(prefix) and k.endswith((".lora_A.weight", ".lora_B.weight"))):
             raise ValueError(f"{shipped}: adapter tensor {k!r} is not a LoRA A/B weight; vLLM reads only those")
-    fused = full is not None and any(a in VLLM_3D_MOE for a in (getattr(full, "architectures", None) or ()))
+    fused = full is not None and any(a in family.vllm_3d_experts for a in (getattr(full, "architectures", None) or ()))
     dense = {k: v for k, v in tensors.items() if not is_expert_lora_key(k)}
     experts = vllm_expert_lora(tensors, int(adapter["r"]), fused=fused)
     out = {}

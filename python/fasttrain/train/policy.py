@@ -82,8 +82,9 @@ def build_policy(cfg: Config, device: torch.device):
     for prm in model.parameters():
         prm.requires_grad_(False)
     from fasttrain.models.families import adapter_targets, nf4_targets
-    from fasttrain.models.moe import moe_surgery, train_router
-    moe_surgery(model, nf4=p.quantize == "nf4")          # the MoE families' experts (dense models: no-op)
+    from fasttrain.models.family_surgery import family_surgery
+    from fasttrain.models.moe import train_router
+    family_surgery(model, nf4=p.quantize == "nf4")       # the family's own (the MoE families' experts)
     if p.quantize == "nf4" and next(nf4_layers(model), None) is None:   # not streamed: quantize here
         quantize_model(model, targets=nf4_targets(model))
     kept_16bit = tuple(t for t in adapter_targets(model) if p.quantize == "none" or t not in nf4_targets(model))

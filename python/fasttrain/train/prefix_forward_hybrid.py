@@ -9,9 +9,9 @@ Projections, norms and the MLP run over the U·P prompt tokens and the B·(T-1) 
 together, one matmul each. Under gradient checkpointing each decoder layer is one checkpointed
 function of (prompt hidden states, answer hidden states), with the model's own checkpoint function.
 
-The layer math is the hybrid decoder's (fasttrain.rollout.hybrid_decoder: the same module calls),
-so the rollout and the update are one implementation of the model apart from how the sequence is
-cut. Padded prompt positions are zeroed before the Gated DeltaNet projections (so the state stays 0)
+The layer pieces are the family view's (fasttrain.models.family_view.HybridView), which the
+rollout's hybrid decoder runs too, so the rollout and the update are one implementation of the
+model apart from how the sequence is cut. Padded prompt positions are zeroed before the Gated DeltaNet projections (so the state stays 0)
 and masked in attention.
 
 Packed answers (`hybrid_packed_hidden`, reached through prefix_forward.shared_prefix_selected; its
@@ -36,21 +36,21 @@ from torch import Tensor
 
 from fasttrain.ops.attention import masked_attention
 from fasttrain.ops.gated_delta import causal_conv1d, gated_delta_rule
-from fasttrain.rollout.hybrid_decoder import HybridDecoder, rotate_partial
+from fasttrain.models.family_view import HybridView
 from fasttrain.train.answer_packing import AnswerPacking, bucket_masks
-from fasttrain.train.prefix_forward import per_row, prefix_masks, prompt_groups, run_layers
+from fasttrain.train.prefix_common import per_row, prefix_masks, prompt_groups, run_layers, trains_with_dropout
 
 __all__ = ["shared_prefix_hidden_hybrid", "hybrid_packed_hidden"]
 
 
 def shared_prefix_hidden_hybrid(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                                prompt_len: int, T: int, prompt_index: Tensor | None = None, routing=None,
-                                wrap=None) -> Tensor | None:
+                                prompt_len: int, T: int, prompt_index: Tensor | None = None, wrap=None,
+                                routing=None) -> Tensor | None:
     """As fasttrain.train.prefix_forward.shared_prefix_hidden: final-norm hidden states [B, T, H]
     predicting each row's answer tokens, every distinct prompt run once (`routing`: unused here;
     `wrap(i, run)` runs layer i)."""
-    dec = HybridDecoder(model)
-    if dec.model.training and float(getattr(dec.model.config, "attention_dropout", 0.0) or 0.0) > 0:
+    dec = HybridView(model)
+    if trains_with_dropout(dec):
         return None
     P, A = prompt_len, T - 1
     B = input_ids.shape[0]
@@ -113,32 +113,21 @@ def _attention(c: _Context, attn, h_p: Tensor, h_a: Tensor) -> tuple[Tensor, Ten
     dec = c.dec
     U, P = h_p.shape[:2]
     B, A = h_a.shape[:2]
-    qg, k, v = dec._project(_stack(h_p, h_a), (attn.q_proj, attn.k_proj, attn.v_proj))
+    qg, k, v = dec.project(_stack(h_p, h_a), (attn.q_proj, attn.k_proj, attn.v_proj))
     (qg_p, qg_a), (k_p, k_a), (v_p, v_a) = (_unstack(t, U, P, B, A) for t in (qg, k, v))
-    q_p, k_p, v_p, gate_p = _heads(dec, attn, qg_p, k_p, v_p, c.cos_p, c.sin_p)
+    q_p, k_p, v_p, gate_p = dec.heads(attn, qg_p, k_p, v_p, c.cos_p, c.sin_p)
     o_p = _attend(dec, q_p, k_p, v_p, c.prompt_mask) * torch.sigmoid(gate_p)
     if A > 0:
-        q_a, k_a, v_a, gate_a = _heads(dec, attn, qg_a, k_a, v_a, c.cos_a, c.sin_a)
+        q_a, k_a, v_a, gate_a = dec.heads(attn, qg_a, k_a, v_a, c.cos_a, c.sin_a)
         keys = torch.cat([per_row(k_p, c.inverse), k_a], dim=2)                  # [B, kv, P+A, D]
         values = torch.cat([per_row(v_p, c.inverse), v_a], dim=2)
         o_a = _attend(dec, q_a, keys, values, c.answer_mask) * torch.sigmoid(gate_a)
     else:
         o_a = o_p.new_empty(B, 0, o_p.shape[-1])
-    return _unstack(dec._project(_stack(o_p, o_a), (attn.o_proj,))[0], U, P, B, A)
+    return _unstack(dec.project(_stack(o_p, o_a), (attn.o_proj,))[0], U, P, B, A)
 
 
-def _heads(dec: HybridDecoder, attn, qg: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor):
-    """Projections [n, s, ·] -> q [n, nh, s, D], k, v [n, kv, s, D] normed and rotated, gate [n, s, nh·D]."""
-    n, s_ = qg.shape[:2]
-    D = dec.head_dim
-    q, gate = qg.view(n, s_, dec.n_heads, 2 * D).chunk(2, dim=-1)
-    q = attn.q_norm(q).transpose(1, 2)
-    k = attn.k_norm(k.view(n, s_, dec.n_kv, D)).transpose(1, 2)
-    v = v.view(n, s_, dec.n_kv, D).transpose(1, 2)
-    return rotate_partial(q, cos, sin), rotate_partial(k, cos, sin), v, gate.reshape(n, s_, dec.n_heads * D)
-
-
-def _attend(dec: HybridDecoder, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+def _attend(dec: HybridView, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     """q [n, nh, s, D] over keys/values [n, kv, L, D] -> [n, s, nh·D] (grouped-query: K/V repeated)."""
     G = dec.group
     if G > 1:
@@ -172,8 +161,8 @@ def hybrid_packed_hidden(model, input_ids: Tensor, attention_mask: Tensor, posit
                          inverse: Tensor, first: Tensor, pk: AnswerPacking) -> Tensor | None:
     """shared_prefix_hidden_hybrid with the answers packed as `pk` says (its rows' real tokens
     first: pack_answers(contiguous=True)): the hidden states [n, H] of pk's wanted positions."""
-    dec = HybridDecoder(model)
-    if dec.model.training and float(getattr(dec.model.config, "attention_dropout", 0.0) or 0.0) > 0:
+    dec = HybridView(model)
+    if trains_with_dropout(dec):
         return None
     P = prompt_len
     A = pk.keep.shape[1]
@@ -217,12 +206,12 @@ def _unstack_packed(t: Tensor, U: int, P: int) -> tuple[Tensor, Tensor]:
 def _attention_packed(c: _Packed, attn, h_p: Tensor, h_a: Tensor) -> tuple[Tensor, Tensor]:
     dec, pk = c.dec, c.pk
     U, P = h_p.shape[:2]
-    qg, k, v = dec._project(_stack_packed(h_p, h_a), (attn.q_proj, attn.k_proj, attn.v_proj))
+    qg, k, v = dec.project(_stack_packed(h_p, h_a), (attn.q_proj, attn.k_proj, attn.v_proj))
     (qg_p, qg_a), (k_p, k_a), (v_p, v_a) = (_unstack_packed(t, U, P) for t in (qg, k, v))
-    q_p, k_p, v_p, gate_p = _heads(dec, attn, qg_p, k_p, v_p, c.cos_p, c.sin_p)
+    q_p, k_p, v_p, gate_p = dec.heads(attn, qg_p, k_p, v_p, c.cos_p, c.sin_p)
     o_p = _attend(dec, q_p, k_p, v_p, c.prompt_mask) * torch.sigmoid(gate_p)
     # the packed answers as one row of N tokens for the norms and the rotation, then [N, heads, D]
-    q_a, k_a, v_a, gate_a = _heads(dec, attn, qg_a[None], k_a[None], v_a[None], c.cos_a, c.sin_a)
+    q_a, k_a, v_a, gate_a = dec.heads(attn, qg_a[None], k_a[None], v_a[None], c.cos_a, c.sin_a)
     q_a, k_a, v_a = q_a[0].transpose(0, 1), k_a[0].transpose(0, 1), v_a[0].transpose(0, 1)
     per_bucket = []
     for bucket, mask in zip(pk.buckets, c.masks):
@@ -232,7 +221,7 @@ def _attention_packed(c: _Packed, attn, h_p: Tensor, h_a: Tensor) -> tuple[Tenso
         per_bucket.append(_attend(dec, pk.pad(q_a, bucket).transpose(1, 2), keys, values, mask))
     o_a = pk.unpad(per_bucket) if per_bucket else gate_a.new_empty(0, gate_a.shape[-1])
     o_a = o_a * torch.sigmoid(gate_a[0])
-    return _unstack_packed(dec._project(_stack_packed(o_p, o_a), (attn.o_proj,))[0], U, P)
+    return _unstack_packed(dec.project(_stack_packed(o_p, o_a), (attn.o_proj,))[0], U, P)
 
 
 def _delta_packed(c: _Packed, la, h_p: Tensor, h_a: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,7 +1,8 @@
 """The update's shared-prefix forward for the mixture-of-experts families, with routing replay.
 
-The layers run as their base family runs them (qwen3_moe: the Llama family's forward in
-train/prefix_forward.py; qwen3_5_moe: the hybrid's in train/prefix_forward_hybrid.py), the MoE
+The layers run as their base family runs them (`with_routing_replay(base)`, base the base family's
+forward: qwen3_moe the Llama family's in train/prefix_forward_llama.py, qwen3_5_moe the hybrid's in
+train/prefix_forward_hybrid.py; train/prefix_forward.py's PREFIX_FORWARDS pairs them), the MoE
 layers' MLP being fasttrain.nn.MoEBlock. What is added: each decoder layer runs with its MoE
 block's routing slot set, inside the layer's own function, so a gradient-checkpoint recompute
 routes exactly as the forward did. With a rollout record (fasttrain.rollout.moe_routing.ReplayRouting)
@@ -18,11 +19,10 @@ import functools
 import torch
 from torch import Tensor
 
-from fasttrain.models.families import family_of
 from fasttrain.nn.moe_experts import moe_blocks, routing_slot
-from fasttrain.train.prefix_forward import llama_prefix_hidden, prompt_groups
+from fasttrain.train.prefix_common import prompt_groups
 
-__all__ = ["shared_prefix_hidden_moe"]
+__all__ = ["with_routing_replay"]
 
 
 class _LayerSlot:
@@ -46,11 +46,16 @@ def _routed(block, slot, run, x_p, x_a):
         return run(x_p, x_a)
 
 
-def shared_prefix_hidden_moe(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                             prompt_len: int, T: int, prompt_index: Tensor | None = None, routing=None,
-                             wrap=None) -> Tensor | None:
-    """As fasttrain.train.prefix_forward.shared_prefix_hidden, the rollout's `routing` (a ReplayRouting
-    of these rows, or None) replayed per MoE layer."""
+def with_routing_replay(base_forward):
+    """The shared-prefix forward of a mixture of experts whose layers run as `base_forward` (its base
+    family's, with the same arguments) runs them: as fasttrain.train.prefix_forward.shared_prefix_hidden,
+    the rollout's `routing` (a ReplayRouting of these rows, or None) replayed per MoE layer."""
+    return functools.partial(_replayed, base_forward)
+
+
+def _replayed(base_forward, model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+              prompt_len: int, T: int, prompt_index: Tensor | None = None, wrap=None,
+              routing=None) -> Tensor | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = base.model.layers
     block_of = {id(layer.mlp): n for n, layer in enumerate(layers)}
@@ -72,9 +77,5 @@ def shared_prefix_hidden_moe(model, input_ids: Tensor, attention_mask: Tensor, p
         j, block = at_layer[i]
         return functools.partial(_routed, block, None if routing is None else _LayerSlot(routing, j), run)
 
-    if family_of(base).name == "qwen3_5_moe":
-        from fasttrain.train.prefix_forward_hybrid import shared_prefix_hidden_hybrid
-        return shared_prefix_hidden_hybrid(model, input_ids, attention_mask, position_ids, prompt_len, T,
-                                           prompt_index, wrap=layer_wrap)
-    return llama_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index,
-                               wrap=layer_wrap)
+    return base_forward(model, input_ids, attention_mask, position_ids, prompt_len, T, prompt_index,
+                        wrap=layer_wrap)
