@@ -27,14 +27,14 @@ Public API (what the trainer consumes):
     The built-in SignalEnvironment also takes `record=False` in score/score_many (probes and
     evaluation: do not add answers to the novelty archive).
 
-Built-in channels and priorities (formulas in fasttrain.envs.signal_env): core 3.0,
+Built-in channels and priorities (formulas in fasttrain.tasks.signal.env): core 3.0,
 stability 1.0, action_cost 1.0, secondary 1.0, complexity 0.2, format 1.0, syntax 1.0,
 novelty 1.0, neutrality 1.0, min_activity 1.0, pattern_guard 0.3, stress 1.0.
 Format and syntax give partial credit (tags present; tokenizes / parses / within limits) so a
 weak policy sees a gradient before its first valid answer. Model output is parsed by
-fasttrain.envs.signal_lang and never executed.
+fasttrain.tasks.signal.lang and never executed.
 
-Example plug-in (tests/envs/toy_plugin.py is a full one):
+Example plug-in (tests/support/toy_plugin.py is a full one):
 
     from fasttrain.envs import Channel, Prompt, Score
     class Echo:

@@ -25,6 +25,9 @@ from typing import Any, Sequence
 from .protocol import Channel, Environment, Prompt, Score, check_score, invalid_score
 
 BUILTINS = ("signal-a", "signal-b", "dataset", "reasoning-gym")
+# The signal worlds are a built-in task (fasttrain.tasks.signal, in the layer above this one): named
+# here by their class's spec, as a recipe names a plug-in, so envs/ imports no task. Not guarded.
+SIGNAL_SPEC = "fasttrain.tasks.signal.env:SignalEnvironment"
 log = logging.getLogger("fasttrain.envs")
 
 
@@ -150,9 +153,9 @@ def load_env(spec: str, **kwargs: Any) -> Environment:
     if spec == "reasoning-gym":
         from .reasoning_gym import ReasoningGymEnvironment
         return ReasoningGymEnvironment(**kwargs)
-    if spec in BUILTINS:
-        from .signal_env import SignalEnvironment
-        return SignalEnvironment(spec[-1], **kwargs)
+    if spec in BUILTINS:                                # "signal-a", "signal-b"
+        module_name, _, attr = SIGNAL_SPEC.partition(":")
+        return getattr(importlib.import_module(module_name), attr)(spec[-1], **kwargs)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"unknown environment {spec!r}: use one of {BUILTINS} or 'package.module:factory'")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from fasttrain.envs import INVALID_CORE, Environment, Prompt, load_env
-from fasttrain.envs.panel import World, generate_panel
-from fasttrain.envs.signal_env import SignalEnvironment, squash
-from fasttrain.envs.signal_lang import evaluate, parse
+from fasttrain.tasks.signal.panel import World, generate_panel
+from fasttrain.tasks.signal.env import SignalEnvironment, squash
+from fasttrain.tasks.signal.lang import evaluate, parse
 
 CHANNELS = ["core", "stability", "action_cost", "secondary", "complexity", "format", "syntax",
             "novelty", "neutrality", "min_activity", "pattern_guard", "stress"]
@@ -199,7 +199,7 @@ def test_prompts_are_deterministic_versioned_and_probe_unseen(env_a):
 _FINGERPRINT = r"""
 import hashlib, numpy as np
 from fasttrain.envs import load_env
-from fasttrain.envs.panel import WORLD_A, generate_panel
+from fasttrain.tasks.signal.panel import WORLD_A, generate_panel
 h = hashlib.sha256()
 for k, v in sorted(generate_panel(WORLD_A).items()):
     h.update(k.encode()); h.update(v.tobytes())
@@ -250,7 +250,7 @@ def test_every_example_a_prompt_shows_is_valid_for_that_prompt(variant, env_a, e
     real model, leaving GDPO nothing to rank). Each must be valid for that very prompt (its fields)
     and within its budget, on every train and probe prompt: an example the prompt forbids teaches an
     answer the verifier rejects."""
-    from fasttrain.envs.signal_lang import count_nodes
+    from fasttrain.tasks.signal.lang import count_nodes
     env = env_a if variant == "a" else env_b
     prompts, answers, seen = [], [], set()
     for p in env.prompts("train") + env.prompts("probe"):
