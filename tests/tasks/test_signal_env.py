@@ -6,7 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from fasttrain.envs import INVALID_CORE, Environment, Prompt, load_env
+from fasttrain.envs import INVALID_CORE, Environment, Prompt
+from fasttrain.tasks import load_env
 from fasttrain.tasks.signal.panel import World, generate_panel
 from fasttrain.tasks.signal.env import SignalEnvironment, squash
 from fasttrain.tasks.signal.lang import evaluate, parse
@@ -41,6 +42,19 @@ def test_protocol_surface(env_a, env_b):
         env_a.score(OPEN, REVERSAL, "slice0")
     with pytest.raises(ValueError):
         load_env("signal-b", train_slice="slice9")
+
+
+def test_the_signal_worlds_load_by_name_through_the_tasks_and_other_names_pass_to_envs():
+    from fasttrain import envs
+    from fasttrain.envs.reasoning_gym import ReasoningGymEnvironment
+    from fasttrain.tasks.signal import ENV_NAME
+    from fasttrain.tasks.signal.env import SignalEnvironment
+    assert ENV_NAME == "signal-a" and isinstance(load_env(ENV_NAME), SignalEnvironment)
+    assert isinstance(load_env("support.toy_plugin:make_env"), envs.GuardedEnvironment)   # a plug-in: guarded
+    assert isinstance(load_env("reasoning-gym", generators={"gcd": {}}, train_rows=4, probe_rows=2),
+                      ReasoningGymEnvironment)
+    with pytest.raises(ValueError, match="fasttrain.tasks.load_env"):     # envs/ knows no task
+        envs.load_env("signal-a")
 
 
 def test_format_and_syntax_give_partial_credit(env_a):
@@ -198,7 +212,7 @@ def test_prompts_are_deterministic_versioned_and_probe_unseen(env_a):
 
 _FINGERPRINT = r"""
 import hashlib, numpy as np
-from fasttrain.envs import load_env
+from fasttrain.tasks import load_env
 from fasttrain.tasks.signal.panel import WORLD_A, generate_panel
 h = hashlib.sha256()
 for k, v in sorted(generate_panel(WORLD_A).items()):

@@ -89,7 +89,7 @@ class PolicySection:
 
 @dataclass(frozen=True)
 class EnvSection:
-    name: str = signal_task.ENV_NAME        # fasttrain.envs.load_env spec
+    name: str = signal_task.ENV_NAME        # fasttrain.tasks.load_env spec
     prompts: str = ""                       # a prompt selection written by `fasttrain filter`
     train_slice: str = "train"              # data slice for training rewards and the selector
     holdout_slice: str = "holdout"          # later slice, verifies the shipped checkpoint
@@ -122,7 +122,7 @@ class EnvSection:
     curriculum_lower: float = 0.25          # down one level below this
 
     def load_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for fasttrain.envs.load_env(name, ...)."""
+        """Keyword arguments for fasttrain.tasks.load_env(name, ...)."""
         if self.name == "reasoning-gym":
             return {"generators": {k: dict(v) for k, v in self.generators.items()}, "train_rows": self.train_rows,
                     "probe_rows": self.probe_rows, "data_seed": self.data_seed, "curriculum": self.curriculum,

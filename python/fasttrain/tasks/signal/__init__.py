@@ -1,7 +1,7 @@
 """The built-in signal task, worlds A and B: a frozen synthetic asset panel (`panel`), the signal
 language the answers are written in (`lang`: parsed, never executed), the prompts (`prompts`) and
-the environment that scores an answer on twelve channels (`env`, loaded as `load_env("signal-a")`
-or `"signal-b"`).
+the environment that scores an answer on twelve channels (`env`, loaded as
+fasttrain.tasks.load_env("signal-a") or `"signal-b"`).
 
 The task's defaults for a recipe live here, and fasttrain.train.config reads them: ENV_NAME is the
 environment a recipe gets when it names none (`env.name`), PRIORITIES the channel priorities it
