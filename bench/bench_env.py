@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from fasttrain.envs import load_env
+from fasttrain.tasks import load_env
 
 FAMILIES = ["rank(-ts_delta(close, {w}))", "-ts_mean(returns, {w})", "{f} / ts_mean({f}, {w})",
             "ts_corr(close, volume, {w})", "zscore(-ts_mean(returns, {w}) / ts_std(returns, 20))",

@@ -3,7 +3,7 @@ files with the same settings, every adapter scored by one evaluator that neither
 
 What it compares (each run in its own subprocess, one after another, never two at once):
   task       one dataset file and one reward-function file read by both trainers (default: the
-             `fasttrain init` starter, python/fasttrain/starter/: data.jsonl with its last 100 rows
+             `fasttrain init` starter, python/fasttrain/tasks/starter/: data.jsonl with its last 100 rows
              held out, rewards.py's `correct` and `concise` weighted 3 : 1, system prompt
              "Answer with the number only.")
   fasttrain  `Trainer` on the dataset environment: GDPO over the two rewards (batch-normalised),
@@ -74,7 +74,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "python"))
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-STARTER = ROOT / "python" / "fasttrain" / "starter"
+STARTER = ROOT / "python" / "fasttrain" / "tasks" / "starter"
 TASKS_DIR = ROOT / "python" / "fasttrain" / "tasks"
 # --task: the task files both trainers read. "starter": the `fasttrain init` arithmetic (its last 100 rows held
 # out). "countdown": the packaged countdown_small variant (fasttrain.tasks.countdown, sized for a 135M model), its

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import host_precision, machine_name, row, write_csv  # noqa: E402
 
-from fasttrain.envs import load_env  # noqa: E402
+from fasttrain.tasks import load_env  # noqa: E402
 from fasttrain.models import chat_prompt_ids, load_policy  # noqa: E402
 from fasttrain.rollout import sample  # noqa: E402
 

@@ -234,7 +234,7 @@ def fasttrain_config(a, out_dir: str, selection: str):
 def step_prompts(a):
     """The prompts of steps 1..warmup+steps, in fasttrain's order: first K*n train prompts,
     written as a prompt selection so both sides see exactly these, step by step."""
-    from fasttrain.envs import load_env
+    from fasttrain.tasks import load_env
     env = load_env("signal-a")
     k = (a.warmup + a.steps) * a.prompts
     return env, env.prompts("train")[:k]
@@ -521,7 +521,7 @@ def worker_trl(a) -> dict:
 
 def worker_rollout(a) -> dict:
     import torch
-    from fasttrain.envs import load_env
+    from fasttrain.tasks import load_env
     from fasttrain.models import chat_prompt_ids
     from fasttrain.rollout import sample
     dtype = torch.bfloat16 if a.rollout_dtype == "bf16" else torch.float32

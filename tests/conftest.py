@@ -33,7 +33,7 @@ settings.load_profile("fasttrain")
 # The folders whose tests run tiny models at most: each of their tests gets the `one_thread` mark
 # (one_thread_for_tiny_models below). A module elsewhere opts in with `pytestmark = pytest.mark.one_thread`.
 TESTS = Path(__file__).parent
-ONE_THREAD_FOLDERS = ("agents", "cuda_emu", "cuda_trace", "export", "integrations", "models", "moe", "plan", "rollout")
+ONE_THREAD_FOLDERS = ("cuda_emu", "cuda_trace", "integrations", "models", "plan", "rollout")
 
 
 def pytest_collection_modifyitems(config, items):

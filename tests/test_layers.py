@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     (4, "selftest", ("fasttrain.selftest",)),
     (5, "rl", ("fasttrain.rl",)),
     (5, "envs", ("fasttrain.envs",)),
-    (6, "tasks", ("fasttrain.tasks", "fasttrain.starter", "fasttrain.recipes")),
+    (6, "tasks", ("fasttrain.tasks", "fasttrain.recipes")),
     (7, "rollout", ("fasttrain.rollout",)),
     (8, "plan", ("fasttrain.plan",)),
     (9, "train", ("fasttrain.train",)),

@@ -1,6 +1,6 @@
 """The tests share their helpers through one package, tests/support (imported as `support.…`, on pytest's
 pythonpath): no file under tests/ changes the import path, and none imports another test module, a
-conftest, or a script of bench/."""
+conftest, or a script of bench/ (by an import or by its file's path)."""
 import ast
 import re
 from pathlib import Path
@@ -10,13 +10,22 @@ TESTS = Path(__file__).parent
 PATH_CHANGE = re.compile(r"sys\.path\s*(\.\s*(insert|append|extend|remove)\s*\(|\[[^\]]*\]\s*=|\s*[+]?=[^=])"
                          r"|syspath_prepend\s*\(")
 BENCH_MODULES = {p.stem for p in (TESTS.parent / "bench").glob("*.py")} | {"bench"}
+# loading a module from a file's path (how a test would reach a script of bench/ without an import)
+BY_PATH = ("spec_from_file_location", "SourceFileLoader", "run_path")
 
 
 def violations(source: str) -> list[str]:
     """What in a test file's source breaks the rule above, one line each."""
     out = [f"line {source.count(chr(10), 0, m.start()) + 1}: changes the import path ({m.group(0).strip()})"
            for m in PATH_CHANGE.finditer(source)]
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    loads_by_path = any((n.attr if isinstance(n, ast.Attribute) else n.id) in BY_PATH
+                        for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name)))
+    if loads_by_path:
+        out += [f"line {n.lineno}: loads a file of bench/ by its path ({n.value!r})" for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and (n.value == "bench" or n.value.startswith("bench/"))]
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -56,10 +65,14 @@ def test_the_import_check_catches_what_it_is_for():
         "test module in a package": "from plan.test_planned_time import _fake_rates\n",
         "conftest": "def f():\n    from conftest import make_tiny_recipe\n",
         "bench": "from harness import RESULTS\n",
+        "bench by path": ("import importlib.util\nspec = importlib.util.spec_from_file_location('s', ROOT / 'bench' / "
+                          "'soak.py')\n"),
+        "bench by run_path": "import runpy\nsoak = runpy.run_path('bench/soak.py')\n",
     }
     for what, source in planted.items():
         assert violations(source), what
     allowed = ("import os, sys\nenv = {'PYTHONPATH': os.pathsep.join(sys.path)}\n"
                "from support.tiny_world import tiny_policy\nfrom cuda_emu.emulator import emu\n"
-               "from fasttrain.train.run_files import read_jsonl\nif sys.path == []:\n    pass\n")
+               "from fasttrain.train.run_files import read_jsonl\nif sys.path == []:\n    pass\n"
+               "spec = importlib.util.spec_from_file_location('tools_here', tmp / 'tools.py')\n")
     assert violations(allowed) == []

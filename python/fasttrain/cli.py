@@ -215,7 +215,7 @@ def init(name: str = typer.Argument(..., help="folder to create for the task, e.
                                                           "(needs the reasoning-gym extra)")) -> None:
     """Write a starter task (300 arithmetic questions, reward functions, a recipe; --tools: and a tool;
     --reasoning-gym: a recipe on reasoning-gym's generators) to train at once."""
-    from fasttrain.starter import write_reasoning_gym_recipe, write_starter
+    from fasttrain.tasks.starter import write_reasoning_gym_recipe, write_starter
 
     try:
         if reasoning_gym is not None:

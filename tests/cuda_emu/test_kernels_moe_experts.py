@@ -13,8 +13,8 @@ H = 200, I = 80, so that every tiling ends in a partial tile (200 = 3·64 + 8 ou
 columns, 80 = 2·32 + 16 gate/up pairs, 80 = 64 + 16 down columns); every case leaves its last expert without tokens (moe_inputs), whose LoRA gradients must come out
 exactly zero.
 
-Bounds: the selftest's (fasttrain/selftest/cases/moe.py, shared with tests/moe): every output is a chain of
-sums of products, so its error is at most (L + c)·u times the chain's magnitude with every factor
+Bounds: the selftest's (fasttrain/selftest/cases/moe.py, shared with tests/ops/test_moe_*.py): every output
+is a chain of sums of products, so its error is at most (L + c)·u times the chain's magnitude with every factor
 replaced by its absolute value, L the longest sums (H + 2I + 2r + k, plus N for a parameter's
 gradient) and c the roundings on the way; the grouping (order, offsets) is compared exactly.
 """

@@ -86,7 +86,7 @@ def _record_implementations(monkeypatch, seen: set, states: list):
         monkeypatch.setattr(mod, name, inner)
 
     wrap(gd, "_fla", "gated_delta_rule:fla", (6,))
-    wrap(gd, "_chunked", "gated_delta_rule:torch", (6,))
+    wrap(gd, "chunked_rule", "gated_delta_rule:torch", (6,))
     wrap(gd, "_fused", "gated_delta_rule:fused", (6,))
     wrap(gd, "_conv_package", "causal_conv1d:causal_conv1d")
     wrap(gd, "_conv_torch", "causal_conv1d:torch")

@@ -12,7 +12,7 @@ from support.checkpoints import HYBRID_TEXT, word_tokenizer
 def test_qwen3_5_is_a_supported_family():
     assert {"qwen3_5", "qwen3_5_text"} <= set(SUPPORTED_FAMILIES)
     assert family_of_type("qwen3_5_text").name == "qwen3_5"
-    assert family_of_type("qwen3_5_moe").name == "qwen3_5_moe"          # the MoE family (tests/moe)
+    assert family_of_type("qwen3_5_moe").name == "qwen3_5_moe"          # the MoE family (test_moe_models.py)
     with pytest.raises(ValueError, match="qwen2_moe.*not supported.*qwen3_5"):
         family_of_type("qwen2_moe")
 

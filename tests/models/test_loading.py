@@ -87,7 +87,7 @@ def test_system_message_states_the_format_once():
 
 @pytest.mark.slow
 def test_chat_prompt_ids_smollm2(smollm2):
-    from fasttrain.envs import load_env
+    from fasttrain.tasks import load_env
     from fasttrain.models import chat_prompt_ids
 
     _, tok = smollm2

@@ -207,12 +207,14 @@ def test_gradients_in_float32_and_bf16_within_float32_roundings(dtype, decay):
     want = run(R.gated_delta_rule, [t.double() for t in ins])
     got = run(F.gated_delta_rule, ins, chunk_size=5)
     u32 = 2.0 ** -24
-    # the chunked form replaces a decay factor below e^floor by e^floor (fasttrain.ops.gated_delta._floor):
+    # the chunked form replaces a decay factor below e^floor by e^floor (gated_delta_chunked.decay_floor):
     # each of a result's products changes by at most e^floor times that product without the factor,
     # which the problem's largest result bounds; at most T + C such products per entry
-    from fasttrain.ops.gated_delta import _floor, gated_delta_backend
+    from fasttrain.ops.gated_delta import gated_delta_backend
+    from fasttrain.ops.gated_delta_chunked import decay_floor
     scale_all = max(float(b.detach().abs().max()) for b in want)
-    clamp = math.exp(_floor(torch.float32)) * (23 + 5) * scale_all if gated_delta_backend("cpu") == "torch" else 0.0
+    clamp = (math.exp(decay_floor(torch.float32)) * (23 + 5) * scale_all if gated_delta_backend("cpu") == "torch"
+             else 0.0)
     for name, a, b in zip(("o", "S", "q", "k", "v", "g", "beta", "initial_state"), got, want):
         out_round = 2.0 ** -8 if (name == "o" or name in ("q", "k", "v", "g", "beta")) and dtype == torch.bfloat16 else 0
         bound = (4 * _roundings(23, 5, 16) * u32 * 50 + out_round) * float(b.detach().abs().max()) + clamp

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_greedy_matches_hf_generate_smollm2(smollm2):
-    from fasttrain.envs import load_env
+    from fasttrain.tasks import load_env
 
     model, tok = smollm2
     env = load_env("signal-a")

@@ -1,5 +1,5 @@
-"""Small checkpoints on disk and what the loading tests measure of them (tests/models, tests/export,
-tests/moe): the hybrid's text config, a word-level tokenizer, the same-bytes check of two loaded
+"""Small checkpoints on disk and what the loading tests measure of them (tests/models, the export
+tests in tests/train and tests/nn): the hybrid's text config, a word-level tokenizer, the same-bytes check of two loaded
 models and the peak of live tensor bytes during a call."""
 import torch
 from torch.profiler import ProfilerActivity, profile

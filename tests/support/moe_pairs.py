@@ -1,5 +1,5 @@
 """Both MoE families in float64 beside fasttrain's surgery of them, the float64 oracle's forward, and the
-rollout/update helpers that tests/moe's oracle tests share."""
+rollout/update helpers that the MoE families' oracle tests share."""
 import copy
 from contextlib import ExitStack
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 pytest.importorskip("datasets")
 
 from fasttrain.cli import app  # noqa: E402
-from fasttrain.starter import write_starter  # noqa: E402
+from fasttrain.tasks.starter import write_starter  # noqa: E402
 from fasttrain.train import ConfigError, Trainer, load_config  # noqa: E402
 from fasttrain.train.run_files import read_jsonl
 

@@ -3,7 +3,7 @@ from typer.testing import CliRunner
 
 import fasttrain.train.trainer as trainer_mod
 from fasttrain.cli import app
-from fasttrain.starter import write_starter
+from fasttrain.tasks.starter import write_starter
 
 
 def test_dry_run_checks_data_and_rewards_and_loads_no_weights(tmp_path, monkeypatch):

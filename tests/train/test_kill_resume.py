@@ -72,7 +72,7 @@ def _recipe(tiny_recipe, out: Path, env: dict) -> dict:
 
 
 def _dataset_env(tiny) -> dict:
-    from fasttrain.starter import write_starter
+    from fasttrain.tasks.starter import write_starter
     write_starter(tiny / "task")
     rewards = TESTS / "support" / "dataset_rewards.py"
     return {"env.name": "dataset", "env.dataset": str(tiny / "task" / "data.jsonl"), "env.probe_rows": 4,

@@ -9,7 +9,10 @@ import torch
 
 from fasttrain.train import Trainer, TrainingStopped, load_config
 
-PHASE_FN = {"rollout": "sample_answers", "scores": "score_batch", "update": "update_policy"}
+# each phase's function, in the module whose code calls it
+PHASE_FN = {"rollout": ("fasttrain.train.answers", "sample_answers"),
+            "scores": ("fasttrain.train.trainer", "score_batch"),
+            "update": ("fasttrain.train.trainer", "update_policy")}
 
 
 def _rows(run):
@@ -22,9 +25,10 @@ def _same(a, b):
         [{k: v for k, v in r.items() if not k.startswith(skip)} for r in b]
 
 
-def _oom_once(monkeypatch, fn_name: str, at_call: int, after_real: bool = False):
-    import fasttrain.train.trainer as trainer_mod
-    real, calls = getattr(trainer_mod, fn_name), [0]
+def _oom_once(monkeypatch, where: tuple[str, str], at_call: int, after_real: bool = False):
+    import importlib
+    module, fn_name = importlib.import_module(where[0]), where[1]
+    real, calls = getattr(module, fn_name), [0]
 
     def f(*a, **kw):
         calls[0] += 1
@@ -33,7 +37,7 @@ def _oom_once(monkeypatch, fn_name: str, at_call: int, after_real: bool = False)
                 real(*a, **kw)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return real(*a, **kw)
-    monkeypatch.setattr(trainer_mod, fn_name, f)
+    monkeypatch.setattr(module, fn_name, f)
 
 
 def _run(tiny, tiny_recipe, name, sizes_from_step2=None):

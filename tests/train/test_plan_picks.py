@@ -62,12 +62,13 @@ def test_a_run_that_fits_only_in_waves_decodes_in_the_waves_the_plan_picked(tiny
     monkeypatch.setattr(gpus, "gpu_for_device", lambda device: dataclasses.replace(gpus.gpu_spec("cpu"),
                                                                                     memory_bytes=memory))
     waves = []
-    real = trainer_module.sample_answers
+    from fasttrain.train import answers     # the rollout's chunks are sampled there
+    real = answers.sample_answers
 
     def counting(*a, **k):
         waves.append(len(a[3]))
         return real(*a, **k)
-    monkeypatch.setattr(trainer_module, "sample_answers", counting)
+    monkeypatch.setattr(answers, "sample_answers", counting)
     t2 = Trainer(cfg, progress=False)
     t2._setup()
     assert t2.sizes["rollout"] == 1

@@ -26,16 +26,19 @@ def _said(capfd) -> str:
     return " ".join((out.out + out.err).split())         # the console wraps long lines
 
 
-def _signal_in(fn_name: str, call: int, signum: int, monkeypatch) -> None:
-    import fasttrain.train.trainer as trainer_mod
-    real, calls = getattr(trainer_mod, fn_name), [0]
+def _signal_in(where: str, call: int, signum: int, monkeypatch) -> None:
+    """Send `signum` at the `call`-th call of `where`, "module:function" (the module whose code calls it)."""
+    import importlib
+    module_name, fn_name = where.split(":")
+    module = importlib.import_module(module_name)
+    real, calls = getattr(module, fn_name), [0]
 
     def wrapped(*a, **kw):
         calls[0] += 1
         if calls[0] == call:
             os.kill(os.getpid(), signum)
         return real(*a, **kw)
-    monkeypatch.setattr(trainer_mod, fn_name, wrapped)
+    monkeypatch.setattr(module, fn_name, wrapped)
 
 
 def test_sigterm_and_sigusr1_checkpoint_the_last_step_and_resume_exactly(tiny, tiny_recipe, monkeypatch, capfd):
@@ -50,14 +53,15 @@ def test_sigterm_and_sigusr1_checkpoint_the_last_step_and_resume_exactly(tiny, t
     def cli(*args):
         return lambda: app([*args, "--no-progress"], prog_name="fasttrain")
 
-    def signalled(fn_name, call, signum, *args):
+    def signalled(where, call, signum, *args):
         def go():
-            _signal_in(fn_name, call, signum, monkeypatch)
+            _signal_in(where, call, signum, monkeypatch)
             cli(*args)()
         return run_in_child(go)
 
     # SIGTERM in the rollout of step 3: step 3 is dropped, step 2 is checkpointed
-    assert signalled("sample_answers", 3, signal.SIGTERM, "run", str(tiny / "recipe.toml")) == EXIT_PREEMPTED
+    assert signalled("fasttrain.train.answers:sample_answers", 3, signal.SIGTERM, "run",
+                     str(tiny / "recipe.toml")) == EXIT_PREEMPTED
     out = _said(capfd)
     assert "received SIGTERM: stopping at the next safe point" in out, out
     assert "stopped by SIGTERM after step 2" in out, out
@@ -65,7 +69,8 @@ def test_sigterm_and_sigusr1_checkpoint_the_last_step_and_resume_exactly(tiny, t
     assert json.loads((run / "checkpoints" / "latest.json").read_text())["step"] == 2
     assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2]
     # SIGUSR1 during the update of step 4 (the 2nd update after the resume): step 4 is finished first
-    assert signalled("update_policy", 2, signal.SIGUSR1, "run", "--resume", str(run)) == EXIT_PREEMPTED
+    assert signalled("fasttrain.train.trainer:update_policy", 2, signal.SIGUSR1, "run", "--resume",
+                     str(run)) == EXIT_PREEMPTED
     assert json.loads((run / "checkpoints" / "latest.json").read_text())["step"] == 4
     assert "stopped by SIGUSR1 after step 4" in _said(capfd)
     assert run_in_child(cli("run", "--resume", str(run))) == 0

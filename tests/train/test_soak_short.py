@@ -1,22 +1,13 @@
 """The soak's short version (bench/soak.py runs 300 steps and 6 kills): 40 steps of the tiny run
 with a checkpoint every 5, SIGKILLed at 3 random points (seeded) and resumed each time, ends with
-the uninterrupted run's adapters and AdamW moments (bit for bit), metrics, samples and probes."""
-import importlib.util
+the uninterrupted run's adapters and AdamW moments (bit for bit), metrics, samples and probes.
+The runs, the kills and the comparison are support.soak, which the bench script uses too."""
 import random
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _soak():
-    spec = importlib.util.spec_from_file_location("fasttrain_bench_soak", ROOT / "bench" / "soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from support import soak
 
 
 def test_three_random_sigkills_in_40_steps_end_as_the_uninterrupted_run(tiny):
-    soak = _soak()
     ref, _ = soak.uninterrupted(soak.recipe(tiny / "full", 40, 5))
     run, events = soak.killed_run(soak.recipe(tiny / "killed", 40, 5), tiny, kills=3, rng=random.Random(0),
                                   launcher="fork", log=lambda m: None)

@@ -1,10 +1,13 @@
 """End to end on a tiny random Llama and a tiny environment: every output file, resume equality."""
 import json
+import typing
 
 import pytest
 import torch
 
+from fasttrain.safe_json import json_safe
 from fasttrain.train import Trainer, load_config
+from fasttrain.train.run_files import read_jsonl
 
 TIMING_KEYS = ("seconds_",)
 
@@ -80,3 +83,42 @@ def test_a_16bit_run_trains_its_adapters_on_the_models_own_weights(tiny, tiny_re
     again = adaptable_model(plain)
     load_adapter(again, tr.dir / "shipped" / "adapter")
     assert again.model.layers[0].self_attn.q_proj.lora_A.shape == q.lora_A.shape
+
+
+def _conforms(value, hint) -> bool:
+    """Whether `value` is of the annotation `hint` (tuple[...], dict[K, V], list[T], Any, classes)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin is tuple:
+        return (isinstance(value, tuple) and len(value) == len(args)
+                and all(_conforms(v, a) for v, a in zip(value, args)))
+    if origin is dict:
+        return isinstance(value, dict) and all(_conforms(k, args[0]) and _conforms(v, args[1])
+                                               for k, v in value.items())
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    return isinstance(value, hint)
+
+
+def test_a_step_returns_what_its_annotation_says(tiny, tiny_recipe, monkeypatch):
+    """Trainer._train_step returns its annotation's (metrics row, samples record), and they are the
+    two lines the step adds to metrics.jsonl and samples.jsonl, in that order."""
+    hint = typing.get_type_hints(Trainer._train_step)["return"]
+    assert hint == tuple[dict[str, typing.Any], dict[str, typing.Any]]
+    assert not _conforms(({"step": 1},), hint) and not _conforms(({1: 0}, {}), hint)    # the check can fail
+    returned, real = [], Trainer._train_step
+
+    def recording(self, step):
+        returned.append(real(self, step))
+        return returned[-1]
+    monkeypatch.setattr(Trainer, "_train_step", recording)
+    tr = Trainer(load_config(tiny_recipe(tiny, **{"run.steps": 2, "probe.every": 0})), progress=False)
+    tr.train()
+    metrics, samples = read_jsonl(tr.dir / "metrics.jsonl"), read_jsonl(tr.dir / "samples.jsonl")
+    assert len(returned) == len(metrics) == len(samples) == 2
+    for step, out in enumerate(returned, 1):
+        assert _conforms(out, hint), [type(v) for v in out]
+        row, record = (json.loads(json.dumps(json_safe(d))) for d in out)
+        assert row["step"] == record["step"] == step
+        assert row == metrics[step - 1] and record == samples[step - 1]

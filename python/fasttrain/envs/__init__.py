@@ -15,26 +15,24 @@ Public API (what the trainer consumes):
         .prompts(split) -> list[Prompt]          split: "train" (500) or "probe" (50 unseen)
         .score(prompt, answer_text, data_slice="train") -> Score
         .score_many(prompts, answers, data_slice="train") -> list[Score]
-    load_env(spec, **kwargs) -> Environment
-        "signal-a"                               built-in world A, slices train / holdout
-        "signal-b", train_slice=, holdout_slice= built-in world B (fees x19, stress off); also
-                                                 accepts "train"/"holdout" as slice aliases
+    load_env(spec, **kwargs) -> Environment     (fasttrain.tasks.load_env: the same, and the built-in
+                                                 tasks' names: "signal-a", "signal-b")
         "dataset", dataset=, rewards=, ...       a prompt dataset scored by reward functions in
                                                  TRL's signature (fasttrain.envs.dataset)
         "package.module:factory"                 plug-in, wrapped in GuardedEnvironment: a
                                                  raising verifier, wrong/missing channel or
                                                  non-finite value gives an invalid Score
-    The built-in SignalEnvironment also takes `record=False` in score/score_many (probes and
+    The signal task's SignalEnvironment also takes `record=False` in score/score_many (probes and
     evaluation: do not add answers to the novelty archive).
 
-Built-in channels and priorities (formulas in fasttrain.envs.signal_env): core 3.0,
+The signal task's channels and priorities (formulas in fasttrain.tasks.signal.env): core 3.0,
 stability 1.0, action_cost 1.0, secondary 1.0, complexity 0.2, format 1.0, syntax 1.0,
 novelty 1.0, neutrality 1.0, min_activity 1.0, pattern_guard 0.3, stress 1.0.
 Format and syntax give partial credit (tags present; tokenizes / parses / within limits) so a
 weak policy sees a gradient before its first valid answer. Model output is parsed by
-fasttrain.envs.signal_lang and never executed.
+fasttrain.tasks.signal.lang and never executed.
 
-Example plug-in (tests/envs/toy_plugin.py is a full one):
+Example plug-in (tests/support/toy_plugin.py is a full one):
 
     from fasttrain.envs import Channel, Prompt, Score
     class Echo:

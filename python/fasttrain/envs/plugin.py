@@ -1,8 +1,9 @@
 """Loading environments by name, and the safety wrapper around user verifiers.
 
-`load_env("signal-a")`, `load_env("signal-b", train_slice="slice1")`, or
+`load_env("dataset", ...)`, `load_env("reasoning-gym", ...)` or
 `load_env("package.module:factory", **kwargs)`: the factory is called with the kwargs and must
-return an object with the `Environment` protocol. Plug-ins are wrapped in `GuardedEnvironment`,
+return an object with the `Environment` protocol (the built-in tasks' names, "signal-a" and
+"signal-b", are fasttrain.tasks.load_env's, which passes every other name here). Plug-ins are wrapped in `GuardedEnvironment`,
 which turns every broken verdict (exception, wrong or missing channel, non-finite value,
 wrong type) into an invalid `Score` whose `reason` says what happened, so a bad verifier costs
 one answer's reward, never the run. Nothing is silent: a batch verifier (`score_many`) that
@@ -24,7 +25,7 @@ from typing import Any, Sequence
 
 from .protocol import Channel, Environment, Prompt, Score, check_score, invalid_score
 
-BUILTINS = ("signal-a", "signal-b", "dataset", "reasoning-gym")
+BUILTINS = ("dataset", "reasoning-gym")
 log = logging.getLogger("fasttrain.envs")
 
 
@@ -141,21 +142,19 @@ class GuardedEnvironment:
 
 
 def load_env(spec: str, **kwargs: Any) -> Environment:
-    """Built-in "signal-a" / "signal-b" (kwargs: train_slice, holdout_slice for B), "dataset"
-    (kwargs: see fasttrain.envs.dataset.DatasetEnvironment) or a plug-in "package.module:factory"
-    (kwargs go to the factory)."""
+    """"dataset" (kwargs: see fasttrain.envs.dataset.DatasetEnvironment), "reasoning-gym" (kwargs:
+    fasttrain.envs.reasoning_gym.ReasoningGymEnvironment's) or a plug-in "package.module:factory"
+    (kwargs go to the factory). The built-in tasks load through fasttrain.tasks.load_env."""
     if spec == "dataset":
         from .dataset import DatasetEnvironment
         return DatasetEnvironment(**kwargs)
     if spec == "reasoning-gym":
         from .reasoning_gym import ReasoningGymEnvironment
         return ReasoningGymEnvironment(**kwargs)
-    if spec in BUILTINS:
-        from .signal_env import SignalEnvironment
-        return SignalEnvironment(spec[-1], **kwargs)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"unknown environment {spec!r}: use one of {BUILTINS} or 'package.module:factory'")
+        raise ValueError(f"unknown environment {spec!r}: use one of {BUILTINS}, a built-in task's name "
+                         f"(fasttrain.tasks.load_env) or 'package.module:factory'")
     factory = importlib.import_module(module_name)
     for part in attr.split("."):
         factory = getattr(factory, part)

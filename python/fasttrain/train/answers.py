@@ -2,6 +2,7 @@
 probe and the prompt filter alike)."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Sequence
 
@@ -11,7 +12,7 @@ from fasttrain.envs import Prompt, Score
 from fasttrain.train import distributed
 
 __all__ = ["answer_token_ids", "eos_ids", "prompt_token_ids", "sample_answers", "score_answers", "has_slice",
-           "group_seeds", "join_rollouts", "tool_settings", "score_step"]
+           "group_seeds", "join_rollouts", "tool_settings", "score_step", "sample_chunks"]
 
 
 def tool_settings(cfg) -> dict:
@@ -123,6 +124,30 @@ def truncation_of(section):
     from fasttrain.rollout.sampling import Truncation
     t = Truncation(section.top_k, section.top_p, section.min_p)
     return t if t.active() else None
+
+
+def sample_chunks(model, tokenizer, env, cfg, prompts: Sequence[Prompt], seeds: Sequence[int],
+                  per_chunk: int | None, *, weights=None, prefill_chunk: int = 0):
+    """(one Rollout, the answer texts) of `prompts` (one sampling seed each) under the run config
+    `cfg`'s rollout settings, sampled `per_chunk` prompts at a time (all at once: None) and joined,
+    rows in prompt order; with rollout.replay_kept_set off the kept sets are dropped (the update
+    then scores on the whole vocabulary, as TRL does)."""
+    R = cfg.rollout
+    n = per_chunk or len(prompts)
+    parts, texts = [], []
+    for a in range(0, len(prompts), n):
+        roll, tx = sample_answers(model, tokenizer, env, prompts[a:a + n], group_size=R.group_size,
+                                  max_new_tokens=R.max_new_tokens, temperature=R.temperature, seed=seeds[a:a + n],
+                                  answer_prefix=R.answer_prefix, stop_strings=R.stop_strings, weights=weights,
+                                  compile_decode=R.compile, prefill_chunk=prefill_chunk, truncation=truncation_of(R),
+                                  tool_settings={**tool_settings(cfg), "first_slot": a * R.group_size})
+        parts.append(roll)
+        texts += tx
+    pad = getattr(model.config, "pad_token_id", None)
+    roll = join_rollouts(parts, pad if isinstance(pad, int) else 0)
+    if not R.replay_kept_set and roll.keep_delta is not None:
+        roll = dataclasses.replace(roll, keep_delta=None)
+    return roll, texts
 
 
 def join_rollouts(parts: Sequence, pad_id: int):

@@ -21,6 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from fasttrain.tasks import signal as signal_task
+
 __all__ = ["ConfigError", "Config", "load_config", "load_recipe", "recipe_path", "list_recipes",
            "apply_overrides", "config_to_toml", "config_hash", "SEED_PRIORITIES", "RESUME_CHANGEABLE",
            "resume_changes", "saved_run_data"]
@@ -34,7 +36,8 @@ class ConfigError(ValueError):
 TemplateValue = typing.Union[bool, int, float, str]
 _TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
-SEED_PRIORITIES = {"core": 3.0, "stability": 1.0, "pattern_guard": 0.3, "complexity": 0.2}
+# The default task's settings live with the task (fasttrain.tasks.signal); the old name stays for a release.
+SEED_PRIORITIES = signal_task.PRIORITIES
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class PolicySection:
 
 @dataclass(frozen=True)
 class EnvSection:
-    name: str = "signal-a"                  # fasttrain.envs.load_env spec
+    name: str = signal_task.ENV_NAME        # fasttrain.tasks.load_env spec
     prompts: str = ""                       # a prompt selection written by `fasttrain filter`
     train_slice: str = "train"              # data slice for training rewards and the selector
     holdout_slice: str = "holdout"          # later slice, verifies the shipped checkpoint
@@ -119,7 +122,7 @@ class EnvSection:
     curriculum_lower: float = 0.25          # down one level below this
 
     def load_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for fasttrain.envs.load_env(name, ...)."""
+        """Keyword arguments for fasttrain.tasks.load_env(name, ...)."""
         if self.name == "reasoning-gym":
             return {"generators": {k: dict(v) for k, v in self.generators.items()}, "train_rows": self.train_rows,
                     "probe_rows": self.probe_rows, "data_seed": self.data_seed, "curriculum": self.curriculum,
@@ -186,7 +189,7 @@ class RolloutSection:
 
 @dataclass(frozen=True)
 class AdvantagesSection:
-    priorities: dict[str, float] = field(default_factory=lambda: dict(SEED_PRIORITIES))
+    priorities: dict[str, float] = field(default_factory=lambda: dict(signal_task.PRIORITIES))
     batch_normalize: bool = True            # GDPO's batch-level standardisation
     guard: Literal["projection", "legacy_clamp", "none"] = "projection"
     floor: float = 0.0                      # core <= floor is guarded; -inf turns the floor off
@@ -600,7 +603,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if len(parts) == 3:                  # advantages.priorities.core=2.0
             sub = dict(table.get(key, {}) or {})
             if key == "priorities" and not sub:
-                sub = dict(SEED_PRIORITIES)
+                sub = dict(signal_task.PRIORITIES)
             sub[parts[2]] = value
             table[key] = sub
         elif len(parts) == 2:

@@ -46,8 +46,8 @@ import torch
 
 from fasttrain.rl import floor_guard, gdpo_advantages, guarded_answers
 
-__all__ = ["LIVE_TOL", "draw_prompts", "dynamic_step", "group_advantages", "kept_advantages", "live_groups",
-           "select_groups"]
+__all__ = ["LIVE_TOL", "draw_prompts", "dynamic_advantages", "dynamic_step", "group_advantages", "kept_advantages",
+           "live_groups", "select_groups"]
 
 LIVE_TOL = 1e-9
 
@@ -88,6 +88,23 @@ def kept_advantages(tr, kept_scores, live: Sequence[bool]) -> tuple[torch.Tensor
         _, info = tr._advantages(kept_scores)
     info = {**info, "nonzero_adv_share": float((adv.abs() > 1e-6).double().mean()),
             "adv_abs_mean": float(adv.abs().double().mean())}
+    return adv, info
+
+
+def dynamic_advantages(tr, dyn: dict[str, Any], step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """This rank's advantages of the step `dyn` (dynamic_step's result) on Trainer `tr`'s device,
+    and the step's advantage metrics with the dynamic-sampling ones; a warning when the extra
+    rounds ran out before every rank had its live groups."""
+    from fasttrain.train import distributed
+    R = tr.cfg.rollout
+    adv, info = kept_advantages(tr, dyn["kept_scores"], dyn["live"])
+    k = dyn["groups_per_rank"] * R.group_size
+    adv = adv[distributed.rank() * k:(distributed.rank() + 1) * k].to(tr.device)
+    info.update(dyn["info"])
+    if info["dynamic_cap_reached"]:
+        tr._warn(step, f"dynamic sampling: {info['dynamic_rounds']} extra round(s) (rollout.dynamic_max_rounds = "
+                       f"{R.dynamic_max_rounds}) left step {step} with {sum(dyn['live'])} live group(s) of "
+                       f"{R.prompts_per_step}; it trains on those")
     return adv, info
 
 

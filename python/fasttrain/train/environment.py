@@ -1,8 +1,9 @@
-"""The run's environment from its [env] section: a built-in, a plug-in, or `name = "dataset"`
+"""The run's environment from its [env] section: a built-in task, a plug-in, or `name = "dataset"`
 with its dataset and reward functions (errors in those become ConfigErrors naming the key)."""
 from __future__ import annotations
 
-from fasttrain.envs import Environment, load_env
+from fasttrain.envs import Environment
+from fasttrain.tasks import load_env
 from fasttrain.train.config import Config, ConfigError
 
 __all__ = ["load_run_env"]

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from fasttrain.tasks import signal as signal_task
 from fasttrain.train import distributed
-from fasttrain.train.config import SEED_PRIORITIES, Config, ConfigError
+from fasttrain.train.config import Config, ConfigError
 
 __all__ = ["check_channels", "select_train_prompts", "plan_before_load", "refuse_unfit", "plan_after_load",
            "resolve_checkpointing", "dry_run"]
@@ -37,7 +38,7 @@ def check_channels(cfg: Config, env) -> tuple[list[str], torch.Tensor]:
     if unknown:
         # An error for every environment. The one exception is the untouched default, the seed's
         # priorities (written for the signal channels): another environment keeps its own there.
-        default = cfg.advantages.priorities == SEED_PRIORITIES
+        default = cfg.advantages.priorities == signal_task.PRIORITIES
         if cfg.env.name.startswith("signal") or not default:
             raise ConfigError(f"advantages.priorities: unknown channel(s) {unknown}; the channels of "
                               f"{env.name} are {', '.join(names)} (or set advantages.priorities = {{}} "

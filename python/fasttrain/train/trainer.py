@@ -16,7 +16,6 @@ writes the run folder.
 """
 from __future__ import annotations
 
-import dataclasses
 import signal
 import sys
 import time
@@ -30,13 +29,13 @@ import torch
 from fasttrain.ops.logprob import logprob_pack_cache
 from fasttrain.train import distributed
 from fasttrain.train.advantages import low_share_warning, step_advantages
-from fasttrain.train.answers import (answer_token_ids, group_seeds, join_rollouts, sample_answers, score_step,
-                                     tool_settings, truncation_of)
+from fasttrain.train.answers import answer_token_ids, group_seeds, sample_chunks, score_step
 from fasttrain.train.checkpoint import (check_family, load_checkpoint, model_family, newest_checkpoint_name,
                                         nonfinite_state, pick_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from fasttrain.train.config import Config, ConfigError, config_hash, config_to_toml
 from fasttrain.train.environment import load_run_env
-from fasttrain.train.errors import TrainingStopped, disk_stop
+from fasttrain.train.errors import (TrainingStopped, disk_stop, interrupted_message, nonfinite_losses_stop,
+                                    nonfinite_state_stop)
 from fasttrain.train.out_of_memory import OutOfMemoryBackoff, undo_update
 from fasttrain.train.policy import build_policy, pick_device, rollout_weights
 from fasttrain.train.policy_update import NonFiniteLoss, score_batch, update_policy
@@ -210,7 +209,7 @@ class Trainer:
         self._oom.retries = 0
         dyn = None
         if R.dynamic_sampling:              # rounds of sampling and scoring (fasttrain.train.dynamic_sampling)
-            from fasttrain.train.dynamic_sampling import dynamic_step, kept_advantages
+            from fasttrain.train.dynamic_sampling import dynamic_advantages, dynamic_step
             dyn = dynamic_step(self, step)
             roll, prompts, texts, scores, turns = dyn["roll"], dyn["prompts"], dyn["texts"], dyn["scores"], dyn["turns"]
             times["rollout"] = dyn["rollout_seconds"]
@@ -232,14 +231,7 @@ class Trainer:
             adv, adv_info = self._advantages(scores)
             adv = adv[lo * R.group_size:hi * R.group_size].to(self.device)
         else:                               # the kept groups: the live ones standardised over the batch
-            adv, adv_info = kept_advantages(self, dyn["kept_scores"], dyn["live"])
-            k = dyn["groups_per_rank"] * R.group_size
-            adv = adv[distributed.rank() * k:(distributed.rank() + 1) * k].to(self.device)
-            adv_info.update(dyn["info"])
-            if adv_info["dynamic_cap_reached"]:
-                self._warn(step, f"dynamic sampling: {adv_info['dynamic_rounds']} extra round(s) (rollout."
-                                 f"dynamic_max_rounds = {R.dynamic_max_rounds}) left step {step} with "
-                                 f"{sum(dyn['live'])} live group(s) of {R.prompts_per_step}; it trains on those")
+            adv, adv_info = dynamic_advantages(self, dyn, step)
         times["advantages"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -300,25 +292,9 @@ class Trainer:
         """This rank's answers, sampled `per_chunk` prompts at a time (each group's generator is
         seeded by its place in the step, so chunks draw the answers of one batch; `key`: the
         seed key, default (run.seed, step))."""
-        R, mine = self.cfg.rollout, prompts[lo:hi]
         seeds = group_seeds(key or [self.cfg.run.seed, step], lo, hi)
-        n = per_chunk or len(mine)
-        parts, texts = [], []
-        for a in range(0, len(mine), n):
-            roll, tx = sample_answers(self.model, self.tokenizer, self.env, mine[a:a + n], group_size=R.group_size,
-                                      max_new_tokens=R.max_new_tokens, temperature=R.temperature,
-                                      seed=seeds[a:a + n], answer_prefix=R.answer_prefix,
-                                      stop_strings=R.stop_strings, weights=self.rollout_weights,
-                                      compile_decode=R.compile, prefill_chunk=self.prefill["rollout"],
-                                      truncation=truncation_of(R),
-                                      tool_settings={**tool_settings(self.cfg), "first_slot": a * R.group_size})
-            parts.append(roll)
-            texts += tx
-        pad = getattr(self.model.config, "pad_token_id", None)
-        roll = join_rollouts(parts, pad if isinstance(pad, int) else 0)
-        if not R.replay_kept_set and roll.keep_delta is not None:   # score on the whole vocabulary, as TRL does
-            roll = dataclasses.replace(roll, keep_delta=None)
-        return roll, texts
+        return sample_chunks(self.model, self.tokenizer, self.env, self.cfg, prompts[lo:hi], seeds, per_chunk,
+                             weights=self.rollout_weights, prefill_chunk=self.prefill["rollout"])
 
     def _with_oom_retry(self, step: int, phase: str, run, undo=None):
         """run(size) with the phase's size, halved on out-of-memory (fasttrain.train.out_of_memory)."""
@@ -371,11 +347,7 @@ class Trainer:
     def _checkpoint(self, sync: bool = True) -> None:
         bad = nonfinite_state(self.named_params, self.optimizer)        # every rank holds the same adapters: all stop alike
         if bad is not None:
-            last = newest_checkpoint_name(self.dir / "checkpoints")
-            raise TrainingStopped(
-                f"step {self.step}: {bad} is not finite, so no checkpoint was written (the last one, {last}, "
-                f"is whole). Resume from it with a lower rate: `fasttrain run --resume {self.dir} "
-                f"--set optim.lr={self.cfg.optim.lr / 10:g}` (or try optim.grad_clip, policy.dtype=float32).")
+            raise nonfinite_state_stop(bad, self.step, self.dir, self.cfg.optim.lr)
         if self.main:
             save_checkpoint(self.dir / "checkpoints", self.step, self.model, self.named_params, self.optimizer,
                             self._state(), base_model=self.cfg.policy.model)
@@ -492,11 +464,7 @@ class Trainer:
                     self._mid_step = False
                     if self.nonfinite_in_row >= cfg.optim.max_skipped_steps:
                         self._checkpoint()
-                        raise TrainingStopped(
-                            f"stopped at step {step}: {self.nonfinite_in_row} non-finite losses in a row "
-                            f"(optim.max_skipped_steps = {cfg.optim.max_skipped_steps}). The adapters were not "
-                            f"updated by those steps; try a lower rate or clipping, or policy.dtype=float32: "
-                            f"`fasttrain run --resume {self.dir} --set optim.lr={cfg.optim.lr / 10:g}`.")
+                        raise nonfinite_losses_stop(step, self.nonfinite_in_row, cfg.optim, self.dir)
                     if self._stop.agreed(distributed.any_rank):        # every rank stops after this step
                         raise Preempted(self._stop.requested or signal.SIGTERM)
             except OSError as e:        # the run folder's disk is full, read-only or not ours
@@ -510,16 +478,9 @@ class Trainer:
                 preempted = Preempted(e.signum, self.step)
             except KeyboardInterrupt:
                 interrupted = True
-                if self._mid_step:              # part of the next step is in the state: no checkpoint
-                    self.console.print(
-                        f"[yellow]interrupted during step {self.step + 1}[/yellow]: not checkpointed (it would "
-                        f"hold part of that step); the last checkpoint, "
-                        f"{newest_checkpoint_name(self.dir / 'checkpoints')}, stands; continue with "
-                        f"`fasttrain run --resume {self.dir}`")
-                else:
+                if not self._mid_step:          # mid-step, part of the next step is in the state: no checkpoint
                     self._checkpoint(sync=False)    # ranks are interrupted at different points
-                    self.console.print(f"[yellow]interrupted at step {self.step}[/yellow]: checkpoint saved; "
-                                       f"continue with `fasttrain run --resume {self.dir}`")
+                self.console.print(interrupted_message(self.step, self._mid_step, self.dir))
         self._stop = None
         if preempted is not None:
             self._say(f"stopped by {preempted.name} after step {self.step}: its checkpoint is written; continue "

@@ -1,7 +1,7 @@
 """The starter task's rows: "What is A plus B?" with the `answer` column, generated from a seed.
 
 What this file is: the generator of `data.jsonl` beside it (a pure function of the seed, the
-same rows on every machine; `python -m fasttrain.starter.arithmetic` writes the file again and a
+same rows on every machine; `python -m fasttrain.tasks.starter.arithmetic` writes the file again and a
 test checks the packaged file equals its output). What it is not: part of the starter folder
 `fasttrain init` writes (that folder holds the rows, not their generator).
 

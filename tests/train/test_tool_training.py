@@ -10,6 +10,8 @@ from fasttrain.train.run_files import read_jsonl
 
 from support.agent_files import tool_specs, write_task
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 pytest.importorskip("datasets")
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'

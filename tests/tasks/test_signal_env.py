@@ -6,10 +6,11 @@ import sys
 import numpy as np
 import pytest
 
-from fasttrain.envs import INVALID_CORE, Environment, Prompt, load_env
-from fasttrain.envs.panel import World, generate_panel
-from fasttrain.envs.signal_env import SignalEnvironment, squash
-from fasttrain.envs.signal_lang import evaluate, parse
+from fasttrain.envs import INVALID_CORE, Environment, Prompt
+from fasttrain.tasks import load_env
+from fasttrain.tasks.signal.panel import World, generate_panel
+from fasttrain.tasks.signal.env import SignalEnvironment, squash
+from fasttrain.tasks.signal.lang import evaluate, parse
 
 CHANNELS = ["core", "stability", "action_cost", "secondary", "complexity", "format", "syntax",
             "novelty", "neutrality", "min_activity", "pattern_guard", "stress"]
@@ -41,6 +42,19 @@ def test_protocol_surface(env_a, env_b):
         env_a.score(OPEN, REVERSAL, "slice0")
     with pytest.raises(ValueError):
         load_env("signal-b", train_slice="slice9")
+
+
+def test_the_signal_worlds_load_by_name_through_the_tasks_and_other_names_pass_to_envs():
+    from fasttrain import envs
+    from fasttrain.envs.reasoning_gym import ReasoningGymEnvironment
+    from fasttrain.tasks.signal import ENV_NAME
+    from fasttrain.tasks.signal.env import SignalEnvironment
+    assert ENV_NAME == "signal-a" and isinstance(load_env(ENV_NAME), SignalEnvironment)
+    assert isinstance(load_env("support.toy_plugin:make_env"), envs.GuardedEnvironment)   # a plug-in: guarded
+    assert isinstance(load_env("reasoning-gym", generators={"gcd": {}}, train_rows=4, probe_rows=2),
+                      ReasoningGymEnvironment)
+    with pytest.raises(ValueError, match="fasttrain.tasks.load_env"):     # envs/ knows no task
+        envs.load_env("signal-a")
 
 
 def test_format_and_syntax_give_partial_credit(env_a):
@@ -198,8 +212,8 @@ def test_prompts_are_deterministic_versioned_and_probe_unseen(env_a):
 
 _FINGERPRINT = r"""
 import hashlib, numpy as np
-from fasttrain.envs import load_env
-from fasttrain.envs.panel import WORLD_A, generate_panel
+from fasttrain.tasks import load_env
+from fasttrain.tasks.signal.panel import WORLD_A, generate_panel
 h = hashlib.sha256()
 for k, v in sorted(generate_panel(WORLD_A).items()):
     h.update(k.encode()); h.update(v.tobytes())
@@ -250,7 +264,7 @@ def test_every_example_a_prompt_shows_is_valid_for_that_prompt(variant, env_a, e
     real model, leaving GDPO nothing to rank). Each must be valid for that very prompt (its fields)
     and within its budget, on every train and probe prompt: an example the prompt forbids teaches an
     answer the verifier rejects."""
-    from fasttrain.envs.signal_lang import count_nodes
+    from fasttrain.tasks.signal.lang import count_nodes
     env = env_a if variant == "a" else env_b
     prompts, answers, seen = [], [], set()
     for p in env.prompts("train") + env.prompts("probe"):

@@ -10,6 +10,8 @@ from fasttrain.selftest import harness
 from fasttrain.ops.moe_experts import ExpertStack
 from fasttrain.selftest.cases.moe import moe_cases, moe_inputs
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 
 def _rows(face, only: str = ""):
     harness.KERNELS["moe_experts"] = face

@@ -1,7 +1,7 @@
 """The starter's packaged rows are the generator's output, unique, and their answers right."""
 import json
 
-from fasttrain.starter import arithmetic
+from fasttrain.tasks.starter import arithmetic
 
 
 def test_starter_rows_are_the_generators_output(tmp_path):

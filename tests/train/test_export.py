@@ -33,6 +33,8 @@ from fasttrain.train.policy import build_policy
 from support.checkpoints import HYBRID_TEXT, word_tokenizer
 from support.fp8_checkpoints import write_fp8_checkpoint
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 U16 = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 U32 = 2.0 ** -24
 RANK = 4

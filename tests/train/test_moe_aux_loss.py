@@ -24,6 +24,8 @@ from fasttrain.train.policy_update import BatchScores, answer_logprobs, update_p
 from support.hf_oracle import hf_float64_oracle
 from support.moe_oracle import hf_routing
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "qwen3_5_moe": tiny_qwen3_5_moe}
 

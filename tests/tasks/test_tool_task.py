@@ -9,6 +9,8 @@ from fasttrain.tasks.calculator import calculate, used_calculator
 from fasttrain.tasks.countdown import CountdownError
 from fasttrain.train.run_files import read_jsonl
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 pytest.importorskip("datasets")
 TINY = ["--set", "policy.model=support.agent_files:tiny_tool_policy", "--set", "policy.dtype=float32",
         "--set", "run.threads=1"]

@@ -38,13 +38,13 @@ from typing import Sequence
 
 import numpy as np
 
-from .panel import WORLD_A, WORLD_B, World, generate_panel
-from .protocol import INVALID_CORE, Channel, Prompt, Score, invalid_score
-from .signal_lang import (DEFAULT_LIMITS, FIELDS, Limits, Node, SignalError, count_nodes,
-                          cs_rank, cs_zscore, evaluate, fields_used, parse)
-from .signal_prompts import HORIZONS, make_prompts
+from fasttrain.envs.protocol import INVALID_CORE, Channel, Prompt, Score, invalid_score
+from fasttrain.tasks.signal.lang import (DEFAULT_LIMITS, FIELDS, Limits, Node, SignalError, count_nodes, cs_rank,
+                                         cs_zscore, evaluate, fields_used, parse)
+from fasttrain.tasks.signal.panel import WORLD_A, WORLD_B, World, generate_panel
+from fasttrain.tasks.signal.prompts import HORIZONS, make_prompts
 
-# The example answers are part of each prompt (signal_prompts.EXAMPLES), chosen from the fields that
+# The example answers are part of each prompt (prompts.EXAMPLES), chosen from the fields that
 # prompt allows; the format line shared by every prompt names none.
 ANSWER_FORMAT = "Answer with one expression inside <signal>...</signal>."
 OPEN_TAG, CLOSE_TAG = "<signal>", "</signal>"

@@ -12,8 +12,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .protocol import Prompt
-from .signal_lang import count_nodes, fields_used, parse
+from fasttrain.envs.protocol import Prompt
+from fasttrain.tasks.signal.lang import count_nodes, fields_used, parse
 
 # v2: three example answers; v3: the examples shown use only the fields the prompt allows
 PROMPT_VERSION = "signal-prompts-v3"

@@ -13,6 +13,8 @@ import torch
 from fasttrain.selftest import harness
 from fasttrain.selftest.cases.moe import moe_case, moe_inputs
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 M = importlib.import_module("fasttrain.ops.moe_experts")  # the module (fasttrain.ops.moe_experts is the face)
 _ops = torch.ops.fasttrain
 

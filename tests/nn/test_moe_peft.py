@@ -1,7 +1,7 @@
 """LoRA on the experts saved in PEFT's target_parameters format: PEFT 0.21 loads fasttrain's adapter
 onto transformers' own float64 model and gives fasttrain's logits; the saved keys and the lora_B
 layout are the ones PEFT writes (expert e's B is B[:, e::E]), checked by name; fasttrain loads the
-file back exactly. Tolerance as tests/moe/test_moe_models.py (float64, rounding order only); PEFT
+file back exactly. Tolerance as tests/models/test_moe_models.py (float64, rounding order only); PEFT
 adds W + s·B·A in float64 where fasttrain keeps the factors apart, which that bound covers."""
 import copy
 from contextlib import ExitStack
@@ -18,6 +18,8 @@ from fasttrain.nn.moe_experts import moe_expert_layers
 from support.hf_oracle import hf_float64_oracle
 from support.moe_oracle import hf_routing
 from support.tolerances import forward_tol
+
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
 
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "qwen3_5_moe": tiny_qwen3_5_moe}
 TARGETS = ("q_proj", "v_proj", "o_proj", "experts")

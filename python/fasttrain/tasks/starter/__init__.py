@@ -1,7 +1,7 @@
 """`fasttrain init NAME`: a starter task folder that `fasttrain run NAME/recipe.toml` trains.
 
 NAME/data.jsonl (300 arithmetic questions with an `answer` column, the last 100 held out;
-fasttrain.starter.arithmetic writes them), NAME/rewards.py (two reward
+fasttrain.tasks.starter.arithmetic writes them), NAME/rewards.py (two reward
 functions in TRL's signature) and NAME/recipe.toml (the dataset environment, sized for a CPU).
 `fasttrain init NAME --tools` adds NAME/tools.py (a `calculate` tool in TRL's tool contract) and
 writes recipe_tools.toml's recipe, whose answers may call it. `fasttrain init NAME --reasoning-gym

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fasttrain.envs.signal_lang import (FIELDS, FUNCTIONS, Node, SignalError, count_nodes, evaluate,
+from fasttrain.tasks.signal.lang import (FIELDS, FUNCTIONS, Node, SignalError, count_nodes, evaluate,
                                         lookback, parse)
 
 

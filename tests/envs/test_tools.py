@@ -7,6 +7,8 @@ from support.agent_files import TOOLS, tool_specs
 from fasttrain.envs.reward_functions import RewardSpecError
 from fasttrain.envs.tools import MAX_RESULT_CHARS, ToolCall, ToolWorkers, check_arguments, error_text
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def box():

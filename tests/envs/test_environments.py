@@ -10,6 +10,8 @@ from fasttrain.envs.tools import ToolCall, ToolWorkers
 from fasttrain.train.answers import answer_token_ids, score_answers
 from fasttrain.train.tool_rollout import sample_tool_answers
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 pytest.importorskip("datasets")
 
 

@@ -10,6 +10,8 @@ from fasttrain.models.tool_template import CHATML_TOOLS, tool_suffix_ids
 from fasttrain.train.answers import answer_token_ids, score_answers
 from fasttrain.train.tool_rollout import sample_tool_answers
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 pytest.importorskip("datasets")
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'

@@ -9,6 +9,8 @@ from fasttrain.ops import policy_loss
 from fasttrain.rl.masks import token_stats, top_entropy_mask
 from fasttrain.train import distributed
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 B, T_MODEL, TOOL_AT, TOOL_LEN = 4, 7, 3, 5
 # The op computes in fp32: sums over the 26 model tokens may group differently around the tool
 # tokens' exact zeros, so values agree to n * unit roundoff (n = 26 < 32) of the sum's scale.

@@ -3,10 +3,10 @@
 Merged: the experts as W_e + s·B_e·A_e per expert, under the layout the source stores (per expert
 for Qwen3-MoE as transformers saves it, fused stacks for Qwen3.5-MoE as released), written in
 float64 and loaded by transformers' own model, give fasttrain's adapted logits (NF4 experts
-decoded); tolerance as tests/moe/test_moe_models.py (float64, rounding order only). Through
+decoded); tolerance as tests/models/test_moe_models.py (float64, rounding order only). Through
 `fasttrain export --format merged` of an NF4 run, each exported expert is one 16-bit rounding of the
 float64 merge of the decoded NF4 weight: |w' - w| <= u16·|w| + 2e, e = (r + K + 8)·u32·(|W| + s|B||A|)
-the fp32 merge's error (tests/export/test_export.py derives it), and the folder loads in
+the fp32 merge's error (tests/train/test_export.py derives it), and the folder loads in
 transformers with every key.
 
 vLLM: the adapter in the layout vLLM's MoE LoRA loader reads for the class it builds: per-expert 2-D
@@ -33,6 +33,8 @@ from support.checkpoints import word_tokenizer
 from support.hf_oracle import hf_float64_oracle
 from support.moe_oracle import hf_routing
 from support.tolerances import forward_tol
+
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
 
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "qwen3_5_moe": tiny_qwen3_5_moe}
 IDS = torch.tensor([[5, 9, 11, 40, 3, 7, 8, 60, 2, 33]])

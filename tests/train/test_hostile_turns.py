@@ -8,6 +8,8 @@ from fasttrain.envs.tools import ToolWorkers
 from fasttrain.models.tool_template import CHATML_TOOLS, MAX_CALLS_PER_TURN, parse_turn
 from fasttrain.train.tool_rollout import ToolTurns
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def tok():

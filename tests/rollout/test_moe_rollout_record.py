@@ -3,7 +3,7 @@
 tool-result tokens, gets its top-k per MoE layer, equal to transformers' own model in float64
 routing those tokens by itself; and the update replays it: with the router moved after the rollout,
 the update's log-probs equal the oracle forced to the recorded experts. Both families, float64;
-tolerances and helpers as tests/moe/test_moe_models.py. The compiled step runs under the
+tolerances and helpers as tests/models/test_moe_models.py. The compiled step runs under the
 "aot_eager" backend (the traced graph without code generation), as tests/rollout does; its record
 equals the eager decode's with the prompts prefilled one chunk at a time."""
 import pytest

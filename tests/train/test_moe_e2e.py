@@ -13,6 +13,8 @@ from fasttrain.train import Trainer, load_config
 
 from support.recipes import recipe_toml
 
+pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftest.py)
+
 POLICIES = {"qwen3_moe": "support.moe_world:tiny_qwen3_moe_policy", "qwen3_5_moe": "support.moe_world:tiny_qwen3_5_moe_policy"}
 
 
