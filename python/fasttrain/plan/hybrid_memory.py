@@ -53,7 +53,7 @@ def update_rule_form() -> str:
 
 def _chunk_terms(m: ModelShape, rows: int, T: int) -> tuple[int, int, int, int, int, int]:
     """Bytes of one chunked-form call over `rows` sequences of T tokens, padded to N chunks of
-    CHUNK: (X_k, X_v, X_c, X_1, s, N) of fasttrain.ops.gated_delta._ChunkedRule's accounting, i.e.
+    CHUNK: (X_k, X_v, X_c, X_1, s, N) of fasttrain.ops.gated_delta_chunked._ChunkedRule's accounting, i.e.
     [rows, Hv, N·CHUNK] cells times Dk, Dv, CHUNK and 1 elements of f, and one state per row."""
     Dk, Hv, Dv = m.delta.key_dim, m.delta.value_heads, m.delta.value_dim
     f = _dims(m)[1]

@@ -1,7 +1,7 @@
 """`fasttrain selftest` cases of moe_experts (the routed experts of a mixture-of-experts layer),
 forward and backward, NF4 and 16-bit stacks, through its face in fasttrain.ops against
-fasttrain.ops.reference in float64 on the same (rounded) inputs; tests/moe reuses the inputs and
-bounds.
+fasttrain.ops.reference in float64 on the same (rounded) inputs; the MoE tests (tests/ops,
+tests/cuda_emu) reuse the inputs and bounds.
 
 Tolerances (derived; fasttrain.selftest.bounds states the conventions u_d, u_a). Every output
 is a chain of sums of products, so its first-order rounding error is at most (L + c)·u times the
