@@ -233,7 +233,7 @@ def first_step_fasttrain(a, seed: int) -> list[float]:
     means = []
     for step in range(1, a.steps + 1):
         prompts = tr._prompts_for_step(step)
-        roll, texts = tr._sample(step, prompts, 0, len(prompts), None)
+        roll, texts = tr.sample_step(step, prompts, 0, len(prompts), None)
         scores = score_answers(tr.env, [p for p in prompts for _ in range(a.group)], texts, "train", record=False,
                                completion_ids=answer_token_ids(roll))      # the `concise` reward reads them
         core = [s.channels[TASK["core"]] for s in scores]

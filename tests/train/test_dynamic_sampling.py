@@ -56,7 +56,7 @@ def test_kept_batch_is_standardised_over_its_live_groups_only():
         valid = torch.tensor([s.valid for s in sc])
         a = floor_guard(gdpo_advantages(r, G, W, True).double(), guarded_answers(core, valid, 0.0, True), G)
         return a.float(), {"nonzero_adv_share": 0.0, "guarded_share": 0.0, "adv_abs_mean": 0.0}
-    tr._advantages = advantages
+    tr.batch_advantages = advantages
     adv, info = kept_advantages(tr, scores, live)
     assert torch.equal(adv[4:8], torch.zeros(4))                   # the dead group: exactly zero
     want = advantages(groups[0] + groups[2])[0]                    # the live groups alone

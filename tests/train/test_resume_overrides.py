@@ -15,8 +15,8 @@ def _metrics(run):
 def test_max_skipped_steps_is_the_limit(tiny, tiny_recipe, monkeypatch):
     tr = Trainer(load_config(tiny_recipe(tiny, **{"run.steps": 5, "probe.every": 0, "optim.max_skipped_steps": 2})),
                  progress=False)
-    real = Trainer._advantages
-    monkeypatch.setattr(Trainer, "_advantages",
+    real = Trainer.batch_advantages
+    monkeypatch.setattr(Trainer, "batch_advantages",
                         lambda self, s: (torch.full_like(real(self, s)[0], float("nan")), real(self, s)[1]))
     with pytest.raises(TrainingStopped, match=r"2 non-finite losses in a row \(optim.max_skipped_steps = 2\)"):
         tr.train()

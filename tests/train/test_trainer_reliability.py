@@ -10,8 +10,8 @@ from fasttrain.train.run_files import read_jsonl
 
 def test_three_non_finite_losses_stop_the_run(tiny, tiny_recipe, monkeypatch):
     tr = Trainer(load_config(tiny_recipe(tiny, **{"run.steps": 5, "probe.every": 0})), progress=False)
-    real = Trainer._advantages
-    monkeypatch.setattr(Trainer, "_advantages",
+    real = Trainer.batch_advantages
+    monkeypatch.setattr(Trainer, "batch_advantages",
                         lambda self, s: (torch.full_like(real(self, s)[0], float("nan")), real(self, s)[1]))
     with pytest.raises(TrainingStopped, match="3 non-finite losses in a row"):
         tr.train()

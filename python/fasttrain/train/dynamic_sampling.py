@@ -82,10 +82,10 @@ def kept_advantages(tr, kept_scores, live: Sequence[bool]) -> tuple[torch.Tensor
     rows = [b for g, ok in enumerate(live) if ok for b in range(g * G, (g + 1) * G)]
     adv = torch.zeros(len(kept_scores), dtype=torch.float32)
     if rows:
-        a, info = tr._advantages([kept_scores[b] for b in rows])
+        a, info = tr.batch_advantages([kept_scores[b] for b in rows])
         adv[torch.tensor(rows)] = a
     else:
-        _, info = tr._advantages(kept_scores)
+        _, info = tr.batch_advantages(kept_scores)
     info = {**info, "nonzero_adv_share": float((adv.abs() > 1e-6).double().mean()),
             "adv_abs_mean": float(adv.abs().double().mean())}
     return adv, info
@@ -102,7 +102,7 @@ def dynamic_advantages(tr, dyn: dict[str, Any], step: int) -> tuple[torch.Tensor
     adv = adv[distributed.rank() * k:(distributed.rank() + 1) * k].to(tr.device)
     info.update(dyn["info"])
     if info["dynamic_cap_reached"]:
-        tr._warn(step, f"dynamic sampling: {info['dynamic_rounds']} extra round(s) (rollout.dynamic_max_rounds = "
+        tr.warn(step, f"dynamic sampling: {info['dynamic_rounds']} extra round(s) (rollout.dynamic_max_rounds = "
                        f"{R.dynamic_max_rounds}) left step {step} with {sum(dyn['live'])} live group(s) of "
                        f"{R.prompts_per_step}; it trains on those")
     return adv, info
@@ -171,12 +171,12 @@ def dynamic_step(tr, step: int) -> dict[str, Any]:
         t = time.perf_counter()
         # a stop signal in round 0's rollout drops the step (nothing of it is recorded yet; one
         # process); later rounds come after scoring, which may change state: the step finishes
-        stop = tr._stop.abortable(W == 1) if (tr._stop is not None and r == 0) else contextlib.nullcontext()
+        stop = tr.stop_signals.abortable(W == 1) if (tr.stop_signals is not None and r == 0) else contextlib.nullcontext()
         with stop:
-            roll, texts = tr._with_oom_retry(step, "rollout", lambda n: tr._sample(step, prompts, lo, hi, n, key=key))
+            roll, texts = tr.with_oom_retry(step, "rollout", lambda n: tr.sample_step(step, prompts, lo, hi, n, key=key))
         seconds = time.perf_counter() - t
-        tr._mid_step = True
-        scores, texts, turns = tr._score_step(prompts, lo, hi, texts, answer_token_ids(roll), roll.conversations)
+        tr.mid_step = True
+        scores, texts, turns = tr.score_answers(prompts, lo, hi, texts, answer_token_ids(roll), roll.conversations)
         live = live_groups(scores, tr.channel_names, tr.weights, G, cfg.advantages)
         rounds.append({"prompts": prompts, "roll": roll, "texts": texts, "scores": scores, "turns": turns,
                        "live": live, "m": m, "seconds": seconds})

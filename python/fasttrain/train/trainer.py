@@ -96,7 +96,7 @@ class Trainer:
         self.zeta_log: list[float] = []
         self.trackers = Trackers([], print)       # started by train() from run.report_to
         self._setup_done = False
-        self._stop: StopSignals | None = None     # while train() runs: SIGTERM / SIGUSR1
+        self.stop_signals: StopSignals | None = None     # while train() runs: SIGTERM / SIGUSR1
         # each phase's batch, halved on out-of-memory (saved in checkpoints)
         self.sizes: dict[str, int | None] = {"rollout": None, "scores": cfg.optim.micro_batch,
                                              "update": cfg.optim.micro_batch}
@@ -107,9 +107,9 @@ class Trainer:
         if cfg.rollout.wave_prompts:
             self.sizes["rollout"] = cfg.rollout.wave_prompts
         self._oom = OutOfMemoryBackoff(self.sizes, cfg.rollout.prompts_per_step // distributed.world_size(),
-                                       self._warn, lambda: newest_checkpoint_name(self.dir / "checkpoints"))
+                                       self.warn, lambda: newest_checkpoint_name(self.dir / "checkpoints"))
         self._checkpointed_step = -1
-        self._mid_step = False                     # a step's scoring, update and logging under way
+        self.mid_step = False                     # a step's scoring, update and logging under way
 
     # ---- set-up ---------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -124,7 +124,7 @@ class Trainer:
                                     {"train": self.train_prompts, "probe": self.probe_prompts}, self.skipped_rows)
         self.train_prompts, self.probe_prompts = kept["train"], kept["probe"]
         if self.skipped_rows:
-            self._warn(0, f"env.skip_bad_rows: {len(self.skipped_rows)} row(s) left out; the first: "
+            self.warn(0, f"env.skip_bad_rows: {len(self.skipped_rows)} row(s) left out; the first: "
                           f"{self.skipped_rows[0]}")
         self.params = list(self.named_params.values())
         distributed.broadcast_parameters(self.params)          # every rank starts from rank 0's adapters
@@ -165,7 +165,7 @@ class Trainer:
             refuse_unfit(self.cfg, p)
             self._apply_plan(p.shape)
         elif not ok:
-            self._warn(0, f"{line}; see `fasttrain plan` for the largest micro_batch, group_size and max_new_tokens that fit")
+            self.warn(0, f"{line}; see `fasttrain plan` for the largest micro_batch, group_size and max_new_tokens that fit")
 
     def _apply_plan(self, s) -> None:
         """The plan's picks as the phases' sizes (what the recipe fixes, the plan kept as it is)."""
@@ -191,7 +191,7 @@ class Trainer:
         return out
 
     # ---- one step -------------------------------------------------------------------------
-    def _advantages(self, scores) -> tuple[torch.Tensor, dict[str, float]]:
+    def batch_advantages(self, scores) -> tuple[torch.Tensor, dict[str, float]]:
         return step_advantages(scores, self.channel_names, self.weights, self.cfg.rollout.group_size,
                                self.cfg.advantages)
 
@@ -218,17 +218,17 @@ class Trainer:
             prompts = self._prompts_for_step(step)
             lo, hi = distributed.shard_bounds(len(prompts))        # this rank's whole groups
             # a stop signal during the rollout drops the step (nothing of it is recorded yet; one process)
-            with self._stop.abortable(distributed.world_size() == 1) if self._stop else nullcontext():
-                roll, texts = self._with_oom_retry(step, "rollout", lambda n: self._sample(step, prompts, lo, hi, n))
+            with self.stop_signals.abortable(distributed.world_size() == 1) if self.stop_signals else nullcontext():
+                roll, texts = self.with_oom_retry(step, "rollout", lambda n: self.sample_step(step, prompts, lo, hi, n))
             times["rollout"] = time.perf_counter() - t
             t = time.perf_counter()
-            self._mid_step = True           # from here on the step changes state (environment, adapters)
-            scores, texts, turns = self._score_step(prompts, lo, hi, texts, answer_token_ids(roll),
+            self.mid_step = True           # from here on the step changes state (environment, adapters)
+            scores, texts, turns = self.score_answers(prompts, lo, hi, texts, answer_token_ids(roll),
                                                     roll.conversations)       # whole step, every rank
             times["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         if dyn is None:
-            adv, adv_info = self._advantages(scores)
+            adv, adv_info = self.batch_advantages(scores)
             adv = adv[lo * R.group_size:hi * R.group_size].to(self.device)
         else:                               # the kept groups: the live ones standardised over the batch
             adv, adv_info = dynamic_advantages(self, dyn, step)
@@ -240,7 +240,7 @@ class Trainer:
         # the entropy mask needs the entropies before the update; otherwise pass 1 of the update
         # gives the old log-probs and entropy from its own forward (one forward less per step)
         with logprob_pack_cache():           # the head is frozen here: its packed copies kept for the phase
-            batch = self._with_oom_retry(step, "scores", lambda mb: score_batch(
+            batch = self.with_oom_retry(step, "scores", lambda mb: score_batch(
                 self.model, roll, mb, R.temperature, need_ref=L.beta > 0, need_old=top_entropy,
                 routing_replay=cfg.moe.routing_replay == "rollout"))
         mask = roll.action_mask.bool()          # the model's own tokens: every consumer below reads it
@@ -256,7 +256,7 @@ class Trainer:
             # a head that trains is written by the optimizer in place, which bumps its version: its
             # packed copies are then made again, never reused stale
             with logprob_pack_cache():
-                result = self._with_oom_retry(step, "update", lambda mb: update_policy(
+                result = self.with_oom_retry(step, "update", lambda mb: update_policy(
                     self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
                     cfg.optim.grad_clip, R.temperature, routing_replay=cfg.moe.routing_replay == "rollout",
                     router_aux_loss_coef=cfg.moe.router_aux_loss_coef),
@@ -265,7 +265,7 @@ class Trainer:
         except NonFiniteLoss as e:
             skipped, result = True, e.result
             self.nonfinite_in_row += 1
-            self._warn(step, f"non-finite loss at step {step} ({e}): update skipped "
+            self.warn(step, f"non-finite loss at step {step} ({e}): update skipped "
                              f"({self.nonfinite_in_row} in a row)")
         # the pre-update policy's entropy and KL to the base, over every rank's tokens
         gap, n_tok, n_loss, mean_entropy, kl = update_stats(roll, batch, result, mask, loss_mask)
@@ -288,7 +288,7 @@ class Trainer:
         return row, samples
 
     # ---- the step's phases and messages ------------------------------------------------------
-    def _sample(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None, key=None):
+    def sample_step(self, step: int, prompts, lo: int, hi: int, per_chunk: int | None, key=None):
         """This rank's answers, sampled `per_chunk` prompts at a time (each group's generator is
         seeded by its place in the step, so chunks draw the answers of one batch; `key`: the
         seed key, default (run.seed, step))."""
@@ -296,11 +296,11 @@ class Trainer:
         return sample_chunks(self.model, self.tokenizer, self.env, self.cfg, prompts[lo:hi], seeds, per_chunk,
                              weights=self.rollout_weights, prefill_chunk=self.prefill["rollout"])
 
-    def _with_oom_retry(self, step: int, phase: str, run, undo=None):
+    def with_oom_retry(self, step: int, phase: str, run, undo=None):
         """run(size) with the phase's size, halved on out-of-memory (fasttrain.train.out_of_memory)."""
         return self._oom.run(step, phase, run, self.model, undo)
 
-    def _score_step(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]], turns=None):
+    def score_answers(self, prompts, lo: int, hi: int, texts: list[str], ids: list[list[int]], turns=None):
         """The whole step's (scores, texts, conversations), on every rank (fasttrain.train.answers.score_step)."""
         return score_step(self.env, prompts, lo, hi, texts, ids, turns, self.cfg.rollout.group_size,
                           self.cfg.env.train_slice)
@@ -312,14 +312,14 @@ class Trainer:
         else:
             self.console.print(msg, markup=False, highlight=False)
 
-    def _warn(self, step: int, msg: str) -> None:
+    def warn(self, step: int, msg: str) -> None:
         self.warnings.append({"step": step, "message": msg})
         self.console.print(f"[yellow]warning:[/yellow] {msg}")
 
     def _check_share(self, step: int, share: float) -> None:
         self.low_share_in_row, warning = low_share_warning(self.cfg.advantages, share, self.low_share_in_row)
         if warning is not None:
-            self._warn(step, warning)
+            self.warn(step, warning)
 
     # ---- probes and checkpoints -------------------------------------------------------------
     def _probe(self, step: int) -> dict[str, Any]:
@@ -370,7 +370,7 @@ class Trainer:
         tr._resume_changes = changes
         if ckpt is None:                       # no checkpoint yet: the run starts again, said once
             for note in notes:
-                tr._warn(0, note)
+                tr.warn(0, note)
         return tr
 
     def _restore(self, ckpt: Path) -> None:
@@ -386,11 +386,11 @@ class Trainer:
         self.prompt_cursor = int(meta.get("prompt_cursor", 0))
         set_rng_state(meta["rng"])
         for note in getattr(self, "_resume_notes", []):
-            self._warn(self.step, f"{note}; resuming from {ckpt.name}")
+            self.warn(self.step, f"{note}; resuming from {ckpt.name}")
         for g in self.optimizer.param_groups:      # the config's rate, which --set may have changed
             g["lr"] = self.cfg.optim.lr
         for key, (old, new) in getattr(self, "_resume_changes", {}).items():
-            self._warn(self.step, f"resumed at step {self.step} with {key} = {new!r} (was {old!r})")
+            self.warn(self.step, f"resumed at step {self.step} with {key} = {new!r} (was {old!r})")
         samples, self.probes = cut_run_files(self.dir, self.step, self.main)
         replay_answers(self.cfg, self.env, self.train_prompts, samples)    # e.g. the novelty archive
         if meta.get("env") is not None:     # after the replay, which would count its failures again
@@ -416,7 +416,7 @@ class Trainer:
         resume_from = getattr(self, "_resume_from", None)
         # rank 0 alone reports to trackers, started before the model: a bad tracker fails fast
         self.trackers = start_on_rank0(cfg, self.dir, self.run_id, checkpoint_step(resume_from),
-                                       lambda m: self._warn(self.step, m), self.main)
+                                       lambda m: self.warn(self.step, m), self.main)
         try:
             return self._run_steps(resume_from)
         finally:
@@ -440,9 +440,9 @@ class Trainer:
                                                "world_size": distributed.world_size()})
         ckpt_every = cfg.run.checkpoint_every or cfg.probe.every or cfg.run.steps
         interrupted, preempted = False, None
-        self._stop = StopSignals(cfg.run.stop_timeout, self._say)
+        self.stop_signals = StopSignals(cfg.run.stop_timeout, self._say)
         bar = ProgressBar(self.console, cfg.run.name, cfg.run.steps, self.step, shown=self.progress)
-        with self._stop, bar:
+        with self.stop_signals, bar:
             try:
                 if self.step == 0 and not self.probes:
                     bar.show(self.step, None, self._probe(0))
@@ -461,12 +461,12 @@ class Trainer:
                     if step % ckpt_every == 0 or step == cfg.run.steps:
                         self._checkpoint()
                     bar.show(self.step, row, probe)
-                    self._mid_step = False
+                    self.mid_step = False
                     if self.nonfinite_in_row >= cfg.optim.max_skipped_steps:
                         self._checkpoint()
                         raise nonfinite_losses_stop(step, self.nonfinite_in_row, cfg.optim, self.dir)
-                    if self._stop.agreed(distributed.any_rank):        # every rank stops after this step
-                        raise Preempted(self._stop.requested or signal.SIGTERM)
+                    if self.stop_signals.agreed(distributed.any_rank):        # every rank stops after this step
+                        raise Preempted(self.stop_signals.requested or signal.SIGTERM)
             except OSError as e:        # the run folder's disk is full, read-only or not ours
                 stop = disk_stop(e, self.step, self.dir)
                 if stop is None:
@@ -478,10 +478,10 @@ class Trainer:
                 preempted = Preempted(e.signum, self.step)
             except KeyboardInterrupt:
                 interrupted = True
-                if not self._mid_step:          # mid-step, part of the next step is in the state: no checkpoint
+                if not self.mid_step:          # mid-step, part of the next step is in the state: no checkpoint
                     self._checkpoint(sync=False)    # ranks are interrupted at different points
-                self.console.print(interrupted_message(self.step, self._mid_step, self.dir))
-        self._stop = None
+                self.console.print(interrupted_message(self.step, self.mid_step, self.dir))
+        self.stop_signals = None
         if preempted is not None:
             self._say(f"stopped by {preempted.name} after step {self.step}: its checkpoint is written; continue "
                       f"with `fasttrain run --resume {self.dir}`")
