@@ -45,6 +45,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads of each run (1 on a shared host: two threads on two busy vCPUs wait on "
+                         "each other); every arm uses the same, as the numerics depend on it")
     a = ap.parse_args()
     from fasttrain.train.intervals import crossed_mean_interval, mean_interval
     from harness import host_precision, machine_name
@@ -56,7 +59,7 @@ def main() -> int:
     day = time.strftime("%Y-%m-%d")
     stem = f"{machine_name()}-{day}-sampling-knobs"
     # bench_learning's defaults for everything else, parsed the way its own command line is
-    sys.argv = ["bench_learning.py", f"--steps={a.steps}", f"--precision={precision}"]
+    sys.argv = ["bench_learning.py", f"--steps={a.steps}", f"--precision={precision}", f"--threads={a.threads}"]
     base = bl_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -98,7 +101,7 @@ def main() -> int:
         cache_path.write_text(json.dumps(cache))
     before = mean_interval(seen["None"])
     md = [f"# Sampling knobs: training on the distribution sampled ({stem})", "",
-          f"Command: `python bench/bench_knobs.py --work {a.work}` (total {(time.time() - t0) / 60:.0f} min). "
+          f"Command: `python bench/bench_knobs.py --work {a.work} --threads {a.threads}` (total {(time.time() - t0) / 60:.0f} min). "
           f"Machine: {machine_name()}; precision {precision} ({why}).", "",
           f"Task: bench_learning.py's starter task, fasttrain CISPO, beta {base.beta}, {a.steps} steps of {base.prompts} "
           f"prompts x {base.group} answers, <= {base.new} tokens, {base.passes} passes, temperature {base.temperature}; "
