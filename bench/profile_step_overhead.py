@@ -4,6 +4,7 @@ SmolLM2-135M, LoRA r16, the starter task).
 
     PYTHONPATH=python python bench/profile_step_overhead.py [--steps 6] [--algo cispo] [--seed 11]
         [--profile cprofile|torch|none] [--top 40] [--metrics out.jsonl]
+    PYTHONPATH=python python bench/profile_step_overhead.py --compare before.jsonl after.jsonl
 
 Method: the worker's own config (bench_learning.fasttrain_config with its defaults) in one process;
 every training step's five phases come from its metrics row (seconds_rollout, _verify, _advantages,
@@ -12,8 +13,9 @@ and left out of the shares. With --profile cprofile, steps 2.. run under cProfil
 checkpoint between steps do not) and the functions are grouped into parts: the torch ops called
 from Python (self time of the builtin ops and the C++ extension's calls: the kernels), and the
 Python around them, by module. With --profile torch, torch.profiler's op table of the same steps.
---metrics copies the run's metrics.jsonl, the file compared before and after a change (timing
-fields excluded) to show the numbers a run produces did not move.
+--metrics copies the run's metrics.jsonl; --compare A B then checks two such files step by step,
+every field but the timings (`seconds_*`) equal (NaN equal to NaN): a change that claims to keep
+every number must pass it against a run before the change, with the same --threads.
 
 cProfile adds a cost per Python call, so its shares overstate the Python parts a little; the phase
 seconds printed first are the run's own (from a run with --profile none they are unprofiled). cProfile charges a
@@ -120,6 +122,26 @@ def part_of(fn: tuple[str, int, str]) -> str:
     return "other Python"
 
 
+def compare_metrics(a_path: str, b_path: str) -> int:
+    """Print where two metrics.jsonl files differ (timing fields excluded); 0 when they agree."""
+    def rows(p):
+        return [json.loads(x) for x in Path(p).read_text().splitlines() if x.strip()]
+
+    def same(x, y):
+        return x == y or (isinstance(x, float) and isinstance(y, float) and x != x and y != y)
+    a, b = rows(a_path), rows(b_path)
+    bad = 0
+    for ra, rb in zip(a, b):
+        keys = {k for k in ra.keys() | rb.keys() if not k.startswith("seconds")}
+        for k in sorted(keys):
+            if k not in ra or k not in rb or not same(ra[k], rb[k]):
+                bad += 1
+                print(f"step {ra.get('step')}: {k}: {ra.get(k)!r} != {rb.get(k)!r}")
+    n = min(len(a), len(b))
+    print(f"{n} steps compared (timing fields excluded): {'identical' if not bad else f'{bad} differences'}")
+    return 1 if bad or n == 0 else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
@@ -131,10 +153,14 @@ def main() -> int:
     ap.add_argument("--profile", choices=["cprofile", "torch", "none"], default="cprofile")
     ap.add_argument("--top", type=int, default=40, help="functions printed by self time and by cumulative time")
     ap.add_argument("--metrics", help="copy the run's metrics.jsonl here")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="only compare two metrics.jsonl files "
+                    "(timing fields excluded) and exit 1 where they differ")
     ap.add_argument("--mark", action="store_true", help="print a line '== step N ==' on stdout as each step "
                     "starts (to split a log such as ONEDNN_VERBOSE=profile_create's by step)")
     ap.add_argument("--stats", help="write the cProfile stats here (pstats format)")
     ns = ap.parse_args()
+    if ns.compare:
+        return compare_metrics(*ns.compare)
     import bench_learning as bl
 
     from fasttrain.train.trainer import Trainer
