@@ -91,8 +91,9 @@ def part_of(fn: tuple[str, int, str]) -> str:
     """The part of a step a profiled function belongs to (its self time is charged there)."""
     file, _, name = fn
     if file == "~":                                   # builtins: C functions called from Python
-        if "torch._C" in name or "torch._ops" in name or name.startswith("<built-in method") and (
-                "of torch" in name or "of PyCapsule" in name or "_C." in name or "fasttrain" in name):
+        if "torch._C" in name or "torch._ops" in name or name.startswith("<built-in method torch.") or \
+                name.startswith("<built-in method") and ("of torch" in name or "of PyCapsule" in name or "_C." in name
+                                                         or "fasttrain" in name):
             return "torch ops and kernels (C++)"
         if "method 'acquire'" in name or "select" in name or "poll" in name or "recv" in name or "read" in name:
             return "waiting (locks, pipes, other processes)"
