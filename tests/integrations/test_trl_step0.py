@@ -42,7 +42,7 @@ from fasttrain.models import chat_messages_ids, load_policy  # noqa: E402
 from fasttrain.models.bundled import bundled_gguf, converted_dir_for  # noqa: E402
 from fasttrain.train.answers import answer_token_ids, eos_ids, prompt_token_ids, sample_answers  # noqa: E402
 
-STARTER = Path(__file__).resolve().parents[2] / "python" / "fasttrain" / "starter"
+STARTER = Path(__file__).resolve().parents[2] / "python" / "fasttrain" / "tasks" / "starter"
 SYSTEM = "Answer with the number only."           # the learning benchmark's system prompt
 G, NEW, TEMPERATURE = 4, 16, 0.7
 U32 = 2.0 ** -24
