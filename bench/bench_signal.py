@@ -244,6 +244,8 @@ def run_all(a) -> int:
             if done.exists() and json.loads(done.read_text()).get("recipe") == want:
                 res = json.loads(done.read_text())
                 print(f"[{time.time() - t0:.0f} s] {arm} seed {seed}: reused", flush=True)
+            elif a.eval_part:
+                raise SystemExit(f"--eval-part: the run {arm} seed {seed} is not done; evaluate after every run")
             else:
                 print(f"[{time.time() - t0:.0f} s] {arm} seed {seed}", flush=True)
                 res = run_worker(argv, a.timeout)
@@ -261,9 +263,23 @@ def run_all(a) -> int:
     key = json.dumps({"rows": rows, "settings": settings.__dict__}, sort_keys=True)
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     cache = cache if cache.get("key") == key else {"key": key, "scores": {}}
+    for part in sorted(work.glob("evaluations.part*.json")):      # what --eval-part processes scored
+        got = json.loads(part.read_text())
+        if got.get("key") == key:
+            cache["scores"].update(got["scores"])
     todo = [None] + [ad["path"] for runs in results.values() for r in runs for ad in r["adapters"]]
     todo = [p for p in todo if str(p) not in cache["scores"]]
     torch.set_num_threads(a.threads)
+    if a.eval_part:                      # one share of the evaluations, in a process of its own
+        i, n = (int(x) for x in a.eval_part.split("/"))
+        mine = {"key": key, "scores": {}}
+        part_path = work / f"evaluations.part{i}.json"
+        for p in todo[i::n]:
+            (res,) = evaluate(bundled_model_dir(), [p], rows, rg_reward, settings, log=lambda *x: None)
+            mine["scores"][str(p)] = res["mean"]
+            part_path.write_text(json.dumps(mine))
+        print(f"[{time.time() - t0:.0f} s] part {i}/{n}: {len(todo[i::n])} evaluation(s) in {part_path}", flush=True)
+        return 0
     if todo:
         print(f"[{time.time() - t0:.0f} s] evaluating {len(todo)} adapter(s) on {len(rows)} held-out rows", flush=True)
         for p in todo:                                    # one at a time, saved after each (resumable)
@@ -327,6 +343,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=6 * 3600)
     ap.add_argument("--work", help="folder for the runs and evaluations, kept: a later call goes on from it")
+    ap.add_argument("--eval-part", help="I/N: after the runs (all done), only the I-th of N shares of the evaluations, "
+                                        "kept in the work folder for the report call (N processes in parallel)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--quick", action="store_true", help="2 steps, 1 seed, 4 held-out rows per generator")
     ap.add_argument("--pick", action="store_true", help="only the bundled model's starting success per candidate")
