@@ -14,6 +14,7 @@ pytestmark = pytest.mark.one_thread      # the one-thread default (tests/conftes
 
 
 def _rows(face, only: str = ""):
+    before = harness.KERNELS.get("moe_experts")      # restored after: another test may have filled KERNELS
     harness.KERNELS["moe_experts"] = face
     try:
         out = []
@@ -24,7 +25,10 @@ def _rows(face, only: str = ""):
             out.append(check.row("moe_experts", name, *run(check)))
         return out
     finally:
-        harness.KERNELS.pop("moe_experts", None)
+        if before is None:
+            harness.KERNELS.pop("moe_experts", None)
+        else:
+            harness.KERNELS["moe_experts"] = before
 
 
 def test_selftest_rows_pass_and_fail_for_a_one_percent_slip():
