@@ -182,7 +182,8 @@ class RolloutSection:
     prefill_prompts: int = 0
     # DAPO's dynamic sampling (fasttrain.train.dynamic_sampling): groups whose answers all get a
     # zero advantage are dropped and more prompts are sampled, up to dynamic_max_rounds extra
-    # generation rounds per step; past that the step trains on what it has.
+    # generation rounds per step; past that the step trains on what it has. Off by default: on a CPU
+    # its extra answers cost about what it gains per second (docs/your-task.md, bench/bench_signal.py).
     dynamic_sampling: bool = False
     dynamic_max_rounds: int = 3
 
