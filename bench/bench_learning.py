@@ -722,7 +722,13 @@ def run_all(a) -> int:
         ev = evaluate(bundled_model_dir(), todo, rows, load_reward(f"{TASK['rewards_file']}:{TASK['core']}"),
                       settings)
         seen.update({str(e["adapter"]): e["scores"] for e in ev})
-        cache_path.write_text(json.dumps(cache))
+        # Another call on the same work folder (a lane of other seeds) may have written meanwhile: merge.
+        latest = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+        for k, v in latest.items():
+            cache.setdefault(k, {}).update({p: s for p, s in v.items() if p not in cache.get(k, {})})
+        tmp = cache_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(cache_path)
     base_scores = seen["None"]
     scores = {str(p): seen[str(p)] for p in paths}
     table, csv = summarize(results, base_scores, scores, a, busy)
