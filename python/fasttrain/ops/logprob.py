@@ -34,7 +34,8 @@ from fasttrain.ops.kernels import use_reference as _use_reference
 _load()
 _ops = torch.ops.fasttrain
 
-__all__ = ["fused_logprob", "set_chunk_bytes", "chunk_bytes", "brgemm_bf16_available", "logprob_pack_cache"]
+__all__ = ["fused_logprob", "set_chunk_bytes", "chunk_bytes", "brgemm_bf16_available", "bf16_dot_available",
+           "logprob_pack_cache"]
 
 _CHUNK_BYTES = 0  # 0: the backend's default (CPU: 8 MiB in all threads; CUDA: 256 MiB)
 
@@ -44,6 +45,14 @@ def brgemm_bf16_available() -> bool:
     brgemm here: oneDNN's ukernel packs bf16 on AMX and AVX-512 bf16 CPUs; elsewhere they widen to
     float32."""
     return bool(_load().cpu_brgemm_bf16())
+
+
+def bf16_dot_available() -> bool:
+    """Whether the CPU kernel's bf16 head products run on the avx512_bf16 dot-product instruction
+    here (where the CPU has avx512_bf16 and ATen sits at AVX512 but oneDNN's ukernel does not pack
+    bf16, as on AMD EPYC without AMX): bf16 h and W, exact products and fp32 sums as on the widened
+    float32 path; FASTTRAIN_LOGPROB_BF16DOT=0 turns it off."""
+    return bool(_load().cpu_bf16_dot())
 
 
 @contextlib.contextmanager
