@@ -17,6 +17,8 @@
 // bf16 h and W where oneDNN's brgemm ukernel packs bf16 (AMX, AVX-512 bf16; at::native::cpublas):
 // there Z is the bf16 x bf16 -> fp32 product of W packed once per call, the same exact products
 // and fp32 sums as the widened GEMM in another order (FASTTRAIN_LOGPROB_BRGEMM=0 turns it off).
+// Where the CPU has avx512_bf16 but the ukernel does not pack bf16 (no AMX), steps 1 and 3 run on
+// the vdpbf16ps instruction instead, on W packed into tiles (cpu/bf16_dot.h says why by hand).
 // The accumulator rows (the grad_vec output itself) are revisited once per chunk: B*H floats
 // against B*C*H FMAs. A widened W chunk (bf16/fp16 inputs) is made per group of token blocks per
 // chunk, into a buffer each thread holds for the whole call.

@@ -57,7 +57,8 @@ def bf16_dot_available() -> bool:
 
 @contextlib.contextmanager
 def logprob_pack_cache():
-    """Inside this scope the CPU kernel keeps W's packed bf16 copies (brgemm_bf16_available) across
+    """Inside this scope the CPU kernel keeps W's packed bf16 copies (brgemm_bf16_available or
+    bf16_dot_available) across
     calls instead of packing W on every call; leaving it frees them. An entry is W's storage,
     offset, shape and version counter, so an in-place write through W (the optimizer's included)
     makes it stale; a write that bypasses the version counter (`w.data[...] = ...`) would not: open
