@@ -54,7 +54,8 @@ def bench_args(ns) -> argparse.Namespace:
     bl.TASK.update(bl.TASKS["starter"])
     a = argparse.Namespace(steps=ns.steps, quantize="none", rank=16, alpha=32, lr=1e-4, beta=ns.beta, prompts=2,
                            group=8, micro_batch=8, passes=2, new=16, temperature=0.7, save_every=ns.steps,
-                           threads=ns.threads, trl_conventions=False, precision=ns.precision)
+                           threads=ns.threads, trl_conventions=False, precision=ns.precision,
+                           top_p=1.0, top_k=0, replay="on")
     if a.precision == "auto":
         a.precision = host_precision()[0]
     return a

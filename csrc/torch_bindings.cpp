@@ -168,4 +168,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_brgemm_bf16", [] { return at::native::cpublas::could_pack(at::kBFloat16); },
         "whether ATen's brgemm ukernel packs bfloat16 here (oneDNN: AMX or AVX-512 bf16), which the fused "
         "log-prob head's bf16 GEMMs use");
+  m.def("cpu_bf16_dot",
+        [] {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+          return fasttrain::cpu_has_bf16() && !at::native::cpublas::could_pack(at::kBFloat16);
+#else
+          return false;
+#endif
+        },
+        "whether the fused log-prob head's bf16 products run on the avx512_bf16 dot-product instruction "
+        "here (cpu/bf16_dot.h: avx512_bf16 where oneDNN's ukernel does not pack bf16)");
 }

@@ -17,6 +17,8 @@
 // bf16 h and W where oneDNN's brgemm ukernel packs bf16 (AMX, AVX-512 bf16; at::native::cpublas):
 // there Z is the bf16 x bf16 -> fp32 product of W packed once per call, the same exact products
 // and fp32 sums as the widened GEMM in another order (FASTTRAIN_LOGPROB_BRGEMM=0 turns it off).
+// Where the CPU has avx512_bf16 but the ukernel does not pack bf16 (no AMX), steps 1 and 3 run on
+// the vdpbf16ps instruction instead, on W packed into tiles (cpu/bf16_dot.h says why by hand).
 // The accumulator rows (the grad_vec output itself) are revisited once per chunk: B*H floats
 // against B*C*H FMAs. A widened W chunk (bf16/fp16 inputs) is made per group of token blocks per
 // chunk, into a buffer each thread holds for the whole call.
@@ -54,9 +56,11 @@
 #include <vector>
 
 #include "core/variant.h"
+#include "core/cpu_features.h"
 #include "core/checks.h"
 #include "core/fused_logprob_checks.h"
 #include "core/math.h"
+#include "cpu/bf16_dot.h"
 #include "cpu/pack_cache.h"
 #include "cpu/parallel.h"
 #include "cpu/register.h"
@@ -188,6 +192,34 @@ std::pair<at::Tensor, at::Tensor> packed_weight(const at::Tensor& w, bool want, 
   return {packed, packed_k};
 }
 
+// ---- both products by the bf16 dot-product instruction (cpu/bf16_dot.h) where the CPU has
+// avx512_bf16 but oneDNN's ukernel does not pack bf16 (no AMX). Packing W costs about one pass over
+// it (a copy in the tile layout); the trainer's pack scope keeps the copies across a phase's calls,
+// so a call of any size uses it (FASTTRAIN_LOGPROB_BF16DOT=0 turns it off;
+// FASTTRAIN_LOGPROB_BF16DOT_MIN_TOKENS sets the fewest tokens a call needs, default 1).
+bool bf16_dot_usable(const at::Tensor& hidden, const at::Tensor& weight) {
+  if (!bf16_dot::compiled()) return false;
+  if (hidden.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 || hidden.size(1) % 2 != 0)
+    return false;
+  if (hidden.size(0) < env_int("FASTTRAIN_LOGPROB_BF16DOT_MIN_TOKENS", 1)) return false;
+  const char* v = std::getenv("FASTTRAIN_LOGPROB_BF16DOT");
+  if (v && std::string(v) == "0") return false;
+  return cpu_has_bf16() && !at::native::cpublas::could_pack(at::kBFloat16);
+}
+
+// (logits layout, p·W layout) of W for this call, from the pack scope's cache where one is open;
+// the p·W layout only where wanted and H is a multiple of its tile (else undefined).
+std::pair<at::Tensor, at::Tensor> bf16_dot_weight(const at::Tensor& w, bool want_k) {
+  want_k = want_k && w.size(1) % bf16_dot::kCols == 0;
+  auto [pn, pk] = logprob_pack_lookup(w);
+  const bool hit = pn.defined();
+  if (!hit) pn = bf16_dot::pack_logits(w);
+  const bool pack_k = want_k && !pk.defined();
+  if (pack_k) pk = bf16_dot::pack_accumulator(w);
+  if (!hit || pack_k) logprob_pack_store(w, pn, pk);
+  return {pn, want_k ? pk : at::Tensor()};
+}
+
 // Rows of p~ (fp32, row stride ldz, cs columns) as p_hi and p_lo (bf16, row stride ldp), columns
 // cs..ldp zero; a row whose target is ignored is all zeros.
 // bf16 of a finite float, rounded to nearest even (c10::BFloat16's rounding without its NaN branch,
@@ -317,7 +349,8 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
                          acc_t inv_temp, int64_t ignore_index, bool compute_grad, int64_t chunk_bytes,
                          acc_t* logp, acc_t* ent, acc_t* stats, at::Tensor& grad_vec, const acc_t* delta,
                          const at::Tensor& hid16 = at::Tensor(), const at::Tensor& wpacked = at::Tensor(),
-                         const at::Tensor& wpacked_k = at::Tensor()) {
+                         const at::Tensor& wpacked_k = at::Tensor(), const at::Tensor& wdot = at::Tensor(),
+                         const at::Tensor& wdot_k = at::Tensor()) {
   const int64_t N = hid.size(0), H = hid.size(1), V = weight.size(0);
   // The kept sets' absolute cuts (fm::kept_cut) from each token's own target logit, one dot product
   // a token before the chunk loop: what makes the replay one pass over the vocabulary.
@@ -348,6 +381,10 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   const bool packed_k = packed && compute_grad && wpacked_k.defined();
   if (packed) C = std::max<int64_t>(kPackCols, C / kPackCols * kPackCols);
   if (packed_k) C = std::max<int64_t>(kPackK, C / kPackK * kPackK);
+  // by the bf16 dot-product instruction (cpu/bf16_dot.h): a chunk is whole tiles
+  const bool dot = !packed && wdot.defined() && std::is_same_v<acc_t, float>;
+  const bool dot_k = dot && compute_grad && wdot_k.defined();
+  if (dot) C = std::max<int64_t>(bf16_dot::kCols, C / bf16_dot::kCols * bf16_dot::kCols);
   const int64_t nblocks = (N + B - 1) / B;
 
   std::vector<fm::LseState<acc_t>> st(N, fm::lse_init<acc_t>());
@@ -356,7 +393,7 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   for (auto& s : scratch) s = at::empty({B * C}, hid.options());
   std::vector<acc_t> alpha_all(N, acc_t(1));
   // the W chunk in the GEMM dtype: for both GEMMs, or (packed W) only for the p·W accumulator
-  const bool widen = weight.scalar_type() != acc_dt && (!packed || (compute_grad && !packed_k));
+  const bool widen = weight.scalar_type() != acc_dt && (!(packed || dot) || (compute_grad && !(packed_k || dot_k)));
   // Widened W chunks go into one buffer per thread, allocated here once: a fresh [C, H] tensor per
   // (group, chunk) is a large allocation that the allocator maps and unmaps each time, and its
   // page faults cost more than the widening itself (measured on a 2-core Xeon: 2.7-5.4 ms per
@@ -376,14 +413,14 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
    at::Tensor& zbuf = scratch[at::get_thread_num()];
    at::Tensor* wb = widen ? &wbuf[at::get_thread_num()] : nullptr;
    std::vector<float> ztail(packed ? B * kPackCols : 0);      // the last, partial packed block's logits
-   std::vector<at::BFloat16> phi(packed_k ? B * C : 0), plo(packed_k ? B * C : 0);   // p~ = p_hi + p_lo
+   std::vector<at::BFloat16> phi(packed_k || dot_k ? B * C : 0), plo(packed_k || dot_k ? B * C : 0);   // p~ = p_hi + p_lo
    for (int64_t gi = next_group.fetch_add(1); gi < ngroups; gi = next_group.fetch_add(1)) {
     const int64_t b0 = gi * group, b1 = std::min(nblocks, b0 + group);
     for (int64_t v0 = 0; v0 < V; v0 += C) {
       const int64_t cs = std::min(C, V - v0);
       // the W chunk as the GEMM dtype (a view when no widening is needed)
       const at::Tensor wc = widen ? wb->narrow(0, 0, cs).copy_(weight.narrow(0, v0, cs))
-                                  : (packed ? at::Tensor() : weight.narrow(0, v0, cs));
+                                  : (packed || dot ? at::Tensor() : weight.narrow(0, v0, cs));
       const acc_t* bc = bias ? bias + v0 : nullptr;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * B, nb = std::min(B, N - n0);
@@ -407,7 +444,10 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
             }
           }
         }
-        if (!packed) at::mm_out(z, hid.narrow(0, n0, nb), wc.t());
+        if constexpr (std::is_same_v<acc_t, float>) {
+          if (dot) bf16_dot::logits(hid16.const_data_ptr<at::BFloat16>() + n0 * H, nb, H, wdot, v0, cs, zp, cs);
+        }
+        if (!packed && !dot) at::mm_out(z, hid.narrow(0, n0, nb), wc.t());
         bool any_rescale = false;
         for (int64_t i = 0; i < nb; ++i) {
           const int64_t n = n0 + i, t = tg[n];
@@ -446,7 +486,14 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
               }
             }
           }
-          if (!packed_k) at::addmm_out(acc, acc, z, wc);
+          if constexpr (std::is_same_v<acc_t, float>) {
+            if (dot_k) {
+              const int64_t cp = (cs + 1) / 2 * 2;
+              split_bf16_rows(zp, cs, nb, cs, cp, tg + n0, ignore_index, phi.data(), plo.data());
+              bf16_dot::accumulate(phi.data(), plo.data(), nb, cp, wdot_k, V, v0, H, acc.data_ptr<float>());
+            }
+          }
+          if (!packed_k && !dot_k) at::addmm_out(acc, acc, z, wc);
         }
       }
     }
@@ -515,10 +562,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_logprob_forward
     const bool want = brgemm_logits_usable(hidden, w);
     const bool want_k = want && compute_grad && brgemm_accumulator_usable(hidden, w);
     const auto [wpacked, wpacked_k] = packed_weight(w, want, want_k);
+    const bool want_dot = !wpacked.defined() && bf16_dot_usable(hidden, w);
+    const auto [wdot, wdot_k] = want_dot ? bf16_dot_weight(w, compute_grad) : std::pair<at::Tensor, at::Tensor>();
     forward_impl<float>(hid, w, tg.const_data_ptr<int64_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
                         static_cast<float>(1.0 / temperature), ignore_index, compute_grad, chunk_bytes,
                         logp.data_ptr<float>(), ent.data_ptr<float>(), stats.data_ptr<float>(), grad_vec,
-                        kd.defined() ? kd.const_data_ptr<float>() : nullptr, wpacked.defined() ? hidden.contiguous() : at::Tensor(), wpacked, wpacked_k);
+                        kd.defined() ? kd.const_data_ptr<float>() : nullptr,
+                        wpacked.defined() || wdot.defined() ? hidden.contiguous() : at::Tensor(), wpacked, wpacked_k,
+                        wdot, wdot_k);
   }
   return {logp, ent, stats, grad_vec};
 }

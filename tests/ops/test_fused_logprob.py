@@ -117,13 +117,17 @@ def test_float32_within_2x_of_eager(N, H, V, chunks):
 @pytest.mark.parametrize("dtype,ulp", [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)])
 @pytest.mark.parametrize("tiles", ["default", "small"])
 @pytest.mark.parametrize("brgemm", ["1", "0"])
-def test_low_precision_within_2x_of_eager(dtype, ulp, tiles, brgemm, monkeypatch):
+@pytest.mark.parametrize("dot", ["1", "0"])
+def test_low_precision_within_2x_of_eager(dtype, ulp, tiles, brgemm, dot, monkeypatch):
     """"small": many vocabulary chunks (the last one partial) widened into each thread's one
     buffer, and several groups of 16-token blocks per thread, so a buffer is refilled often.
     brgemm "1": bf16 logits through ATen's brgemm where the CPU packs bf16 (W in 64-row blocks, the
     last of V = 777 partial; the token threshold lowered so these 96 tokens take it); "0": the
-    widened float32 GEMM everywhere."""
+    widened float32 GEMM everywhere. dot "1": bf16 logits by the avx512_bf16 dot-product
+    instruction where it runs instead (fused_logprob.bf16_dot_available; H = 72 is not a multiple
+    of its 64-column tile, so the accumulator stays widened); "0": off."""
     monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM", brgemm)
+    monkeypatch.setenv("FASTTRAIN_LOGPROB_BF16DOT", dot)
     monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM_MIN_TOKENS", "1")
     if tiles == "small":
         monkeypatch.setenv("FASTTRAIN_LOGPROB_BLOCK", "16")
@@ -143,7 +147,8 @@ def _gamma(k: int, u: float) -> float:
 
 @pytest.mark.parametrize("pw", ["1", "0"])
 @pytest.mark.parametrize("tiles", ["default", "small"])
-def test_bf16_grad_vector_within_derived_bound(pw, tiles, monkeypatch):
+@pytest.mark.parametrize("dot,N,H", [("1", 96, 128), ("1", 37, 192), ("0", 96, 128)])
+def test_bf16_grad_vector_within_derived_bound(pw, tiles, dot, N, H, monkeypatch):
     """The op's float32 hidden-gradient vector g = (W[t] - softmax(z)·W) / T for bf16 h and W against
     float64 on the same values, within a bound derived from the roundings (u = 2^-24, first order):
     the logits' float32 sums of exact products, |dz_v| <= gamma_H sum_i |h_i W_vi| / T, plus u|z_v|
@@ -154,13 +159,16 @@ def test_bf16_grad_vector_within_derived_bound(pw, tiles, monkeypatch):
     the per-chunk rescales and the final (W[t] - acc / s) / T a few u of each term.
     H = 128 (whole 64-column blocks, so the brgemm accumulator runs), V = 777 (a partial last
     512-row block); "small": two vocabulary chunks and 16-token blocks, so the rescale between
-    chunks and several token blocks per thread run."""
+    chunks and several token blocks per thread run. dot "1": both products by the avx512_bf16
+    dot-product instruction where it runs (its p·W also on p_hi + p_lo, so the same bound), with
+    N = 37 a partial 4-token tile and H = 192 three 64-column tiles; "0": off."""
     monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM_PW", pw)
+    monkeypatch.setenv("FASTTRAIN_LOGPROB_BF16DOT", dot)
     monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM_MIN_TOKENS", "1")
     if tiles == "small":
         monkeypatch.setenv("FASTTRAIN_LOGPROB_BLOCK", "16")
         lp_mod.set_chunk_bytes(16384)
-    N, H, V, T = 96, 128, 777, 0.8
+    V, T = 777, 0.8
     try:
         h, w, t, _ = make(N, H, V, torch.bfloat16, scale=4.0, ignore=(5,))
         _, _, stats, gv = OP.fused_logprob_forward(h, w, t, None, T, -100, True, 0)
@@ -198,12 +206,29 @@ def test_bf16_brgemm_accumulator_is_taken(monkeypatch):
     assert not torch.equal(out["1"][3], out["0"][3])
 
 
+def test_bf16_dot_is_taken(monkeypatch):
+    """Where bf16_dot_available, bf16 logits and (H a multiple of 64) the p·W accumulator run on the
+    dot-product instruction: other bits than the widened float32 GEMMs (the same sums in another
+    order; their bounds are the tests above); FASTTRAIN_LOGPROB_BF16DOT=0 turns it off. Skipped
+    elsewhere."""
+    if not fo.bf16_dot_available():
+        pytest.skip("this CPU has no avx512_bf16 (or ATen below AVX512), or oneDNN packs bf16 (AMX)")
+    h, w, t, _ = make(64, 128, 448, torch.bfloat16, scale=4.0)
+    out = {}
+    for dot in ("1", "0"):
+        monkeypatch.setenv("FASTTRAIN_LOGPROB_BF16DOT", dot)
+        out[dot] = OP.fused_logprob_forward(h, w, t, None, 1.0, -100, True, 0)
+    assert not torch.equal(out["1"][0], out["0"][0])                     # the logits
+    assert not torch.equal(out["1"][3], out["0"][3])                     # the p·W accumulator
+
+
 def test_pack_cache_scope_keeps_results_and_follows_writes(monkeypatch):
     """Inside logprob_pack_cache W's packed copies are kept across calls (one entry per W, dropped when
     the scope closes) and the results are the bits of an unscoped call; an in-place write to W, a
-    second W, and a freed W replaced by another of its shape all give their own fresh results."""
-    if not fo.brgemm_bf16_available():
-        pytest.skip("this CPU's oneDNN ukernel does not pack bf16 (no AVX-512 bf16 / AMX)")
+    second W, and a freed W replaced by another of its shape all give their own fresh results.
+    Packed copies are brgemm's (AMX) or the bf16 dot-product path's layouts."""
+    if not (fo.brgemm_bf16_available() or fo.bf16_dot_available()):
+        pytest.skip("this CPU packs no bf16 copy of W (neither oneDNN's ukernel nor avx512_bf16)")
     from fasttrain._native import load
     lib = load()
     monkeypatch.setenv("FASTTRAIN_LOGPROB_BRGEMM_MIN_TOKENS", "1")

@@ -140,6 +140,25 @@ def dense_dora_norm(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Te
                       for i in range(0, out, step)])
 
 
+class _AddRounded(torch.autograd.Function):
+    """base + lora summed in lora's (wider) dtype and rounded once to `dtype`, in one pass over the
+    output: the same bits as (base.to(lora.dtype) + lora).to(dtype) without the two widened copies
+    (ATen's add computes in the operands' common dtype and casts as it stores into `out`). The
+    backward hands each operand the incoming gradient in its own dtype, as that expression's
+    autograd does (a bf16 gradient widened to fp32 and back is exact)."""
+
+    @staticmethod
+    def forward(ctx, base, lora, dtype):
+        ctx.dtypes = (base.dtype, lora.dtype)
+        return torch.add(base, lora, out=torch.empty(lora.shape, dtype=dtype, device=lora.device))
+
+    @staticmethod
+    def backward(ctx, g):
+        base_dtype, lora_dtype = ctx.dtypes
+        return (g.to(base_dtype) if ctx.needs_input_grad[0] else None,
+                g.to(lora_dtype) if ctx.needs_input_grad[1] else None, None)
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None, scale: float = 1.0,
                  dora_m: torch.Tensor | None = None, dora_norm: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,9 +172,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if lora_a is None:
         return base.to(x.dtype)
     ct = _compute_dtype(x.dtype)
-    lora = F.linear(F.linear(x.to(ct), lora_a.to(ct)), lora_b.to(ct)) * scale
+    # s·(x·Aᵀ)·Bᵀ with s applied to the r-wide product (the same value where s is a power of two, as
+    # alpha / rank usually is; otherwise one fp32 rounding apart), not to the out-wide one
+    lora = F.linear(F.linear(x.to(ct), lora_a.to(ct)) * scale, lora_b.to(ct))
     if dora_m is None:
-        return (base.to(ct) + lora).to(x.dtype)
+        return _AddRounded.apply(base, lora, x.dtype)
     norm = dense_dora_norm(weight, lora_a, lora_b, scale) if dora_norm is None else dora_norm.detach()
     g = dora_m.to(ct) / norm.to(ct)
     base_c = base.to(ct)

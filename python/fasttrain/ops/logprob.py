@@ -34,7 +34,8 @@ from fasttrain.ops.kernels import use_reference as _use_reference
 _load()
 _ops = torch.ops.fasttrain
 
-__all__ = ["fused_logprob", "set_chunk_bytes", "chunk_bytes", "brgemm_bf16_available", "logprob_pack_cache"]
+__all__ = ["fused_logprob", "set_chunk_bytes", "chunk_bytes", "brgemm_bf16_available", "bf16_dot_available",
+           "logprob_pack_cache"]
 
 _CHUNK_BYTES = 0  # 0: the backend's default (CPU: 8 MiB in all threads; CUDA: 256 MiB)
 
@@ -46,9 +47,18 @@ def brgemm_bf16_available() -> bool:
     return bool(_load().cpu_brgemm_bf16())
 
 
+def bf16_dot_available() -> bool:
+    """Whether the CPU kernel's bf16 head products run on the avx512_bf16 dot-product instruction
+    here (where the CPU has avx512_bf16 and ATen sits at AVX512 but oneDNN's ukernel does not pack
+    bf16, as on AMD EPYC without AMX): bf16 h and W, exact products and fp32 sums as on the widened
+    float32 path; FASTTRAIN_LOGPROB_BF16DOT=0 turns it off."""
+    return bool(_load().cpu_bf16_dot())
+
+
 @contextlib.contextmanager
 def logprob_pack_cache():
-    """Inside this scope the CPU kernel keeps W's packed bf16 copies (brgemm_bf16_available) across
+    """Inside this scope the CPU kernel keeps W's packed bf16 copies (brgemm_bf16_available or
+    bf16_dot_available) across
     calls instead of packing W on every call; leaving it frees them. An entry is W's storage,
     offset, shape and version counter, so an in-place write through W (the optimizer's included)
     makes it stale; a write that bypasses the version counter (`w.data[...] = ...`) would not: open

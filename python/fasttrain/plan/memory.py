@@ -422,12 +422,13 @@ def _logprob_scratch(m: ModelShape, dev: Device, n_tok: int, grad: bool = False)
 
 
 def _logprob_packed(m: ModelShape, dev: Device, n_tok: int, grad: bool) -> int:
-    """W's packed bf16 copies (csrc/cpu/fused_logprob.cpp), kept for the whole phase (the trainer's
-    pack scope): for the logits by brgemm where the CPU has bf16 GEMMs and a call has at least 256
-    tokens, W in 64-row blocks; with grad and H a multiple of 64, also W in 512-row blocks for the
-    p·W accumulator (fp16 counted alike: a bound)."""
+    """W's packed bf16 copies (csrc/cpu/fused_logprob.cpp), kept over the scoring and the update (the
+    trainer's pack scope) where the CPU has bf16 GEMMs: for the logits, W in 64-row blocks (brgemm
+    on AMX for calls of at least 256 tokens; the avx512_bf16 dot-product tiles for any call without
+    AMX); with grad and H a multiple of 64, also W for the p·W accumulator (brgemm's 512-row blocks,
+    the larger of the two layouts; fp16 counted alike: a bound)."""
     H, V = m.hidden, m.vocab
-    if dev.kind == "cuda" or m.w != 2 or not dev.cpu_bf16 or n_tok < 256:
+    if dev.kind == "cuda" or m.w != 2 or not dev.cpu_bf16 or n_tok == 0:
         return 0
     return -(-V // 64) * 64 * H * 2 + (-(-V // 512) * 512 * H * 2 if grad and H % 64 == 0 else 0)
 

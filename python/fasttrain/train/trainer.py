@@ -238,35 +238,35 @@ class Trainer:
         L = cfg.loss
         top_entropy = L.token_mask == "top_entropy"
         # the entropy mask needs the entropies before the update; otherwise pass 1 of the update
-        # gives the old log-probs and entropy from its own forward (one forward less per step)
-        with logprob_pack_cache():           # the head is frozen here: its packed copies kept for the phase
+        # gives the old log-probs and entropy from its own forward (one forward less per step).
+        # The head's packed copies (fasttrain.ops.logprob_pack_cache) are kept over the scoring and
+        # the update, one packing a step. A head that trains is written by the optimizer in place,
+        # which bumps its version: its packed copies are then made again, never reused stale.
+        with logprob_pack_cache():
             batch = self.with_oom_retry(step, "scores", lambda mb: score_batch(
                 self.model, roll, mb, R.temperature, need_ref=L.beta > 0, need_old=top_entropy,
                 routing_replay=cfg.moe.routing_replay == "rollout"))
-        mask = roll.action_mask.bool()          # the model's own tokens: every consumer below reads it
-        loss_mask = mask
-        if top_entropy:                                        # over every rank's answer tokens
-            loss_mask = distributed.top_entropy_mask(batch.entropy, mask, L.rho)
-        times["logprob"] = time.perf_counter() - t
+            mask = roll.action_mask.bool()          # the model's own tokens: every consumer below reads it
+            loss_mask = mask
+            if top_entropy:                                        # over every rank's answer tokens
+                loss_mask = distributed.top_entropy_mask(batch.entropy, mask, L.rho)
+            times["logprob"] = time.perf_counter() - t
 
-        t = time.perf_counter()
-        zeta = float(self.thermostat.zeta) if L.repo_r else 0.0
-        skipped = False
-        try:
-            # a head that trains is written by the optimizer in place, which bumps its version: its
-            # packed copies are then made again, never reused stale
-            with logprob_pack_cache():
+            t = time.perf_counter()
+            zeta = float(self.thermostat.zeta) if L.repo_r else 0.0
+            skipped = False
+            try:
                 result = self.with_oom_retry(step, "update", lambda mb: update_policy(
                     self.model, self.params, self.optimizer, roll, batch, adv, loss_mask, L, zeta, mb,
                     cfg.optim.grad_clip, R.temperature, routing_replay=cfg.moe.routing_replay == "rollout",
                     router_aux_loss_coef=cfg.moe.router_aux_loss_coef),
                     undo=undo_update(self.model, self.params, self.optimizer) if L.passes > 1 else None)
-            self.nonfinite_in_row = 0
-        except NonFiniteLoss as e:
-            skipped, result = True, e.result
-            self.nonfinite_in_row += 1
-            self.warn(step, f"non-finite loss at step {step} ({e}): update skipped "
-                             f"({self.nonfinite_in_row} in a row)")
+                self.nonfinite_in_row = 0
+            except NonFiniteLoss as e:
+                skipped, result = True, e.result
+                self.nonfinite_in_row += 1
+                self.warn(step, f"non-finite loss at step {step} ({e}): update skipped "
+                                 f"({self.nonfinite_in_row} in a row)")
         # the pre-update policy's entropy and KL to the base, over every rank's tokens
         gap, n_tok, n_loss, mean_entropy, kl = update_stats(roll, batch, result, mask, loss_mask)
         if L.repo_r:
