@@ -373,7 +373,10 @@ static void forward_impl(const at::Tensor& hid, const at::Tensor& weight, const 
   }
   const at::ScalarType acc_dt = hid.scalar_type();
   const int64_t nthreads = at::get_num_threads();
-  const int64_t B = std::max<int64_t>(1, env_int("FASTTRAIN_LOGPROB_BLOCK", kTokenBlock));
+  // Tokens per block: at most kTokenBlock, and few enough that each thread gets a block of a small
+  // call (160 tokens on 2 threads: 2 blocks of 80, not 128 + 32, one thread idle for most of it).
+  const int64_t B = std::max<int64_t>(
+      1, env_int("FASTTRAIN_LOGPROB_BLOCK", std::min(kTokenBlock, ((N + nthreads - 1) / nthreads + 3) / 4 * 4)));
   // with packed W (bf16 logits by brgemm) a chunk is whole packed blocks
   const bool packed = wpacked.defined() && std::is_same_v<acc_t, float>;
   int64_t C = vocab_chunk(chunk_bytes, B, H, V, sizeof(acc_t), nthreads);
