@@ -170,6 +170,8 @@ def worker_trl(a, seed: int, algo: str, out: Path) -> dict:
 
     spec = importlib.util.spec_from_file_location("task_rewards", TASK["rewards_file"])
     rewards_mod = importlib.util.module_from_spec(spec)
+    # registered before it runs: a dataclass in the rewards file looks its module up in sys.modules
+    sys.modules[spec.name] = rewards_mod
     spec.loader.exec_module(rewards_mod)
     core_values: list[float] = []
 
@@ -260,6 +262,8 @@ def first_step_trl(a, seed: int) -> list[float]:
     data = [{**rows[i], "prompt": messages_of(rows[i], TASK["system_prompt"])} for i in order]
     spec = importlib.util.spec_from_file_location("task_rewards", TASK["rewards_file"])
     rewards_mod = importlib.util.module_from_spec(spec)
+    # registered before it runs: a dataclass in the rewards file looks its module up in sys.modules
+    sys.modules[spec.name] = rewards_mod
     spec.loader.exec_module(rewards_mod)
     core: list[float] = []
 
