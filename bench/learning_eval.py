@@ -60,6 +60,7 @@ def load_reward(spec: str) -> Callable:
     if file.endswith(".py"):
         mod_spec = importlib.util.spec_from_file_location(f"_eval_rewards_{abs(hash(file))}", file)
         module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_spec.name] = module          # a dataclass in the file looks its module up there
         mod_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(file)
