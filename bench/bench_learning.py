@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -149,12 +148,10 @@ def worker_trl(a, seed: int, algo: str, out: Path) -> dict:
     if knob_args(a):
         raise SystemExit("the TRL worker samples with temperature alone here (top_p 1, top_k off): "
                          "run the sampling knobs with --trainers fasttrain")
-    import importlib.util
-
     import torch
     import transformers
     from datasets import Dataset
-    from learning_eval import bundled_model_dir, load_base, messages_of
+    from learning_eval import bundled_model_dir, load_base, load_file_module, messages_of
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -168,11 +165,7 @@ def worker_trl(a, seed: int, algo: str, out: Path) -> dict:
     rows = [json.loads(x) for x in TASK["dataset"].read_text().splitlines() if x.strip()]
     data = Dataset.from_list([{**rows[i], "prompt": messages_of(rows[i], TASK["system_prompt"])} for i in order])
 
-    spec = importlib.util.spec_from_file_location("task_rewards", TASK["rewards_file"])
-    rewards_mod = importlib.util.module_from_spec(spec)
-    # registered before it runs: a dataclass in the rewards file looks its module up in sys.modules
-    sys.modules[spec.name] = rewards_mod
-    spec.loader.exec_module(rewards_mod)
+    rewards_mod = load_file_module(TASK["rewards_file"], "task_rewards")
     core_values: list[float] = []
 
     def recorded(fn):
@@ -249,7 +242,7 @@ def first_step_trl(a, seed: int) -> list[float]:
     on the base policy (`_generate_and_score_completions` only; no optimizer step): the core
     reward's mean per prompt."""
     from datasets import Dataset
-    from learning_eval import bundled_model_dir, load_base, messages_of
+    from learning_eval import bundled_model_dir, load_base, load_file_module, messages_of
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -260,11 +253,7 @@ def first_step_trl(a, seed: int) -> list[float]:
     ft.env.close()
     rows = [json.loads(x) for x in TASK["dataset"].read_text().splitlines() if x.strip()]
     data = [{**rows[i], "prompt": messages_of(rows[i], TASK["system_prompt"])} for i in order]
-    spec = importlib.util.spec_from_file_location("task_rewards", TASK["rewards_file"])
-    rewards_mod = importlib.util.module_from_spec(spec)
-    # registered before it runs: a dataclass in the rewards file looks its module up in sys.modules
-    sys.modules[spec.name] = rewards_mod
-    spec.loader.exec_module(rewards_mod)
+    rewards_mod = load_file_module(TASK["rewards_file"], "task_rewards")
     core: list[float] = []
 
     def recorded(**kw):

@@ -52,16 +52,23 @@ def held_out_rows(dataset: str | Path, probe_rows: int = 0, probe_dataset: str |
     return rows[-probe_rows:]
 
 
+def load_file_module(file: str | Path, name: str) -> Any:
+    """A rewards file run as the module `name`, registered in sys.modules first (a dataclass in the file
+    looks its module up there, as countdown.py's does)."""
+    mod_spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module
+    mod_spec.loader.exec_module(module)
+    return module
+
+
 def load_reward(spec: str) -> Callable:
     """'path/to/file.py:function' or 'package.module:function' -> the function."""
     file, _, name = spec.rpartition(":")
     if not file or not name:
         raise ValueError(f"--reward {spec!r}: use file.py:function or module:function")
     if file.endswith(".py"):
-        mod_spec = importlib.util.spec_from_file_location(f"_eval_rewards_{abs(hash(file))}", file)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[mod_spec.name] = module          # a dataclass in the file looks its module up there
-        mod_spec.loader.exec_module(module)
+        module = load_file_module(file, f"_eval_rewards_{abs(hash(file))}")
     else:
         module = importlib.import_module(file)
     return getattr(module, name)
